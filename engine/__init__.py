@@ -1,0 +1,60 @@
+"""splitloop's training-loop engine: composable loops, built-in TBPTT, exact split-level resume.
+
+Public API (see docs/quickstart.md)::
+
+    Trainer, TrainerConfig, CheckpointConfig, FitResult
+    Module, LRSchedule, split_along_time
+    Callback, RunView
+    fingerprint
+    errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
+            CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
+            WriterConflict, InjectedFault
+"""
+
+from engine.callbacks import Callback, RunView
+from engine.config import CheckpointConfig, TrainerConfig
+from engine.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointIncompatible,
+    CheckpointNotFound,
+    CheckpointWriteError,
+    ConfigError,
+    DataError,
+    EngineError,
+    InjectedFault,
+    ModuleContractError,
+    SplitError,
+    WriterConflict,
+)
+from engine.fingerprint import fingerprint
+from engine.module import Module
+from engine.optim_setup import LRSchedule
+from engine.result import FitResult
+from engine.splitting import split_along_time
+from engine.trainer import Trainer
+
+__all__ = [
+    "Callback",
+    "CheckpointConfig",
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointIncompatible",
+    "CheckpointNotFound",
+    "CheckpointWriteError",
+    "ConfigError",
+    "DataError",
+    "EngineError",
+    "FitResult",
+    "InjectedFault",
+    "LRSchedule",
+    "Module",
+    "ModuleContractError",
+    "RunView",
+    "SplitError",
+    "Trainer",
+    "TrainerConfig",
+    "WriterConflict",
+    "fingerprint",
+    "split_along_time",
+]

@@ -1,0 +1,205 @@
+"""Encode a state tree (nested dicts/lists/tuples of plain values and tensors) without pickle.
+
+``state.msgpack`` is one msgpack map::
+
+    {"format": "splitloop.state", "version": 1,
+     "tensors": [{"dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48}, ...],
+     "tree": <bin: msgpack of the tree>}
+
+In the tree, a tensor is msgpack extension type 1 whose payload is the msgpack int index into
+``tensors``; a tuple is extension type 2 whose payload is a msgpack array. Any other extension
+type is refused. Tensor bytes live in ``tensors.bin`` at ``offset`` (64-byte aligned),
+C-contiguous, little-endian as in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import msgpack
+import torch
+
+from engine.errors import CheckpointCorrupt, CheckpointWriteError
+
+FORMAT = "splitloop.state"
+VERSION = 1
+ALIGNMENT = 64
+_EXT_TENSOR = 1
+_EXT_TUPLE = 2
+_MAX_DIMS = 64
+_MAX_ELEMENTS = 1 << 40
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("the checkpoint format stores tensors little-endian; this platform is big-endian")
+
+
+class EncodedState:
+    """A state tree split into its msgpack description and the tensors to write raw."""
+
+    def __init__(self, header: bytes, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> None:
+        self.header = header
+        self.tensors = tensors
+        self.layout = layout  # (offset, nbytes) per tensor
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.layout[-1][0] + self.layout[-1][1] if self.layout else 0
+
+    def tensor_chunks(self) -> list[memoryview | bytes]:
+        """The content of tensors.bin, as buffers (no copy of tensor data)."""
+        chunks: list[memoryview | bytes] = []
+        position = 0
+        for tensor, (offset, nbytes) in zip(self.tensors, self.layout):
+            if offset > position:
+                chunks.append(bytes(offset - position))
+            if nbytes:
+                chunks.append(memoryview(tensor_bytes_view(tensor)))
+            position = offset + nbytes
+        return chunks
+
+
+def tensor_bytes_view(tensor: torch.Tensor) -> Any:
+    """A uint8 NumPy view of a contiguous CPU tensor's bytes."""
+    flat = tensor.reshape(-1) if tensor.dim() != 1 else tensor
+    return flat.view(torch.uint8).numpy()
+
+
+def encode_state(tree: Any) -> EncodedState:
+    """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
+    tensors: list[torch.Tensor] = []
+    plain = _to_plain(tree, "state", tensors)
+    table = []
+    layout = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        table.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
+        layout.append((offset, nbytes))
+        offset = _align(offset + nbytes)
+    header = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": msgpack.packb(plain)})
+    return EncodedState(header, tensors, layout)
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def _to_plain(value: Any, path: str, tensors: list[torch.Tensor]) -> Any:
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
+    if isinstance(value, int):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise CheckpointWriteError(f"cannot store {path}: int {value} does not fit in 64 bits")
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(_add_tensor(value, path, tensors)))
+    if isinstance(value, dict):
+        plain = {}
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise CheckpointWriteError(f"cannot store {path}: dict key {key!r} of type {type(key).__name__}")
+            plain[key] = _to_plain(item, f"{path}.{key}", tensors)
+        return plain
+    if isinstance(value, list):
+        return [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+    if isinstance(value, tuple):
+        items = [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items))
+    raise CheckpointWriteError(
+        f"cannot store {path}: values of type {type(value).__name__} are not supported "
+        "(expected tensors, numbers, strings, bytes, None, and lists/tuples/dicts of them)"
+    )
+
+
+def _add_tensor(tensor: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> int:
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise CheckpointWriteError(f"cannot store {path}: tensor layout {tensor.layout} is not supported")
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise CheckpointWriteError(f"cannot store {path}: dtype {tensor.dtype} is not supported")
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensors.append(tensor.contiguous())
+    return len(tensors) - 1
+
+
+def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
+    """Rebuild the tree written by :func:`encode_state`. Raises CheckpointCorrupt for anything
+    unexpected; no code from the files is ever run."""
+    outer = _unpack(header, _refuse_extension, "state header")
+    if not isinstance(outer, dict) or set(outer) != {"format", "version", "tensors", "tree"}:
+        raise CheckpointCorrupt("state.msgpack is not a splitloop state (unexpected keys)")
+    if outer["format"] != FORMAT or outer["version"] != VERSION:
+        raise CheckpointCorrupt(f"state.msgpack has format {outer['format']!r} version {outer['version']!r}; expected {FORMAT!r} {VERSION}")
+    if not isinstance(outer["tensors"], list) or not isinstance(outer["tree"], bytes):
+        raise CheckpointCorrupt("state.msgpack: 'tensors' must be a list and 'tree' bytes")
+    tensors = [_decode_tensor(entry, index, tensor_data) for index, entry in enumerate(outer["tensors"])]
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == _EXT_TENSOR:
+            index = _unpack(payload, _refuse_extension, "tensor reference")
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tensors):
+                raise CheckpointCorrupt(f"state.msgpack refers to tensor {index!r}; the table has {len(tensors)}")
+            return tensors[index]
+        if code == _EXT_TUPLE:
+            items = _unpack(payload, ext_hook, "tuple")
+            if not isinstance(items, list):
+                raise CheckpointCorrupt("state.msgpack: a tuple payload is not an array")
+            return tuple(items)
+        return _refuse_extension(code, payload)
+
+    return _unpack(outer["tree"], ext_hook, "state tree")
+
+
+def _refuse_extension(code: int, payload: bytes) -> Any:
+    raise CheckpointCorrupt(f"msgpack extension type {code} is not allowed here")
+
+
+def _unpack(data: bytes, ext_hook: Any, what: str) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True)
+    except CheckpointCorrupt:
+        raise
+    except Exception as error:  # msgpack raises several unrelated types for bad input
+        raise CheckpointCorrupt(f"{what} is not valid msgpack: {type(error).__name__}: {error}") from error
+
+
+def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torch.Tensor:
+    where = f"tensor {index}"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "offset", "nbytes"}:
+        raise CheckpointCorrupt(f"{where}: malformed table entry")
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointCorrupt(f"{where}: unknown dtype {entry['dtype']!r}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise CheckpointCorrupt(f"{where}: malformed shape {shape!r}")
+    elements = math.prod(shape)
+    offset, nbytes = entry["offset"], entry["nbytes"]
+    if not _is_count(offset) or not _is_count(nbytes) or elements > _MAX_ELEMENTS:
+        raise CheckpointCorrupt(f"{where}: malformed offset/size")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes != elements * itemsize:
+        raise CheckpointCorrupt(f"{where}: declares {nbytes} bytes but shape {shape} of {entry['dtype']} needs {elements * itemsize}")
+    if offset + nbytes > len(data):
+        raise CheckpointCorrupt(f"{where}: bytes {offset}..{offset + nbytes} lie outside tensors.bin ({len(data)} bytes)")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+    return raw.view(dtype).reshape(shape)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << 62)

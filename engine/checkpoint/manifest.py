@@ -1,0 +1,86 @@
+"""The manifest: the record that makes a checkpoint exist.
+
+``MANIFEST.json`` is written last. It names the format and version, the sequence number, the
+cursor of the last completed split and, for every data file, its size and CRC-32. A checkpoint
+whose manifest is missing, unparsable, or disagrees with a file does not exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from typing import Any
+
+from engine.errors import CheckpointCorrupt
+from engine.storage import check_name
+from progress import Cursor
+
+MANIFEST_FILE = "MANIFEST.json"
+FORMAT = "splitloop.checkpoint"
+VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    size: int
+    crc32: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    sequence: int
+    cursor: Cursor | None
+    files: dict[str, FileRecord]
+    created_unix: float
+    writer_generation: int
+
+    def to_json(self) -> bytes:
+        data = {
+            "format": FORMAT,
+            "version": VERSION,
+            "sequence": self.sequence,
+            "cursor": None if self.cursor is None else self.cursor.to_dict(),
+            "files": {name: dataclasses.asdict(record) for name, record in self.files.items()},
+            "created_unix": self.created_unix,
+            "writer_generation": self.writer_generation,
+        }
+        return json.dumps(data, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "Manifest":
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} is {len(raw)} bytes, larger than any real manifest")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} is not valid JSON: {error}") from error
+        expected = {"format", "version", "sequence", "cursor", "files", "created_unix", "writer_generation"}
+        if not isinstance(data, dict) or set(data) != expected:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)}")
+        if data["format"] != FORMAT or data["version"] != VERSION:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE}: format {data['format']!r} version {data['version']!r} is not {FORMAT!r} {VERSION}")
+        try:
+            cursor = None if data["cursor"] is None else Cursor.from_dict(data["cursor"])
+            files = {check_name(name): _file_record(record) for name, record in data["files"].items()}
+            return cls(int(data["sequence"]), cursor, files, float(data["created_unix"]), int(data["writer_generation"]))
+        except (ValueError, TypeError, AttributeError) as error:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
+
+
+def _file_record(record: Any) -> FileRecord:
+    if not isinstance(record, dict) or set(record) != {"size", "crc32"}:
+        raise ValueError(f"file record {record!r} must have exactly size and crc32")
+    size, crc = record["size"], record["crc32"]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (size, crc)):
+        raise ValueError(f"file record {record!r} has a bad size or crc32")
+    return FileRecord(size, crc)
+
+
+def verify_file(name: str, data: bytes | bytearray, record: FileRecord) -> None:
+    if len(data) != record.size:
+        raise CheckpointCorrupt(f"{name}: {len(data)} bytes on disk, the manifest says {record.size} (truncated or torn)")
+    crc = zlib.crc32(data)
+    if crc != record.crc32:
+        raise CheckpointCorrupt(f"{name}: CRC-32 {crc:#010x} does not match the manifest's {record.crc32:#010x} (corrupted)")

@@ -1,0 +1,201 @@
+"""The checkpoints of a run directory: commit, list, verify, load, retain.
+
+Layout::
+
+    <run dir>/checkpoints/ckpt-0000000007/{tensors.bin, state.msgpack, progress.msgpack, MANIFEST.json}
+
+Commit protocol (see docs/checkpoint-format.md):
+
+* local filesystem: write the files under ``checkpoints/tmp-<seq>-<pid>`` (same directory, so
+  the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
+  directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
+* other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
+  manifest last. Without a valid manifest the directory is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+import warnings
+from typing import Any
+
+from engine import faults
+from engine.checkpoint.codec import EncodedState, decode_state
+from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
+from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError
+from engine.storage import Storage
+from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
+
+CHECKPOINT_DIR = "checkpoints"
+DATA_FILES = ("tensors.bin", "state.msgpack", "progress.msgpack")
+_NAME = re.compile(r"^ckpt-(\d{10})$")
+_TEMPORARY = re.compile(r"^tmp-(\d{10})-\d+$")
+
+
+def checkpoint_name(sequence: int) -> str:
+    return f"ckpt-{sequence:010d}"
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    """One entry of :meth:`CheckpointStore.inspect`."""
+
+    name: str
+    sequence: int
+    cursor: Cursor | None
+    valid: bool
+    error: str | None
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    name: str
+    manifest: Manifest
+    progress: ProgressTree
+    state: Any
+
+
+class CheckpointStore:
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        storage.makedirs(CHECKPOINT_DIR)
+
+    # ---- listing ----------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Checkpoint directory names, oldest first (valid or not)."""
+        found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.match(n)]
+        return sorted(found, key=lambda n: int(_NAME.match(n).group(1)))
+
+    def next_sequence(self) -> int:
+        sequences = [int(m.group(1)) for n in self.storage.list_names(CHECKPOINT_DIR)
+                     for m in [(_NAME.match(n) or _TEMPORARY.match(n))] if m]
+        return max(sequences, default=0) + 1
+
+    # ---- writing ----------------------------------------------------------------------
+    def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
+              generation: int, sequence: int | None = None) -> str:
+        """Commit one checkpoint; returns its name. On failure nothing partial remains visible."""
+        sequence = self.next_sequence() if sequence is None else sequence
+        name = checkpoint_name(sequence)
+        atomic_rename = self.storage.is_local
+        staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
+        directory = f"{CHECKPOINT_DIR}/{staging}"
+        try:
+            self.storage.makedirs(directory)
+            contents = {
+                "tensors.bin": encoded.tensor_chunks(),
+                "state.msgpack": [encoded.header],
+                "progress.msgpack": [progress_bytes],
+            }
+            records = {}
+            for file_name, chunks in contents.items():
+                faults.reach("checkpoint_before_file")
+                size, crc = self.storage.write(f"{directory}/{file_name}", chunks, durable=True)
+                records[file_name] = FileRecord(size, crc)
+                faults.reach("checkpoint_after_file")
+            faults.reach("checkpoint_before_manifest")
+            manifest = Manifest(sequence, cursor, records, time.time(), generation)
+            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=True)
+            if atomic_rename:
+                self.storage.fsync_directory(directory)
+                faults.reach("checkpoint_before_rename")
+                self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
+                faults.reach("checkpoint_after_rename")
+                self.storage.fsync_directory(CHECKPOINT_DIR)
+        except OSError as error:
+            self._discard(directory)
+            raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
+        return name
+
+    def _discard(self, directory: str) -> None:
+        try:
+            self.storage.remove_tree(directory)
+        except OSError:
+            pass  # a partial directory without a manifest is ignored by readers anyway
+
+    def remove_temporaries(self) -> None:
+        """Delete staging directories left by crashed writers (call while holding the lease)."""
+        for entry in self.storage.list_names(CHECKPOINT_DIR):
+            if _TEMPORARY.match(entry):
+                self._discard(f"{CHECKPOINT_DIR}/{entry}")
+
+    def apply_retention(self, keep_last: int | None) -> None:
+        """Keep the newest ``keep_last`` valid checkpoints; delete older ones (valid or not).
+        Directories newer than the oldest kept one are left alone."""
+        if keep_last is None:
+            return
+        kept = 0
+        for name in reversed(self.names()):
+            if kept >= keep_last:
+                faults.reach("checkpoint_retention")
+                self._discard(f"{CHECKPOINT_DIR}/{name}")
+            elif self._manifest_or_none(name) is not None:
+                kept += 1
+
+    def _manifest_or_none(self, name: str) -> Manifest | None:
+        try:
+            return Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
+        except (OSError, CheckpointCorrupt):
+            return None
+
+    # ---- reading ----------------------------------------------------------------------
+    def load(self, name: str) -> LoadedCheckpoint:
+        """Verify every file against the manifest, then decode. Raises CheckpointCorrupt."""
+        directory = f"{CHECKPOINT_DIR}/{name}"
+        manifest = self._read_manifest(name)
+        if set(manifest.files) != set(DATA_FILES):
+            raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)}")
+        contents = {}
+        for file_name, record in manifest.files.items():
+            try:
+                data = bytearray(self.storage.read(f"{directory}/{file_name}"))
+            except FileNotFoundError as error:
+                raise CheckpointCorrupt(f"{name}: {file_name} is missing") from error
+            verify_file(file_name, data, record)
+            contents[file_name] = data
+        try:
+            progress = decode_tree(bytes(contents["progress.msgpack"]))
+        except ProgressSchemaError as error:
+            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
+        state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
+        return LoadedCheckpoint(name, manifest, progress, state)
+
+    def _read_manifest(self, name: str) -> Manifest:
+        if not _NAME.match(name):
+            raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN)")
+        path = f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"
+        try:
+            raw = self.storage.read(path)
+        except FileNotFoundError as error:
+            if not self.storage.exists(f"{CHECKPOINT_DIR}/{name}"):
+                raise CheckpointNotFound(f"no checkpoint {name} in {self.storage.url}") from error
+            raise CheckpointCorrupt(f"{name}: no {MANIFEST_FILE} (the write never committed)") from error
+        manifest = Manifest.from_json(raw)
+        if checkpoint_name(manifest.sequence) != name:
+            raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
+        return manifest
+
+    def latest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies. Newer ones that do not are reported with a
+        warning and skipped; None when there is none at all."""
+        for name in reversed(self.names()):
+            try:
+                return self.load(name)
+            except CheckpointError as error:
+                warnings.warn(f"skipping checkpoint {name}: {error}", stacklevel=2)
+        return None
+
+    def inspect(self) -> list[CheckpointInfo]:
+        infos = []
+        for name in self.names():
+            sequence = int(_NAME.match(name).group(1))
+            try:
+                loaded = self.load(name)
+                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None))
+            except CheckpointError as error:
+                manifest = self._manifest_or_none(name)
+                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error)))
+        return infos

@@ -1,0 +1,149 @@
+"""Trainer configuration: dataclasses validated on construction.
+
+Every error names the field, the value received and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from typing import Literal, Sequence
+
+from engine.errors import ConfigError
+
+AccumulateOver = Literal["batches", "splits"]
+ClipAlgorithm = Literal["norm", "value"]
+
+
+def _positive_int_or_none(owner: str, name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{owner}.{name}: expected a positive int or None, got {value!r}")
+
+
+def _positive_number_or_none(owner: str, name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ConfigError(f"{owner}.{name}: expected a positive finite number or None, got {value!r}")
+
+
+def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{name}: expected one of {list(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """When and how checkpoints are written.
+
+    Args:
+        every_n_splits: checkpoint after every N completed splits (a batch counts as one split
+            when TBPTT is off). 1 gives split-level fault tolerance.
+        every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
+        every_seconds: checkpoint at the first split boundary T seconds after the last one.
+        at_epoch_end: checkpoint after each epoch's end-of-epoch work.
+        keep_last: how many valid checkpoints to keep (older ones are deleted only after a
+            newer one is committed). None keeps all.
+        asynchronous: snapshot on the training thread, write in a background thread.
+        max_in_flight: with ``asynchronous``, how many snapshots may wait for the writer.
+        when_behind: with ``asynchronous`` and the writer ``max_in_flight`` behind: ``"wait"``
+            blocks training until a slot frees, ``"skip"`` replaces the oldest queued snapshot
+            with the newest one.
+        on_io_error: ``"raise"`` stops training with CheckpointWriteError when a write fails;
+            ``"warn"`` warns and trains on (earlier checkpoints stay intact either way).
+    """
+
+    every_n_splits: int | None = 1
+    every_n_steps: int | None = None
+    every_seconds: float | None = None
+    at_epoch_end: bool = True
+    keep_last: int | None = 2
+    asynchronous: bool = False
+    max_in_flight: int = 1
+    when_behind: Literal["wait", "skip"] = "wait"
+    on_io_error: Literal["raise", "warn"] = "raise"
+
+    def __post_init__(self) -> None:
+        owner = "CheckpointConfig"
+        _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+        _positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
+        _positive_number_or_none(owner, "every_seconds", self.every_seconds)
+        _positive_int_or_none(owner, "keep_last", self.keep_last)
+        _positive_int_or_none(owner, "max_in_flight", self.max_in_flight)
+        if self.max_in_flight is None:
+            raise ConfigError(f"{owner}.max_in_flight: expected a positive int, got None")
+        _one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
+        _one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """What to run and where.
+
+    Args:
+        max_epochs: stop after this many epochs.
+        max_steps: stop at the first split boundary where the optimizer-step count (all
+            optimizers together) reaches this.
+        max_time: stop at the first split boundary after this many seconds of training
+            (summed over resumed runs).
+        accumulate_grad: optimizer step every N units (see ``accumulate_over``); the loss is
+            divided by N before backward. A window still open at epoch end is stepped then.
+        accumulate_over: ``"batches"`` or ``"splits"`` (the same thing when TBPTT is off).
+        gradient_clip_val: clip gradients before each step; None disables.
+        gradient_clip_algorithm: ``"norm"`` (``clip_grad_norm_``) or ``"value"``.
+        run_dir: where metrics.jsonl and checkpoints go; a path or any fsspec URL. None keeps
+            nothing on disk (no checkpoints, no metrics file).
+        checkpoint: checkpoint policy; None disables checkpoints.
+        progress_bar: "auto" (a bar on a terminal, log lines otherwise), "bar", "log" or "off".
+        log_every_seconds: interval of the plain log lines.
+        preemption_signals: signals that request a graceful stop (finish the split, checkpoint, exit).
+        preemption_exit_code: exit status of a preempted run (see docs/preemption.md).
+        requeue_command: optional shell command run after the preemption checkpoint commits.
+    """
+
+    max_epochs: int | None = 1
+    max_steps: int | None = None
+    max_time: float | None = None
+    accumulate_grad: int = 1
+    accumulate_over: AccumulateOver = "splits"
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: ClipAlgorithm = "norm"
+    run_dir: str | None = None
+    checkpoint: CheckpointConfig | None = dataclasses.field(default_factory=CheckpointConfig)
+    progress_bar: Literal["auto", "bar", "log", "off"] = "auto"
+    log_every_seconds: float = 10.0
+    preemption_signals: tuple[int, ...] = (int(signal.SIGTERM), int(signal.SIGUSR1))
+    preemption_exit_code: int = 75
+    requeue_command: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "TrainerConfig"
+        _positive_int_or_none(owner, "max_epochs", self.max_epochs)
+        _positive_int_or_none(owner, "max_steps", self.max_steps)
+        _positive_number_or_none(owner, "max_time", self.max_time)
+        if self.max_epochs is None and self.max_steps is None and self.max_time is None:
+            raise ConfigError(
+                f"{owner}: no stop condition (max_epochs, max_steps and max_time are all None); "
+                "set at least one so the run can end"
+            )
+        _positive_int_or_none(owner, "accumulate_grad", self.accumulate_grad)
+        if self.accumulate_grad is None:
+            raise ConfigError(f"{owner}.accumulate_grad: expected a positive int, got None")
+        _one_of(owner, "accumulate_over", self.accumulate_over, ["batches", "splits"])
+        _positive_number_or_none(owner, "gradient_clip_val", self.gradient_clip_val)
+        _one_of(owner, "gradient_clip_algorithm", self.gradient_clip_algorithm, ["norm", "value"])
+        _one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
+        _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+            raise ConfigError(f"{owner}.run_dir: expected a non-empty path or URL string, got {self.run_dir!r}")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
+            raise ConfigError(f"{owner}.checkpoint: expected a CheckpointConfig or None, got {self.checkpoint!r}")
+        if isinstance(self.preemption_exit_code, bool) or not isinstance(self.preemption_exit_code, int) or not 0 <= self.preemption_exit_code <= 255:
+            raise ConfigError(f"{owner}.preemption_exit_code: expected an int in 0..255, got {self.preemption_exit_code!r}")
+        valid_signals = {int(s) for s in signal.valid_signals()}
+        for number in self.preemption_signals:
+            if int(number) not in valid_signals or int(number) in (int(signal.SIGKILL), int(signal.SIGSTOP)):
+                raise ConfigError(f"{owner}.preemption_signals: {number!r} is not a catchable signal")

@@ -1,0 +1,230 @@
+"""The training data as epochs of batches, with a position that survives a restart.
+
+Resuming inside an epoch replays the epoch's opening under the random state it had (so a
+shuffling sampler draws the same permutation), then moves past the batches already consumed:
+
+* ``DataLoader`` over a map-style dataset: the batch sampler is advanced, no sample is loaded;
+* a loader with ``state_dict()``/``load_state_dict()`` (torchdata's StatefulDataLoader): its
+  saved state is loaded;
+* any other iterable: batches are drawn and dropped (one warning says so).
+
+The batch in flight at a checkpoint is stored in the checkpoint itself, so the interrupted
+batch is re-split exactly as it was, whatever the loader does.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from engine.errors import DataError
+from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+
+EXHAUSTED = object()
+_NO_BATCH = object()
+
+
+class _SkippingIterator:
+    """Iterates ``source`` after dropping its first ``skip`` items. The drop happens on the
+    first ``next()`` or on ``prime()``, whichever comes first, so the random draws of the
+    source happen at the same point of the run as without skipping."""
+
+    def __init__(self, source: Iterable[Any], skip: int) -> None:
+        self._source = source
+        self._skip = skip
+        self._iterator: Iterator[Any] | None = None
+
+    def prime(self) -> None:
+        if self._iterator is not None:
+            return
+        self._iterator = iter(self._source)
+        for dropped in range(self._skip):
+            if next(self._iterator, _NO_BATCH) is _NO_BATCH:
+                raise DataError(
+                    f"cannot resume at batch {self._skip} of the epoch: the sampler yields only {dropped} batches"
+                )
+
+    def __iter__(self) -> "_SkippingIterator":
+        return self
+
+    def __next__(self) -> Any:
+        self.prime()
+        return next(self._iterator)
+
+
+class _SkippingSampler:
+    """A (batch) sampler that yields ``inner``'s items from index ``skip`` on."""
+
+    def __init__(self, inner: Iterable[Any], skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+        self.last_iterator: _SkippingIterator | None = None
+
+    def __iter__(self) -> _SkippingIterator:
+        self.last_iterator = _SkippingIterator(self.inner, self.skip)
+        return self.last_iterator
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)
+
+
+def _is_map_style_loader(loader: Any) -> bool:
+    return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
+
+
+def _is_stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _open_skipping_loader(loader: DataLoader, skip: int) -> Iterator[Any]:
+    """Iterate a copy of ``loader`` whose (batch) sampler skips ``skip`` batches without
+    loading them. DataLoader forbids re-assigning its sampler after construction, so the copy
+    is patched with object.__setattr__; re-instantiating it would lose subclass arguments."""
+    resumed = copy.copy(loader)
+    object.__setattr__(resumed, "_iterator", None)
+    if loader.batch_sampler is not None:
+        sampler = _SkippingSampler(loader.batch_sampler, skip)
+        object.__setattr__(resumed, "batch_sampler", sampler)
+    else:
+        sampler = _SkippingSampler(loader.sampler, skip)
+        object.__setattr__(resumed, "sampler", sampler)
+    iterator = iter(resumed)
+    if sampler.last_iterator is not None:
+        sampler.last_iterator.prime()
+    return iterator
+
+
+def _generators_of(loader: Any) -> list[torch.Generator]:
+    """The torch generators a loader and its samplers draw from (deduplicated)."""
+    found: list[torch.Generator] = []
+    candidates = [getattr(loader, "generator", None)]
+    for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        candidates.append(getattr(sampler, "generator", None))
+        candidates.append(getattr(getattr(sampler, "sampler", None), "generator", None))
+    for candidate in candidates:
+        if isinstance(candidate, torch.Generator) and not any(candidate is g for g in found):
+            found.append(candidate)
+    return found
+
+
+def _samplers_with_epoch(loader: Any) -> list[Any]:
+    found = []
+    for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)) and not any(sampler is s for s in found):
+            found.append(sampler)
+    return found
+
+
+class EpochData:
+    """Epochs of batches from ``loader`` with a resumable position (see the module docstring)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        if not hasattr(loader, "__iter__"):
+            raise DataError(f"the training data must be iterable (a DataLoader or any iterable), got {type(loader).__name__}")
+        self.loader = loader
+        self.length = _length_or_none(loader)
+        if self.length == 0:
+            raise DataError("the training data is empty: len(train_data) is 0")
+        self._stateful = _is_stateful(loader)
+        self._map_style = _is_map_style_loader(loader) and not self._stateful
+        self._generators = _generators_of(loader)
+        self._epoch_samplers = _samplers_with_epoch(loader)
+        self._warned_fast_forward = False
+        self.batches_consumed = 0
+        self.pending_batch: Any = _NO_BATCH
+        self._epoch_start_rng: RngSnapshot | None = None
+        self._epoch_start_generators: list[torch.Tensor] = []
+        self._loader_state: Any = None
+
+    def open_epoch(self, epoch: int) -> Iterator[Any]:
+        """An iterator over the epoch's batches from the current position."""
+        for sampler in self._epoch_samplers:
+            sampler.set_epoch(epoch)
+        if self.batches_consumed == 0:
+            self._epoch_start_rng = capture_global_rng()
+            self._epoch_start_generators = [g.get_state() for g in self._generators]
+            return iter(self.loader)
+        now = capture_global_rng()
+        restore_global_rng(self._epoch_start_rng)
+        for generator, state in zip(self._generators, self._epoch_start_generators):
+            generator.set_state(state)
+        try:
+            return self._open_at(self.batches_consumed)
+        finally:
+            restore_global_rng(now)
+
+    def _open_at(self, skip: int) -> Iterator[Any]:
+        if self._stateful:
+            self.loader.load_state_dict(self._loader_state)
+            return iter(self.loader)
+        if self._map_style:
+            return _open_skipping_loader(self.loader, skip)
+        if not self._warned_fast_forward:
+            warnings.warn(
+                f"resuming {type(self.loader).__name__} by drawing and dropping {skip} batches: it is "
+                "neither a DataLoader over a map-style dataset nor a loader with state_dict()",
+                stacklevel=2,
+            )
+            self._warned_fast_forward = True
+        iterator = iter(self.loader)
+        for dropped in range(skip):
+            if next(iterator, _NO_BATCH) is _NO_BATCH:
+                raise DataError(f"cannot resume at batch {skip} of the epoch: the data yields only {dropped} batches")
+        return iterator
+
+    def next_batch(self, iterator: Iterator[Any]) -> Any:
+        """The batch in flight (restored from a checkpoint) or the next one; EXHAUSTED at the end."""
+        if self.pending_batch is not _NO_BATCH:
+            return self.pending_batch
+        batch = next(iterator, EXHAUSTED)
+        if batch is not EXHAUSTED:
+            self.batches_consumed += 1
+            self.pending_batch = batch
+        return batch
+
+    def batch_done(self) -> None:
+        self.pending_batch = _NO_BATCH
+
+    def epoch_done(self) -> None:
+        self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "batches_consumed": self.batches_consumed,
+            "has_pending_batch": self.pending_batch is not _NO_BATCH,
+            "pending_batch": None if self.pending_batch is _NO_BATCH else self.pending_batch,
+            "generators_now": [g.get_state() for g in self._generators],
+            "epoch_start_generators": list(self._epoch_start_generators),
+            "epoch_start_rng": None if self._epoch_start_rng is None else self._epoch_start_rng.to_state(),
+            "loader_state": self.loader.state_dict() if self._stateful else None,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["generators_now"]) != len(self._generators):
+            raise DataError(
+                f"the checkpoint's data uses {len(state['generators_now'])} random generators, "
+                f"the current data {len(self._generators)}"
+            )
+        self.batches_consumed = int(state["batches_consumed"])
+        self.pending_batch = state["pending_batch"] if state["has_pending_batch"] else _NO_BATCH
+        for generator, generator_state in zip(self._generators, state["generators_now"]):
+            generator.set_state(generator_state)
+        self._epoch_start_generators = list(state["epoch_start_generators"])
+        rng = state["epoch_start_rng"]
+        self._epoch_start_rng = None if rng is None else RngSnapshot.from_state(rng)
+        self._loader_state = state["loader_state"]
+        if self._stateful and self.batches_consumed == 0 and self._loader_state is not None:
+            self.loader.load_state_dict(self._loader_state)
+
+
+def _length_or_none(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -1,0 +1,63 @@
+"""Every exception the engine raises on purpose, in one tree::
+
+    EngineError
+    ├── ConfigError              a TrainerConfig / CheckpointConfig field is invalid
+    ├── ModuleContractError      the user's module broke its contract (step output, optimizers)
+    │   └── SplitError           a batch could not be split for TBPTT
+    ├── DataError                the data source cannot be used (empty, wrong type)
+    ├── CheckpointError
+    │   ├── CheckpointNotFound   no (valid) checkpoint where one was asked for
+    │   ├── CheckpointCorrupt    a file is torn, truncated, tampered with or hostile
+    │   ├── CheckpointIncompatible  the checkpoint does not match the current run
+    │   ├── CheckpointWriteError a checkpoint could not be written (I/O error, bad state)
+    │   └── WriterConflict       another process is writing checkpoints to the same run dir
+    └── InjectedFault            raised by the fault-injection harness (engine.faults)
+"""
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose."""
+
+
+class ConfigError(EngineError, ValueError):
+    """A configuration field is invalid; the message names the field, the value and what was expected."""
+
+
+class ModuleContractError(EngineError, TypeError):
+    """The user's module returned or declared something the engine cannot use."""
+
+
+class SplitError(ModuleContractError):
+    """A batch cannot be split along the time dimension."""
+
+
+class DataError(EngineError, ValueError):
+    """The training data cannot be used as given."""
+
+
+class CheckpointError(EngineError):
+    """Base of checkpoint errors."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint, or no valid one, where one was asked for."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file does not verify or does not parse; nothing from it was used."""
+
+
+class CheckpointIncompatible(CheckpointError):
+    """The checkpoint was written by a run that differs from the current one."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed; earlier checkpoints are untouched."""
+
+
+class WriterConflict(CheckpointError):
+    """Another live process holds the run directory's writer lease."""
+
+
+class InjectedFault(EngineError):
+    """An exception raised on purpose by :mod:`engine.faults`."""

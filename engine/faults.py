@@ -1,0 +1,150 @@
+"""Fault injection: named points in the loops and in the checkpoint commit protocol where a
+test can make the process fail on purpose.
+
+Configure by API (:func:`inject`) or, for a subprocess, by the environment variable
+``SPLITLOOP_FAULTS``: a comma-separated list of ``POINT:HIT:KIND`` where HIT is the 1-based
+count of arrivals at POINT that triggers the fault, and KIND one of ``raise``, ``sigkill``,
+``sigterm``, ``enospc``, ``eio``. Example::
+
+    SPLITLOOP_FAULTS=split_end:7:sigkill python train.py
+
+``python -m engine faults`` lists the points.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import signal
+from typing import Iterable
+
+from engine.errors import ConfigError, InjectedFault
+
+ENVIRONMENT_VARIABLE = "SPLITLOOP_FAULTS"
+
+POINTS: dict[str, str] = {
+    "step_start": "before the user's training step is called",
+    "after_backward": "after backward, before the optimizer step (automatic optimization)",
+    "after_optimizer_step": "after an optimizer step",
+    "split_end": "after a split completed, before its checkpoint",
+    "split_end_after_checkpoint": "after a split's boundary work, checkpoint included",
+    "batch_end": "after a batch completed",
+    "epoch_end": "after an epoch completed, before its checkpoint",
+    "checkpoint_before_file": "inside a checkpoint write, before each data file",
+    "checkpoint_after_file": "inside a checkpoint write, after each data file",
+    "checkpoint_before_manifest": "inside a checkpoint write, after the data files, before the manifest",
+    "checkpoint_before_rename": "after the manifest, before the atomic rename (local filesystems)",
+    "checkpoint_after_rename": "after the rename, before the directory fsync and retention",
+    "checkpoint_retention": "while deleting checkpoints beyond keep_last",
+}
+
+KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Trigger ``kind`` the ``hit``-th time ``point`` is reached."""
+
+    point: str
+    hit: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.point not in POINTS:
+            raise ConfigError(f"fault point {self.point!r} does not exist; see `python -m engine faults`")
+        if isinstance(self.hit, bool) or not isinstance(self.hit, int) or self.hit <= 0:
+            raise ConfigError(f"fault hit: expected a positive int, got {self.hit!r}")
+        if self.kind not in KINDS:
+            raise ConfigError(f"fault kind {self.kind!r}: expected one of {list(KINDS)}")
+
+    def encode(self) -> str:
+        return f"{self.point}:{self.hit}:{self.kind}"
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """Parse the ``SPLITLOOP_FAULTS`` syntax."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        pieces = item.split(":")
+        if len(pieces) != 3 or not pieces[1].isdigit():
+            raise ConfigError(f"{ENVIRONMENT_VARIABLE}: {item!r} is not POINT:HIT:KIND")
+        faults.append(Fault(pieces[0], int(pieces[1]), pieces[2]))
+    return faults
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.faults: dict[str, list[Fault]] = {}
+        self.arrivals: dict[str, int] = {}
+
+    def set(self, faults: Iterable[Fault]) -> None:
+        self.faults = {}
+        self.arrivals = {}
+        for fault in faults:
+            self.faults.setdefault(fault.point, []).append(fault)
+
+
+_registry = _Registry()
+# Checked on every arrival: a plain module global keeps the no-fault case one comparison.
+_active = False
+
+
+def inject(faults: Iterable[Fault]) -> None:
+    """Arm ``faults`` in this process (replacing any armed before); arrival counts restart."""
+    global _active
+    _registry.set(list(faults))
+    _active = bool(_registry.faults)
+
+
+def clear() -> None:
+    """Disarm every fault."""
+    inject([])
+
+
+def arm_from_environment() -> None:
+    """Arm what ``SPLITLOOP_FAULTS`` names (called when a fit starts)."""
+    text = os.environ.get(ENVIRONMENT_VARIABLE, "")
+    if text:
+        inject(parse_faults(text))
+
+
+def reach(point: str) -> None:
+    """Mark an arrival at ``point``; trigger a fault armed for this arrival."""
+    if not _active:
+        return
+    count = _registry.arrivals.get(point, 0) + 1
+    _registry.arrivals[point] = count
+    for fault in _registry.faults.get(point, ()):
+        if fault.hit == count:
+            _trigger(fault)
+
+
+def io_error_due(point: str) -> OSError | None:
+    """Like :func:`reach`, but an I/O fault is returned for the caller's filesystem call to raise."""
+    if not _active:
+        return None
+    count = _registry.arrivals.get(point, 0) + 1
+    _registry.arrivals[point] = count
+    for fault in _registry.faults.get(point, ()):
+        if fault.hit == count:
+            if fault.kind in ("enospc", "eio"):
+                return _os_error(fault.kind, point)
+            _trigger(fault)
+    return None
+
+
+def _os_error(kind: str, point: str) -> OSError:
+    code = errno.ENOSPC if kind == "enospc" else errno.EIO
+    return OSError(code, f"{os.strerror(code)} (injected at {point})")
+
+
+def _trigger(fault: Fault) -> None:
+    if fault.kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif fault.kind in ("enospc", "eio"):
+        raise _os_error(fault.kind, fault.point)
+    else:
+        raise InjectedFault(f"injected fault at {fault.point} (arrival {fault.hit})")

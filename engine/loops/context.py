@@ -1,0 +1,29 @@
+"""State shared by the loops of one fit: where the run is and whether it must stop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Position:
+    """Indices of the epoch, batch (within the epoch) and split (within the batch) in progress."""
+
+    epoch: int = 0
+    batch: int = 0
+    split: int = 0
+
+
+@dataclasses.dataclass
+class StopState:
+    """Why the run should stop at the next boundary; empty while it should go on."""
+
+    reason: str | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason

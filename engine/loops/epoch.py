@@ -1,0 +1,61 @@
+"""The epoch loop: run each batch of one epoch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from engine.data_position import EXHAUSTED, EpochData
+from engine.errors import DataError
+from engine.loops.context import Position, StopState
+from progress import Progress
+
+BatchBoundary = Callable[[int, list], None]
+
+
+class EpochLoop:
+    """Draws batches from :class:`EpochData` and hands each to the batch runner (the split
+    loop, or :class:`WholeBatch` without TBPTT). ``batch_boundary`` is called after each
+    completed batch when the batch itself is the unit of step work."""
+
+    def __init__(
+        self,
+        data: EpochData,
+        runner: Any,
+        position: Position,
+        stop: StopState,
+        batch_boundary: BatchBoundary | None,
+    ) -> None:
+        self.progress = Progress()
+        self.data = data
+        self.runner = runner
+        self._position = position
+        self._stop = stop
+        self._batch_boundary = batch_boundary
+
+    def run_epoch(self, epoch: int) -> bool:
+        """Run the epoch's remaining batches; False if a stop was requested before its end."""
+        iterator = self.data.open_epoch(epoch)
+        progress = self.progress
+        while True:
+            batch = self.data.next_batch(iterator)
+            if batch is EXHAUSTED:
+                break
+            index = progress.current.completed
+            self._position.batch = index
+            progress.increment_ready()
+            progress.increment_started()
+            if not self.runner.run_batch(batch, index):
+                return False
+            progress.increment_processed()
+            progress.increment_completed()
+            self.data.batch_done()
+            if self._batch_boundary is not None:
+                self._position.split = 0
+                self._batch_boundary(0, self.runner.last_losses)
+            if self._stop.requested:
+                return False
+        if progress.current.completed == 0:
+            raise DataError(f"the training data yielded no batch in epoch {epoch}")
+        progress.reset_current()
+        self.data.epoch_done()
+        return True

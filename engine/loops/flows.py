@@ -1,0 +1,169 @@
+"""Flows: the innermost piece, which calls the user's step for one split and one optimizer.
+
+``AutomaticFlow``: zero_grad (at the start of an accumulation window), the step, backward of the
+loss divided by the window size, then at the end of the window: clip, ``optimizer.step()``,
+step-interval LR schedulers. ``ManualFlow``: the step does its own backward and steps.
+
+Both count optimizer steps through ``Optimizer.register_step_pre_hook`` /
+``register_step_post_hook``, so manual optimization keeps exact progress with no bookkeeping
+in the user's code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from engine.loops.step_output import Hidden, StepCall
+from engine.optim_setup import OptimizerSetup
+from progress import Progress
+
+ReadOutput = Callable[[Any], "tuple[torch.Tensor, Hidden]"]
+
+
+class StepCounter:
+    """Counts optimizer steps (ready/started before ``step()``, processed/completed after)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.progress = Progress()
+        self._handles = []
+        for optimizer in optimizers:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+
+    def _before_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        self.progress.increment_ready()
+        self.progress.increment_started()
+
+    def _after_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        self.progress.increment_processed()
+        self.progress.increment_completed()
+
+    @property
+    def total(self) -> int:
+        return self.progress.total.completed
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _gradients_state(parameters: list[torch.nn.Parameter]) -> dict[int, torch.Tensor]:
+    return {index: p.grad for index, p in enumerate(parameters) if p.grad is not None}
+
+
+def _load_gradients(parameters: list[torch.nn.Parameter], grads: dict[int, torch.Tensor]) -> None:
+    for index, parameter in enumerate(parameters):
+        grad = grads.get(index)
+        parameter.grad = None if grad is None else grad.to(parameter.device).clone()
+
+
+class AutomaticFlow:
+    """zero_grad / step / backward / clip / optimizer.step / scheduler.step, with accumulation."""
+
+    def __init__(
+        self,
+        call_step: StepCall,
+        read_output: ReadOutput,
+        setup: OptimizerSetup,
+        parameters: list[torch.nn.Parameter],
+        accumulate: int,
+        accumulate_over_splits: bool,
+        clip: Callable[[list[torch.nn.Parameter]], object] | None,
+    ) -> None:
+        self._call_step = call_step
+        self._read_output = read_output
+        self._optimizers = setup.optimizers
+        self._last_index = len(setup.optimizers) - 1
+        self._step_schedulers = [
+            [s.scheduler for s in setup.schedules if s.interval == "step" and s.scheduler.optimizer is o]
+            for o in setup.optimizers
+        ]
+        self._epoch_schedulers = [s.scheduler for s in setup.schedules if s.interval == "epoch"]
+        self._optimizer_parameters = [
+            [p for group in o.param_groups for p in group["params"]] for o in setup.optimizers
+        ]
+        self._parameters = parameters
+        self._accumulate = accumulate
+        self._per_split = accumulate_over_splits
+        self._clip = clip
+        # Accumulation state (saved in checkpoints).
+        self.needs_zero_grad = [True] * len(setup.optimizers)
+        self.pending_backward = [False] * len(setup.optimizers)
+        self.units_since_step = 0
+
+    def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
+        optimizer = self._optimizers[optimizer_index]
+        if self.needs_zero_grad[optimizer_index]:
+            optimizer.zero_grad()
+            self.needs_zero_grad[optimizer_index] = False
+        loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
+        (loss / self._accumulate if self._accumulate > 1 else loss).backward()
+        self.pending_backward[optimizer_index] = True
+        unit_ends = last_split or self._per_split
+        window_full = unit_ends and self.units_since_step + 1 >= self._accumulate
+        if window_full:
+            self._step(optimizer_index)
+        if unit_ends and optimizer_index == self._last_index:
+            self.units_since_step = 0 if window_full else self.units_since_step + 1
+        return loss.detach(), new_hidden
+
+    def _step(self, index: int) -> None:
+        if self._clip is not None:
+            self._clip(self._optimizer_parameters[index])
+        self._optimizers[index].step()
+        for scheduler in self._step_schedulers[index]:
+            scheduler.step()
+        self.needs_zero_grad[index] = True
+        self.pending_backward[index] = False
+
+    def end_epoch(self) -> None:
+        """Step a window left open by the end of the data, then epoch-interval schedulers."""
+        for index, pending in enumerate(self.pending_backward):
+            if pending:
+                self._step(index)
+        self.units_since_step = 0
+        for scheduler in self._epoch_schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        pending = any(self.pending_backward)
+        return {
+            "needs_zero_grad": list(self.needs_zero_grad),
+            "pending_backward": list(self.pending_backward),
+            "units_since_step": self.units_since_step,
+            # Gradients matter only inside an open accumulation window.
+            "gradients": _gradients_state(self._parameters) if pending else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.needs_zero_grad = list(state["needs_zero_grad"])
+        self.pending_backward = list(state["pending_backward"])
+        self.units_since_step = int(state["units_since_step"])
+        if any(self.pending_backward):
+            _load_gradients(self._parameters, state["gradients"])
+
+
+class ManualFlow:
+    """Calls the step, which runs backward and ``optimizer.step()`` itself."""
+
+    def __init__(self, call_step: StepCall, read_output: ReadOutput, parameters: list[torch.nn.Parameter]) -> None:
+        self._call_step = call_step
+        self._read_output = read_output
+        self._parameters = parameters
+
+    def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
+        loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
+        return loss.detach(), new_hidden
+
+    def end_epoch(self) -> None:
+        """Manual optimization steps its own schedulers."""
+
+    def state_dict(self) -> dict[str, Any]:
+        # The user may accumulate gradients across splits: keep whatever is there.
+        return {"gradients": _gradients_state(self._parameters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_gradients(self._parameters, state["gradients"])

@@ -1,0 +1,94 @@
+"""The TBPTT loop: cut a batch into splits, run each with the previous split's hidden state."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from engine.loops.context import Position, StopState
+from engine.loops.step_output import Hidden, detach_hidden
+from engine.splitting import check_splits
+from progress import Progress
+
+SplitBoundary = Callable[[int, "list[torch.Tensor]"], None]
+
+
+class SplitLoop:
+    """Runs the splits of one batch in order, from the first not yet completed.
+
+    ``current`` split counts and (unless hidden state is carried across batches) the hidden
+    state are reset when a batch *ends*, so a run restored in the middle of a batch simply
+    carries on from its counters.
+    """
+
+    def __init__(
+        self,
+        splitter: Callable[[Any, int], Sequence[Any]],
+        split_length: int,
+        carry_hidden_across_batches: bool,
+        runner: Any,
+        position: Position,
+        stop: StopState,
+        boundary: SplitBoundary,
+    ) -> None:
+        self.progress = Progress()
+        self.hidden: Hidden = None
+        self._splitter = splitter
+        self._split_length = split_length
+        self._carry = carry_hidden_across_batches
+        self._runner = runner
+        self._position = position
+        self._stop = stop
+        self._boundary = boundary
+
+    def run_batch(self, batch: Any, batch_index: int) -> bool:
+        """Run the remaining splits; False if a stop was requested before the batch ended."""
+        splits = check_splits(self._splitter(batch, self._split_length), batch_index)
+        last = len(splits) - 1
+        progress = self.progress
+        for index in range(progress.current.completed, last + 1):
+            self._position.split = index
+            progress.increment_ready()
+            progress.increment_started()
+            losses, hidden = self._runner.run_split(splits[index], self.hidden, index == last)
+            self.hidden = detach_hidden(hidden)
+            progress.increment_processed()
+            progress.increment_completed()
+            self._boundary(index, losses)
+            if self._stop.requested:
+                return False
+        progress.reset_current()
+        if not self._carry:
+            self.hidden = None
+        return True
+
+    def end_epoch(self) -> None:
+        self.hidden = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"hidden": self.hidden}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hidden = state["hidden"]
+
+
+class WholeBatch:
+    """Without TBPTT: a batch is one unit of step work (no split level, no hidden state)."""
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+        self.last_losses: list[torch.Tensor] = []
+
+    def run_batch(self, batch: Any, batch_index: int) -> bool:
+        self.last_losses, _ = self._runner.run_split(batch, None, True)
+        return True
+
+    def end_epoch(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,78 @@
+"""Call the user's training step and check what it returned."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from engine.errors import ModuleContractError
+
+Hidden = Any  # a tensor, or tuples / lists / dicts of tensors, or None
+StepCall = Callable[[Any, Hidden, int], Any]
+
+
+def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool) -> StepCall:
+    """Bind once per run which keyword arguments the step receives."""
+    if tbptt and several_optimizers:
+        return lambda batch, hidden, index: training_step(batch, hidden=hidden, optimizer_index=index)
+    if tbptt:
+        return lambda batch, hidden, index: training_step(batch, hidden=hidden)
+    if several_optimizers:
+        return lambda batch, hidden, index: training_step(batch, optimizer_index=index)
+    return lambda batch, hidden, index: training_step(batch)
+
+
+def read_tbptt_output(output: Any) -> tuple[torch.Tensor, Hidden]:
+    """A TBPTT step returns ``(loss, hidden)``."""
+    if not isinstance(output, (tuple, list)) or len(output) != 2:
+        raise ModuleContractError(
+            "training_step must return (loss, hidden) when TBPTT is on "
+            f"(tbptt_split_length is set); got {_describe(output)}"
+        )
+    loss, hidden = output
+    if hidden is None:
+        raise ModuleContractError(
+            "training_step returned no hidden state (None) while TBPTT is on; return (loss, hidden) "
+            "with the state to carry into the next split"
+        )
+    return check_loss(loss), hidden
+
+
+def read_plain_output(output: Any) -> tuple[torch.Tensor, Hidden]:
+    """A step without TBPTT returns the loss alone."""
+    if isinstance(output, (tuple, list)):
+        raise ModuleContractError(
+            f"training_step returned {_describe(output)} but TBPTT is off (tbptt_split_length is None): "
+            "return the loss alone, or set tbptt_split_length to carry hidden state"
+        )
+    return check_loss(output), None
+
+
+def check_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ModuleContractError(
+            f"the loss returned by training_step must be a scalar (0-dim) tensor; got {_describe(loss)}"
+        )
+    return loss
+
+
+def detach_hidden(hidden: Hidden) -> Hidden:
+    """Cut the graph between splits: detach every tensor of the hidden state."""
+    if isinstance(hidden, torch.Tensor):
+        return hidden.detach()
+    if isinstance(hidden, tuple) and hasattr(hidden, "_fields"):
+        return type(hidden)(*(detach_hidden(item) for item in hidden))
+    if isinstance(hidden, (tuple, list)):
+        return type(hidden)(detach_hidden(item) for item in hidden)
+    if isinstance(hidden, dict):
+        return {key: detach_hidden(item) for key, item in hidden.items()}
+    return hidden
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"a value of type {type(value).__name__}"

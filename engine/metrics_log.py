@@ -1,0 +1,68 @@
+"""``metrics.jsonl``: one JSON line per completed split, exactly once across restarts.
+
+Lines are buffered and written at each checkpoint (and at the end); a checkpoint records the
+file's committed length. On resume the file is cut back to that length, so lines of splits
+that ran after the checkpoint, and will run again, are never duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from engine.storage import Storage
+from progress import Cursor
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    def __init__(self, storage: Storage | None) -> None:
+        self._storage = storage
+        self._buffer: list[str] = []
+        self.committed_bytes = 0
+
+    def start_fresh(self) -> None:
+        if self._storage is None:
+            return
+        if self._storage.exists(METRICS_FILE) and self._storage.size(METRICS_FILE) > 0:
+            warnings.warn(f"starting a fresh run: {METRICS_FILE} of an earlier run in {self._storage.url} is replaced", stacklevel=3)
+        self._storage.write(METRICS_FILE, [], durable=False)
+        self.committed_bytes = 0
+
+    def resume_at(self, committed_bytes: int) -> None:
+        """Drop whatever was written after the checkpoint being resumed."""
+        self.committed_bytes = committed_bytes
+        if self._storage is None:
+            return
+        size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
+        if size < committed_bytes:
+            warnings.warn(
+                f"{METRICS_FILE} holds {size} bytes but the checkpoint recorded {committed_bytes}: "
+                "lines written before the checkpoint are missing from it",
+                stacklevel=3,
+            )
+            self.committed_bytes = size
+        elif size > committed_bytes:
+            self._storage.truncate(METRICS_FILE, committed_bytes)
+
+    def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int) -> None:
+        record: dict[str, object] = {
+            "epoch": cursor.epoch,
+            "batch": cursor.batch,
+            "split": cursor.split,
+            "loss": losses[0] if len(losses) == 1 else sum(losses),
+            "step": optimizer_steps,
+        }
+        if len(losses) > 1:
+            record["losses"] = losses
+        self._buffer.append(json.dumps(record))
+
+    def flush(self, durable: bool) -> int:
+        """Write buffered lines; returns the committed length in bytes."""
+        if self._buffer and self._storage is not None:
+            data = ("\n".join(self._buffer) + "\n").encode()
+            self._storage.append(METRICS_FILE, data, durable)
+            self.committed_bytes += len(data)
+        self._buffer.clear()
+        return self.committed_bytes

@@ -1,0 +1,80 @@
+"""The user's side of the contract: subclass :class:`Module`.
+
+Minimal example::
+
+    class CharLM(engine.Module):
+        tbptt_split_length = 16          # TBPTT on; None (the default) turns it off
+
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(8, 32, batch_first=True)
+            self.head = torch.nn.Linear(32, 8)
+
+        def training_step(self, batch, hidden):
+            x, y = batch
+            out, hidden = self.rnn(x, hidden)
+            return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), y.flatten()), hidden
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+The engine calls ``training_step(batch, **kwargs)`` where ``kwargs`` holds only what applies:
+``hidden=`` (the previous split's hidden state, None at the first split) when TBPTT is on, and
+``optimizer_index=`` when ``configure_optimizers`` returns several optimizers. With TBPTT the
+step returns ``(loss, hidden)``; without, it returns ``loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from engine.splitting import Batch, split_along_time
+
+
+class Module(torch.nn.Module):
+    """Base class for modules trained by :class:`engine.Trainer`.
+
+    Class attributes (override in the subclass or set in ``__init__``):
+        tbptt_split_length: split length in time steps; None turns TBPTT off.
+        tbptt_time_dim: the dimension of each tensor that is time (default 1, batch-first).
+        carry_hidden_across_batches: keep the hidden state from one batch to the next within an
+            epoch (one long sequence cut into windows); by default it resets at each batch.
+            It always resets at the start of an epoch.
+        automatic_optimization: False hands backward and ``optimizer.step()`` to the step
+            (manual optimization); the engine still counts the steps.
+    """
+
+    tbptt_split_length: int | None = None
+    tbptt_time_dim: int = 1
+    carry_hidden_across_batches: bool = False
+    automatic_optimization: bool = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._engine_optimizers: list[torch.optim.Optimizer] = []
+        self._engine_schedulers: list[object] = []
+
+    def training_step(self, batch: Batch, **kwargs: object) -> object:  # pragma: no cover - abstract
+        """Compute the loss of one batch (or TBPTT split). See the module docstring."""
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step")
+
+    def configure_optimizers(self) -> object:  # pragma: no cover - abstract
+        """Return an optimizer, a list of optimizers, or a dict
+        ``{"optimizers": [...], "schedulers": [scheduler or engine.LRSchedule, ...]}``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers")
+
+    def split_batch(self, batch: Batch, split_length: int) -> Sequence[Batch]:
+        """Cut a batch into TBPTT splits. The default cuts every tensor along
+        ``tbptt_time_dim``; override for other layouts."""
+        return split_along_time(batch, split_length, self.tbptt_time_dim)
+
+    def optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """The optimizers of the running fit: one, or a list when there are several."""
+        optimizers = self._engine_optimizers
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+    def lr_schedulers(self) -> list[object]:
+        """The LR schedulers of the running fit (for manual optimization, which steps them)."""
+        return list(self._engine_schedulers)

@@ -1,0 +1,29 @@
+"""What ``Trainer.fit`` returns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from progress import Cursor
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """Where the run ended.
+
+    Attributes:
+        cursor: the last completed split, or None if none ran.
+        epochs_completed: epochs completed over the whole run (resumes included).
+        optimizer_steps: optimizer steps over the whole run, all optimizers together.
+        stop_reason: why it stopped before max_epochs (max_steps, max_time, a callback,
+            preemption), or None.
+        resumed_from: the checkpoint this call resumed from, or None for a fresh start.
+        last_checkpoint: the newest checkpoint this call wrote, or None.
+    """
+
+    cursor: Cursor | None
+    epochs_completed: int
+    optimizer_steps: int
+    stop_reason: str | None
+    resumed_from: str | None
+    last_checkpoint: str | None

@@ -1,0 +1,84 @@
+"""Capture and restore every global random stream a run may draw from.
+
+torch CPU, torch CUDA (when initialized), Python ``random`` and NumPy's legacy global state
+(when NumPy is installed). The engine itself never draws from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import torch
+
+try:  # NumPy is optional
+    import numpy
+except ImportError:  # pragma: no cover - numpy is installed in the test environment
+    numpy = None
+
+
+@dataclasses.dataclass
+class RngSnapshot:
+    """The global random streams at one instant."""
+
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor]
+    python: tuple
+    numpy: tuple | None
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data and tensors only, for the checkpoint codec."""
+        numpy_state = None
+        if self.numpy is not None:
+            name, keys, position, has_gauss, cached = self.numpy
+            numpy_state = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+        return {
+            "torch_cpu": self.torch_cpu,
+            "torch_cuda": list(self.torch_cuda),
+            "python": self.python,
+            "numpy": numpy_state,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "RngSnapshot":
+        numpy_state = state["numpy"]
+        if numpy_state is not None:
+            if numpy is None:
+                raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
+            name, keys, position, has_gauss, cached = numpy_state
+            numpy_state = (name, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached)
+        return cls(
+            torch_cpu=state["torch_cpu"],
+            torch_cuda=list(state["torch_cuda"]),
+            python=_as_random_state(state["python"]),
+            numpy=numpy_state,
+        )
+
+
+def _as_random_state(value: Any) -> tuple:
+    version, internal, gauss = value
+    return (int(version), tuple(int(x) for x in internal), gauss)
+
+
+def capture_global_rng() -> RngSnapshot:
+    """Copy the state of every global random stream."""
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [state.clone() for state in torch.cuda.get_rng_state_all()]
+    return RngSnapshot(
+        torch_cpu=torch.get_rng_state(),
+        torch_cuda=cuda,
+        python=random.getstate(),
+        numpy=None if numpy is None else numpy.random.get_state(),
+    )
+
+
+def restore_global_rng(snapshot: RngSnapshot) -> None:
+    """Put every global random stream back to ``snapshot``."""
+    torch.set_rng_state(snapshot.torch_cpu)
+    if snapshot.torch_cuda:
+        torch.cuda.set_rng_state_all(snapshot.torch_cuda)
+    random.setstate(snapshot.python)
+    if snapshot.numpy is not None and numpy is not None:
+        numpy.random.set_state(snapshot.numpy)

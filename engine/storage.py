@@ -1,0 +1,141 @@
+"""A run directory on any fsspec filesystem, behind a small protocol with string paths.
+
+Local paths (``/abs``, ``relative``, ``file://...``) get real durability: files are fsynced
+and renames are atomic on one filesystem. Other filesystems (``memory://``, object stores)
+have no atomic rename, which the checkpoint commit protocol accounts for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from typing import Iterable
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from engine.errors import ConfigError
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """Refuse anything but a plain file name (no separators, no '..', no hidden names)."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise ConfigError(f"{what}: {name!r} is not a plain file name (letters, digits, '.', '_', '-')")
+    return name
+
+
+class Storage:
+    """Files under one root directory, addressed by relative '/'-separated names."""
+
+    def __init__(self, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigError(f"run_dir: expected a non-empty path or URL, got {url!r}")
+        if filesystem is None:
+            filesystem, root = fsspec.core.url_to_fs(url)
+        else:
+            root = filesystem._strip_protocol(url)
+        self.url = url
+        self.fs = filesystem
+        self.root = root.rstrip("/") or "/"
+        self.is_local = isinstance(filesystem, LocalFileSystem)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def path(self, relative: str) -> str:
+        parts = relative.split("/")
+        for part in parts:
+            check_name(part, "path component")
+        return "/".join([self.root, *parts])
+
+    def makedirs(self, relative: str) -> None:
+        self.fs.makedirs(self.path(relative), exist_ok=True)
+
+    def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool) -> tuple[int, int]:
+        """Write ``chunks`` to a new file; returns (size, crc32). ``durable`` fsyncs local files."""
+        size = 0
+        crc = 0
+        path = self.path(relative)
+        opener = open if self.is_local else self.fs.open
+        with opener(path, "wb") as handle:
+            for chunk in chunks:
+                handle.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+            if durable and self.is_local:
+                handle.flush()
+                os.fsync(handle.fileno())
+        return size, crc
+
+    def append(self, relative: str, data: bytes, durable: bool) -> None:
+        path = self.path(relative)
+        if self.is_local:
+            with open(path, "ab") as handle:
+                handle.write(data)
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        else:
+            with self.fs.open(path, "ab") as handle:
+                handle.write(data)
+
+    def read(self, relative: str) -> bytes:
+        path = self.path(relative)
+        if self.is_local:
+            with open(path, "rb") as handle:
+                return handle.read()
+        return self.fs.cat_file(path)
+
+    def size(self, relative: str) -> int:
+        return int(self.fs.size(self.path(relative)))
+
+    def exists(self, relative: str) -> bool:
+        return bool(self.fs.exists(self.path(relative)))
+
+    def truncate(self, relative: str, size: int) -> None:
+        """Cut a file to its first ``size`` bytes."""
+        path = self.path(relative)
+        if self.is_local:
+            os.truncate(path, size)
+            return
+        head = self.fs.cat_file(path)[:size]
+        with self.fs.open(path, "wb") as handle:
+            handle.write(head)
+
+    def list_names(self, relative: str) -> list[str]:
+        """Names directly under a directory (empty if it does not exist)."""
+        path = self.path(relative)
+        if not self.fs.exists(path):
+            return []
+        names = []
+        for entry in self.fs.ls(path, detail=False):
+            names.append(entry.rstrip("/").rsplit("/", 1)[-1])
+        return names
+
+    def remove_tree(self, relative: str) -> None:
+        path = self.path(relative)
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def remove_file(self, relative: str) -> None:
+        path = self.path(relative)
+        if self.fs.exists(path):
+            self.fs.rm_file(path)
+
+    def rename(self, source: str, target: str) -> None:
+        """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
+        if self.is_local:
+            os.rename(self.path(source), self.path(target))
+        else:
+            self.fs.mv(self.path(source), self.path(target), recursive=True)
+
+    def fsync_directory(self, relative: str) -> None:
+        """Make a rename or a new file in ``relative`` durable (local filesystems only)."""
+        if not self.is_local:
+            return
+        descriptor = os.open(self.path(relative) if relative else self.root, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)

@@ -1,0 +1,64 @@
+"""The entry point: ``Trainer(config).fit(module, train_data)``."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from engine import faults
+from engine.callbacks import Callback
+from engine.config import TrainerConfig
+from engine.errors import ConfigError
+from engine.fit_run import FitRun
+from engine.result import FitResult
+from engine.storage import Storage
+
+
+class Trainer:
+    """Trains an :class:`engine.Module` with exact, split-level resume.
+
+    Example::
+
+        trainer = engine.Trainer(engine.TrainerConfig(max_epochs=3, run_dir="runs/lm"))
+        result = trainer.fit(CharLM(), loader)      # resumes from runs/lm if it holds checkpoints
+
+    What ``fit`` does, in loop pseudocode::
+
+        for epoch in epochs:                  # FitLoop
+            for batch in data:                # EpochLoop
+                for split in split(batch):    # SplitLoop (TBPTT only)
+                    for optimizer in opts:    # OptimizerLoop (several optimizers only)
+                        loss, hidden = step(split, hidden)  # flow: zero_grad/backward/step
+                    log metrics; callbacks; maybe checkpoint
+            step the epoch's schedulers; maybe checkpoint
+    """
+
+    def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[Callback] = ()) -> None:
+        self.config = config if config is not None else TrainerConfig()
+        if not isinstance(self.config, TrainerConfig):
+            raise ConfigError(f"Trainer: config must be a TrainerConfig, got {type(config).__name__}")
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
+        self.callbacks = list(callbacks)
+
+    def fit(self, module: torch.nn.Module, train_data: Iterable[Any], resume: str = "auto") -> FitResult:
+        """Train ``module`` on ``train_data`` until a stop condition holds.
+
+        Args:
+            module: an :class:`engine.Module` (or any nn.Module with ``training_step`` and
+                ``configure_optimizers``).
+            train_data: a ``torch.utils.data.DataLoader`` or any re-iterable of batches.
+            resume: ``"auto"`` resumes from the newest valid checkpoint in ``run_dir`` when
+                there is one and starts fresh otherwise; ``"latest"`` requires one;
+                ``"off"`` starts fresh; ``"ckpt-NNNNNNNNNN"`` names a checkpoint.
+
+        Returns:
+            a :class:`engine.FitResult`.
+        """
+        if not isinstance(resume, str):
+            raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name, got {resume!r}")
+        faults.arm_from_environment()
+        storage = Storage(self.config.run_dir) if self.config.run_dir is not None else None
+        return FitRun(self.config, self.callbacks, module, train_data, storage).run(resume)

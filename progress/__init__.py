@@ -1,0 +1,31 @@
+"""Pure-Python progress tracking for the training-loop engine.
+
+This package does not import torch nor ``engine``: a checkpoint's progress can be read and
+checked anywhere msgpack is installed.
+
+Public API::
+
+    Counts          ready / started / processed / completed for one scope
+    Progress        a Counts for the whole run (``total``) and one since the last reset (``current``)
+    Cursor          (epoch, batch, split, optimizer): the exact position of a run
+    ProgressTree    the named progress records of every loop, with the cursor
+    encode_tree / decode_tree   msgpack (de)serialization with a schema version
+    ProgressSchemaError         raised for anything that does not match the schema
+"""
+
+from progress.codec import SCHEMA_VERSION, decode_tree, encode_tree
+from progress.counters import Counts, Progress
+from progress.cursor import Cursor
+from progress.errors import ProgressSchemaError
+from progress.tree import ProgressTree
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Counts",
+    "Cursor",
+    "Progress",
+    "ProgressSchemaError",
+    "ProgressTree",
+    "decode_tree",
+    "encode_tree",
+]

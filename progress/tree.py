@@ -1,0 +1,39 @@
+"""The progress of every loop of a run, by loop name, with the run's cursor."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from progress._fields import check_keys
+from progress.counters import Progress
+from progress.cursor import Cursor
+from progress.errors import ProgressSchemaError
+
+
+@dataclasses.dataclass
+class ProgressTree:
+    """``records`` maps a loop's record name (``"fit.epochs"``, ``"epoch.batches"``, ...) to its
+    :class:`Progress`; ``cursor`` is the position of the last completed split, or None before
+    the first one."""
+
+    records: dict[str, Progress] = dataclasses.field(default_factory=dict)
+    cursor: Cursor | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "records": {name: record.to_dict() for name, record in self.records.items()},
+            "cursor": None if self.cursor is None else self.cursor.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ProgressTree":
+        check_keys(cls, data)
+        records = data["records"]
+        if not isinstance(records, Mapping) or not all(isinstance(k, str) for k in records):
+            raise ProgressSchemaError("ProgressTree.records: expected a mapping of names to records")
+        cursor = data["cursor"]
+        return cls(
+            records={name: Progress.from_dict(value) for name, value in records.items()},
+            cursor=None if cursor is None else Cursor.from_dict(cursor),
+        )

@@ -1,0 +1,93 @@
+"""What each CLI command does (argument parsing lives in engine/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine import faults
+from engine.checkpoint.store import CheckpointStore
+from engine.config import CheckpointConfig, TrainerConfig
+from engine.errors import EngineError
+from engine.fingerprint import fingerprint
+from engine.storage import Storage
+from engine.trainer import Trainer
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from engine.demo import build_demo
+
+    if args.epochs <= 0 or args.checkpoint_every <= 0:
+        print("error: --epochs and --checkpoint-every must be positive", file=sys.stderr)
+        return 2
+    module, loader = build_demo(args.seed)
+    config = TrainerConfig(
+        max_epochs=args.epochs,
+        run_dir=args.dir,
+        checkpoint=CheckpointConfig(every_n_splits=args.checkpoint_every, asynchronous=args.async_checkpoints),
+        progress_bar=args.progress,
+    )
+    try:
+        result = Trainer(config).fit(module, loader, resume="off" if args.fresh else "auto")
+    except EngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if result.resumed_from:
+        print(f"resumed from {result.resumed_from}")
+    print(f"finished: {result.epochs_completed} epochs, {result.optimizer_steps} optimizer steps, last split {result.cursor}")
+    optimizers = module.optimizers()
+    optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+    print(f"fingerprint: {fingerprint(module.state_dict(), [o.state_dict() for o in optimizers])}")
+    return 0
+
+
+def inspect_run(url: str) -> dict:
+    """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
+    store = CheckpointStore(Storage(url))
+    entries = store.inspect()
+    latest = next((entry for entry in reversed(entries) if entry.valid), None)
+    result = {
+        "dir": url,
+        "checkpoints": [
+            {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error}
+            for e in entries
+        ],
+        "latest": None if latest is None else latest.name,
+        "fingerprint": None,
+    }
+    if latest is not None:
+        state = store.load(latest.name).state
+        result["fingerprint"] = fingerprint(state["module"], state["optimizers"])
+    return result
+
+
+def run_inspect(url: str, as_json: bool) -> int:
+    try:
+        report = inspect_run(url)
+    except EngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if as_json:
+        print(json.dumps(report))
+        return 0
+    if not report["checkpoints"]:
+        print(f"no checkpoints in {url}")
+    for entry in report["checkpoints"]:
+        cursor = entry["cursor"]
+        where = "-" if cursor is None else f"epoch {cursor['epoch']} batch {cursor['batch']} split {cursor['split']}"
+        status = "valid" if entry["valid"] else f"INVALID: {entry['error']}"
+        print(f"{entry['name']}  {where:<32}  {status}")
+    print(f"latest: {report['latest']}")
+    if report["fingerprint"]:
+        print(f"fingerprint: {report['fingerprint']}")
+    return 0
+
+
+def run_list_faults() -> int:
+    print("fault points:")
+    for name, description in faults.POINTS.items():
+        print(f"  {name:<30} {description}")
+    print("fault kinds: " + ", ".join(faults.KINDS))
+    print(f"arm with {faults.ENVIRONMENT_VARIABLE}=POINT:HIT:KIND[,POINT:HIT:KIND...]")
+    return 0

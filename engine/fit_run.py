@@ -90,6 +90,7 @@ class FitRun:
             stop_reason=self.stop.reason,
             resumed_from=self.resumed_from,
             last_checkpoint=self.last_checkpoint,
+            progress=self.tree.progress_tree(self.cursor),
         )
 
     def _start(self, resume: str) -> None:

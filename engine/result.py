@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from progress import Cursor
+from progress import Cursor, ProgressTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +19,7 @@ class FitResult:
             preemption), or None.
         resumed_from: the checkpoint this call resumed from, or None for a fresh start.
         last_checkpoint: the newest checkpoint this call wrote, or None.
+        progress: every loop's progress record at the end, with the cursor.
     """
 
     cursor: Cursor | None
@@ -27,3 +28,4 @@ class FitResult:
     stop_reason: str | None
     resumed_from: str | None
     last_checkpoint: str | None
+    progress: ProgressTree

@@ -1,0 +1,247 @@
+"""Small training scenarios shared by the parity, counter and kill tests.
+
+Each scenario is a tiny model on synthetic sequences (12 samples, batch 4 -> 3 batches per
+epoch; 16 time steps, TBPTT split 4 -> 4 splits per batch), shuffled by a plain
+``DataLoader(shuffle=True)`` (global RNG) and with dropout, so that exact resume has to get the
+data order and every RNG stream right.
+
+Run as a script to train one scenario into a run directory (used by the subprocess kill tests)::
+
+    python tests/scenarios.py NAME RUN_DIR [--epochs N] [--async]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+
+SAMPLES, BATCH, TIME, FEATURES, SPLIT = 12, 4, 16, 3, 4
+SEED = 1234
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def make_dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
+    y = x.cumsum(dim=1)[..., :1] * 0.1 + torch.randn(SAMPLES, TIME, 1, generator=generator) * 0.01
+    return TensorDataset(x, y)
+
+
+def make_loader(shuffle: bool = True) -> DataLoader:
+    return DataLoader(make_dataset(), batch_size=BATCH, shuffle=shuffle)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    tbptt: bool = True
+    carry: bool = False
+    optimizers: int = 1
+    manual: bool = False
+    accumulate: int = 1
+    accumulate_over: str = "splits"
+    clip: float | None = None
+    step_scheduler: bool = False
+    epoch_scheduler: bool = False
+    shuffle: bool = True
+
+    def config_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"accumulate_grad": self.accumulate, "accumulate_over": self.accumulate_over}
+        if self.clip is not None:
+            kwargs["gradient_clip_val"] = self.clip
+        return kwargs
+
+
+SCENARIOS = {s.name: s for s in [
+    Scenario("tbptt", clip=0.5, step_scheduler=True),
+    Scenario("plain", tbptt=False, epoch_scheduler=True),
+    Scenario("several_optimizers", tbptt=False, optimizers=2),
+    Scenario("tbptt_several_optimizers", optimizers=2, clip=1.0),
+    Scenario("manual", manual=True),
+    Scenario("accumulate_splits", accumulate=5, accumulate_over="splits"),
+    Scenario("accumulate_batches", accumulate=2, accumulate_over="batches", epoch_scheduler=True),
+    Scenario("carried_hidden", carry=True),
+]}
+
+
+class SeqModel(engine.Module):
+    """LSTM -> dropout -> linear head; with two optimizers a second head trains on detached features."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        super().__init__()
+        self.scenario = scenario
+        self.tbptt_split_length = SPLIT if scenario.tbptt else None
+        self.carry_hidden_across_batches = scenario.carry
+        self.automatic_optimization = not scenario.manual
+        self.rnn = torch.nn.LSTM(FEATURES, 8, batch_first=True)
+        self.dropout = torch.nn.Dropout(0.2)
+        self.head = torch.nn.Linear(8, 1)
+        self.aux = torch.nn.Linear(8, 1)
+
+    def forward_loss(self, batch: Any, hidden: Any, optimizer_index: int) -> tuple[torch.Tensor, Any]:
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        if optimizer_index == 0:
+            loss = torch.nn.functional.mse_loss(self.head(self.dropout(out)), y)
+        else:
+            loss = torch.nn.functional.mse_loss(self.aux(self.dropout(out.detach())), y)
+        return loss, hidden
+
+    def training_step(self, batch: Any, hidden: Any = None, optimizer_index: int = 0) -> Any:
+        if self.scenario.manual:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss, hidden = self.forward_loss(batch, hidden, 0)
+            loss.backward()
+            optimizer.step()
+        else:
+            loss, hidden = self.forward_loss(batch, hidden, optimizer_index)
+        return (loss, hidden) if self.scenario.tbptt else loss
+
+    def configure_optimizers(self) -> Any:
+        return make_optimizers(self, self.scenario)
+
+
+def make_optimizers(model: SeqModel, scenario: Scenario) -> dict[str, Any]:
+    main_parameters = [*model.rnn.parameters(), *model.head.parameters()]
+    optimizers = [torch.optim.Adam(main_parameters, lr=0.01)]
+    if scenario.optimizers == 2:
+        optimizers.append(torch.optim.SGD(model.aux.parameters(), lr=0.05, momentum=0.9))
+    schedules = []
+    if scenario.step_scheduler:
+        schedules.append(engine.LRSchedule(torch.optim.lr_scheduler.StepLR(optimizers[0], 3, 0.7), "step"))
+    if scenario.epoch_scheduler:
+        schedules.append(engine.LRSchedule(torch.optim.lr_scheduler.ExponentialLR(optimizers[0], 0.5), "epoch"))
+    return {"optimizers": optimizers, "schedulers": schedules}
+
+
+class LossRecorder(engine.Callback):
+    """Records every split's losses (floats are exact copies of the float32 values)."""
+
+    def __init__(self) -> None:
+        self.losses: list[list[float]] = []
+        self.cursors: list[tuple[int, int, int, int]] = []
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.losses.append(view.losses)
+        self.cursors.append(view.cursor.as_tuple())
+
+
+def build(name: str, seed: int | None = None) -> tuple[SeqModel, DataLoader]:
+    scenario = SCENARIOS[name]
+    seed_all(SEED if seed is None else seed)
+    model = SeqModel(scenario)
+    return model, make_loader(scenario.shuffle)
+
+
+def run_engine(name: str, epochs: int = 2, **config: Any) -> tuple[SeqModel, list[list[float]], engine.FitResult]:
+    model, loader = build(name)
+    recorder = LossRecorder()
+    settings = dict(max_epochs=epochs, run_dir=None, checkpoint=None, progress_bar="off")
+    settings.update(SCENARIOS[name].config_kwargs())
+    settings.update(config)
+    result = engine.Trainer(engine.TrainerConfig(**settings), callbacks=[recorder]).fit(model, loader)
+    return model, recorder.losses, result
+
+
+def run_by_hand(name: str, epochs: int = 2) -> tuple[SeqModel, list[list[float]]]:
+    """The same training as a plain PyTorch loop, written out by hand."""
+    scenario = SCENARIOS[name]
+    model, loader = build(name)
+    setup = make_optimizers(model, scenario)
+    optimizers = setup["optimizers"]
+    step_schedulers = [s.scheduler for s in setup["schedulers"] if s.interval == "step"]
+    epoch_schedulers = [s.scheduler for s in setup["schedulers"] if s.interval == "epoch"]
+    model._engine_optimizers = optimizers  # what self.optimizers() returns in manual mode
+    losses: list[list[float]] = []
+    n = scenario.accumulate
+    for _ in range(epochs):
+        hidden = None
+        units = 0
+        pending = False
+        for batch in loader:
+            if not scenario.carry:
+                hidden = None
+            splits = [tuple(t[:, i:i + SPLIT] for t in batch) for i in range(0, TIME, SPLIT)] if scenario.tbptt else [batch]
+            for index, split in enumerate(splits):
+                if units == 0 and not pending and not scenario.manual:
+                    for optimizer in optimizers:
+                        optimizer.zero_grad()
+                split_losses = []
+                new_hidden = None
+                for k, optimizer in enumerate(optimizers if not scenario.manual else optimizers[:1]):
+                    if scenario.manual:
+                        output = model.training_step(split, hidden) if scenario.tbptt else model.training_step(split)
+                        loss, new_hidden = output if scenario.tbptt else (output, None)
+                    else:
+                        loss, new_hidden = model.forward_loss(split, hidden, k)
+                        (loss / n if n > 1 else loss).backward()
+                        pending = True
+                    split_losses.append(loss.item())
+                    unit_ends = scenario.accumulate_over == "splits" or index == len(splits) - 1
+                    if not scenario.manual and unit_ends and units + 1 >= n:
+                        step(optimizer, scenario, step_schedulers if k == 0 else [])
+                        optimizer.zero_grad()
+                if not scenario.manual:
+                    unit_ends = scenario.accumulate_over == "splits" or index == len(splits) - 1
+                    if unit_ends:
+                        units = 0 if units + 1 >= n else units + 1
+                        pending = units != 0
+                if new_hidden is not None:
+                    hidden = tuple(h.detach() for h in new_hidden)
+                losses.append(split_losses)
+        if pending:
+            for k, optimizer in enumerate(optimizers):
+                step(optimizer, scenario, step_schedulers if k == 0 else [])
+                optimizer.zero_grad()
+        for scheduler in epoch_schedulers:
+            scheduler.step()
+    return model, losses
+
+
+def step(optimizer: torch.optim.Optimizer, scenario: Scenario, schedulers: list[Any]) -> None:
+    if scenario.clip is not None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(parameters, scenario.clip)
+    optimizer.step()
+    for scheduler in schedulers:
+        scheduler.step()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("name", choices=sorted(SCENARIOS))
+    parser.add_argument("run_dir")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--every", type=int, default=1)
+    args = parser.parse_args(argv)
+    model, loader = build(args.name)
+    checkpoint = engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous)
+    settings = dict(max_epochs=args.epochs, run_dir=args.run_dir, checkpoint=checkpoint, progress_bar="off")
+    settings.update(SCENARIOS[args.name].config_kwargs())
+    result = engine.Trainer(engine.TrainerConfig(**settings)).fit(model, loader)
+    print(f"done {result.cursor} resumed_from={result.resumed_from}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -21,7 +21,7 @@ ratio of two medians would not. Absolute times are printed for context only.
 
 Reproduce (from the repository root, in the environment of the README)::
 
-    python benchmarks/loop_overhead.py              # 7 pairs, about a minute on 2 cores
+    python benchmarks/loop_overhead.py              # 7 pairs, 60-90 s on 2 cores
     python benchmarks/loop_overhead.py --quick      # a few seconds, for tests
 
 The last line is ``overhead ratio: X.XXX (engine / hand-written, median of N interleaved runs)``.
@@ -44,7 +44,10 @@ HIDDEN = 128
 BATCH_SIZE = 16
 SEQUENCE_LENGTH = 256
 SPLIT_LENGTH = 32
-THREADS = 2
+# One intra-op thread: on a 2-core machine shared with other work, 2 threads oversubscribe and
+# make every split several times slower and far noisier; the engine's overhead is single-threaded
+# Python either way.
+THREADS = 1
 SEED = 1234
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -155,6 +158,19 @@ def parse_arguments() -> argparse.Namespace:
     return arguments
 
 
+def run_pairs(repeats: int, batches: list[Batch]) -> tuple[list[float], list[float], bool]:
+    """Times of ``repeats`` interleaved pairs, and whether every pair ended with equal parameters."""
+    engine_times, hand_times, all_equal = [], [], True
+    for index in range(repeats):
+        engine_seconds, hand_seconds, equal = measure_pair(index, batches)
+        engine_times.append(engine_seconds)
+        hand_times.append(hand_seconds)
+        all_equal = all_equal and equal
+        print(f"pair {index + 1}: engine {engine_seconds:.3f} s, hand-written {hand_seconds:.3f} s, "
+              f"ratio {engine_seconds / hand_seconds:.3f}, parameters equal: {equal}")
+    return engine_times, hand_times, all_equal
+
+
 def main() -> None:
     arguments = parse_arguments()
     torch.set_num_threads(THREADS)
@@ -163,22 +179,14 @@ def main() -> None:
     print(f"workload: LSTM hidden {HIDDEN}, {arguments.batches} batches of {BATCH_SIZE}x{SEQUENCE_LENGTH}, "
           f"{splits} splits of {SPLIT_LENGTH} per run, torch threads {THREADS}, torch {torch.__version__}")
     measure_pair(0, batches[:1])  # warm-up: first-call costs of both paths, not timed
-    ratios, engine_times, hand_times, all_equal = [], [], [], True
-    for index in range(arguments.repeats):
-        engine_seconds, hand_seconds, equal = measure_pair(index, batches)
-        ratios.append(engine_seconds / hand_seconds)
-        engine_times.append(engine_seconds)
-        hand_times.append(hand_seconds)
-        all_equal = all_equal and equal
-        print(f"pair {index + 1}: engine {engine_seconds:.3f} s, hand-written {hand_seconds:.3f} s, "
-              f"ratio {ratios[-1]:.3f}, parameters equal: {equal}")
-    print(f"median engine {statistics.median(engine_times):.3f} s, median hand-written "
-          f"{statistics.median(hand_times):.3f} s, per split overhead "
-          f"{(statistics.median(engine_times) - statistics.median(hand_times)) / splits * 1e3:.3f} ms")
+    engine_times, hand_times, all_equal = run_pairs(arguments.repeats, batches)
+    engine_median, hand_median = statistics.median(engine_times), statistics.median(hand_times)
+    print(f"median engine {engine_median:.3f} s, median hand-written {hand_median:.3f} s, "
+          f"overhead per split {(engine_median - hand_median) / splits * 1e3:.3f} ms")
     print(f"final parameters torch.equal in every pair: {all_equal}")
-    # Median of per-pair ratios (see the module docstring for why not a ratio of medians).
-    print(f"overhead ratio: {statistics.median(ratios):.3f} "
-          f"(engine / hand-written, median of {arguments.repeats} interleaved runs)")
+    # Median of the per-pair ratios, not a ratio of medians (see the module docstring).
+    ratio = statistics.median(e / h for e, h in zip(engine_times, hand_times))
+    print(f"overhead ratio: {ratio:.3f} (engine / hand-written, median of {arguments.repeats} interleaved runs)")
 
 
 if __name__ == "__main__":

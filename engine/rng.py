@@ -32,11 +32,13 @@ class RngSnapshot:
         numpy_state = None
         if self.numpy is not None:
             name, keys, position, has_gauss, cached = self.numpy
-            numpy_state = [name, [int(k) for k in keys], int(position), int(has_gauss), float(cached)]
+            numpy_state = [name, torch.from_numpy(keys.astype("int64")), int(position), int(has_gauss), float(cached)]
+        version, internal, gauss = self.python
+        # The Mersenne Twister words travel as one int64 tensor, not 625 msgpack ints.
         return {
             "torch_cpu": self.torch_cpu,
             "torch_cuda": list(self.torch_cuda),
-            "python": self.python,
+            "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
             "numpy": numpy_state,
         }
 
@@ -47,7 +49,7 @@ class RngSnapshot:
             if numpy is None:
                 raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
             name, keys, position, has_gauss, cached = numpy_state
-            numpy_state = (name, numpy.array(keys, dtype=numpy.uint32), position, has_gauss, cached)
+            numpy_state = (name, keys.numpy().astype(numpy.uint32), position, has_gauss, cached)
         return cls(
             torch_cpu=state["torch_cpu"],
             torch_cuda=list(state["torch_cuda"]),
@@ -58,7 +60,7 @@ class RngSnapshot:
 
 def _as_random_state(value: Any) -> tuple:
     version, internal, gauss = value
-    return (int(version), tuple(int(x) for x in internal), gauss)
+    return (int(version), tuple(internal.tolist()), gauss)
 
 
 def capture_global_rng() -> RngSnapshot:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import fsspec
@@ -130,6 +131,16 @@ class Storage:
         else:
             self.fs.mv(self.path(source), self.path(target), recursive=True)
 
+    def sync(self, relatives: Iterable[str]) -> None:
+        """fsync files and directories (local filesystems only), concurrently: the kernel
+        batches concurrent fsyncs into fewer journal commits, which halves the wait."""
+        if not self.is_local:
+            return
+        paths = [self.path(relative) if relative else self.root for relative in relatives]
+        with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:
+            for _ in pool.map(_fsync_path, paths):
+                pass
+
     def fsync_directory(self, relative: str) -> None:
         """Make a rename or a new file in ``relative`` durable (local filesystems only)."""
         if not self.is_local:
@@ -139,3 +150,11 @@ class Storage:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+def _fsync_path(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -227,6 +227,7 @@ def step(optimizer: torch.optim.Optimizer, scenario: Scenario, schedulers: list[
 
 
 def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
     parser.add_argument("name", choices=sorted(SCENARIOS))
     parser.add_argument("run_dir")

@@ -93,14 +93,15 @@ class CheckpointStore:
             records = {}
             for file_name, chunks in contents.items():
                 faults.reach("checkpoint_before_file")
-                size, crc = self.storage.write(f"{directory}/{file_name}", chunks, durable=True)
+                size, crc = self.storage.write(f"{directory}/{file_name}", chunks, durable=False)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation)
-            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=True)
+            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
             if atomic_rename:
-                self.storage.fsync_directory(directory)
+                # Everything must be durable before the rename makes it visible.
+                self.storage.sync([f"{directory}/{n}" for n in (*contents, MANIFEST_FILE)] + [directory])
                 faults.reach("checkpoint_before_rename")
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
                 faults.reach("checkpoint_after_rename")

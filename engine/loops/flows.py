@@ -11,6 +11,7 @@ in the user's code.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -125,8 +126,12 @@ class AutomaticFlow:
             if pending:
                 self._step(index)
         self.units_since_step = 0
-        for scheduler in self._epoch_schedulers:
-            scheduler.step()
+        with warnings.catch_warnings():
+            # After a resume at the very end of an epoch, no optimizer.step() has run in this
+            # process yet; torch's order check would warn although the order is right.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            for scheduler in self._epoch_schedulers:
+                scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
         pending = any(self.pending_backward)

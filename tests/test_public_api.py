@@ -1,0 +1,141 @@
+"""``__all__`` of the public packages lists exactly what they expose, and each name is documented."""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import inspect
+import types
+from pathlib import Path
+
+import pytest
+
+import engine
+import progress
+
+PACKAGES = [engine, progress]
+
+
+def _names_bound_in_source(package: types.ModuleType) -> set[str]:
+    """Public names the package's ``__init__.py`` binds at top level (imports, defs, assignments)."""
+    tree = ast.parse(Path(package.__file__).read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+                continue
+            for alias in node.names:
+                names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return {name for name in names if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_all_has_no_duplicates_and_only_strings(package):
+    assert all(isinstance(name, str) for name in package.__all__)
+    assert len(package.__all__) == len(set(package.__all__))
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_every_name_in_all_exists(package):
+    missing = [name for name in package.__all__ if not hasattr(package, name)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_all_matches_the_public_names_bound_in_init(package):
+    bound = _names_bound_in_source(package)
+    assert bound, "the source scan found nothing"
+    assert set(package.__all__) == bound
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
+def test_every_public_non_module_attribute_is_in_all(package):
+    public = {name for name, value in vars(package).items()
+              if not name.startswith("_") and not isinstance(value, (types.ModuleType, __future__._Feature))}
+    assert public - set(package.__all__) == set()
+    assert set(package.__all__) - public == set(), "__all__ lists modules or missing names"
+
+
+def test_star_import_gives_exactly_all():
+    for package in PACKAGES:
+        namespace: dict[str, object] = {}
+        exec(f"from {package.__name__} import *", namespace)
+        assert {name for name in namespace if name != "__builtins__"} == set(package.__all__)
+
+
+def test_engine_exports_the_documented_api():
+    documented = {
+        "Trainer", "TrainerConfig", "CheckpointConfig", "FitResult", "Module", "LRSchedule", "split_along_time",
+        "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
+        "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
+        "CheckpointWriteError", "WriterConflict", "InjectedFault",
+    }
+    assert set(engine.__all__) == documented
+
+
+def test_progress_exports_the_documented_api():
+    documented = {"Counts", "Progress", "Cursor", "ProgressTree", "encode_tree", "decode_tree",
+                  "ProgressSchemaError", "SCHEMA_VERSION"}
+    assert set(progress.__all__) == documented
+
+
+def test_engine_errors_form_one_tree():
+    errors = [getattr(engine, name) for name in engine.__all__
+              if isinstance(getattr(engine, name), type) and issubclass(getattr(engine, name), Exception)]
+    assert len(errors) == 12
+    assert all(issubclass(error, engine.EngineError) for error in errors)
+    for child in ("CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible", "CheckpointWriteError",
+                  "WriterConflict"):
+        assert issubclass(getattr(engine, child), engine.CheckpointError)
+
+
+def _own_docstring(value: object) -> str | None:
+    doc = value.__dict__.get("__doc__") if isinstance(value, type) else getattr(value, "__doc__", None)
+    if not isinstance(doc, str) or not doc.strip():
+        return None
+    if isinstance(value, type) and doc.startswith(f"{value.__name__}("):
+        return None  # the signature dataclasses write when a class has no docstring
+    return doc
+
+
+@pytest.mark.parametrize("name", engine.__all__)
+def test_every_engine_public_name_has_a_docstring(name):
+    assert _own_docstring(getattr(engine, name)) is not None, f"engine.{name} has no docstring"
+
+
+@pytest.mark.parametrize("name", [n for n in progress.__all__ if callable(getattr(progress, n))])
+def test_every_progress_public_callable_has_a_docstring(name):
+    assert _own_docstring(getattr(progress, name)) is not None, f"progress.{name} has no docstring"
+
+
+def test_docstring_check_detects_missing_docstrings():
+    # Control for the two tests above.
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Undocumented:
+        value: int = 0
+
+    class Inherits(engine.EngineError):
+        pass
+
+    def function():
+        pass
+
+    assert _own_docstring(Undocumented) is None
+    assert _own_docstring(Inherits) is None
+    assert _own_docstring(function) is None
+    assert _own_docstring(engine.Trainer) is not None
+
+
+def test_engine_docstring_mentions_every_public_name():
+    doc = inspect.getdoc(engine)
+    assert doc
+    missing = [name for name in engine.__all__ if name not in doc]
+    assert missing == []

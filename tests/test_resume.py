@@ -1,0 +1,111 @@
+"""Exact resume, in process: resume from every checkpoint of a run and finish it; the result
+must equal the uninterrupted run bit for bit. (Kill tests in test_kill.py do the same across
+real processes.)"""
+
+import shutil
+import uuid
+
+import fsspec
+import pytest
+
+import engine
+from engine.checkpoint.store import CheckpointStore
+from engine.storage import Storage
+from resume_helpers import assert_same_run, read_metrics
+from scenarios import SCENARIOS, build
+
+
+def train(name, run_dir, epochs=2, resume="auto", keep_last=None, **extra):
+    model, loader = build(name)
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last)
+    settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
+    settings.update(SCENARIOS[name].config_kwargs())
+    settings.update(extra)
+    return engine.Trainer(engine.TrainerConfig(**settings)).fit(model, loader, resume=resume)
+
+
+def copy_run_until(source, target, keep_name):
+    """A copy of ``source`` whose newest checkpoint is ``keep_name``; later ones removed and
+    metrics.jsonl left as it was at the end (longer than the checkpoint recorded)."""
+    source_fs, source_root = fsspec.core.url_to_fs(source)
+    target_fs, target_root = fsspec.core.url_to_fs(target)
+    for path in source_fs.find(source_root):
+        relative = path[len(source_root.rstrip("/")) + 1:]
+        if relative.startswith("checkpoints/ckpt-") and relative.split("/")[1] > keep_name:
+            continue
+        target_fs.makedirs(target_fs._parent(f"{target_root}/{relative}"), exist_ok=True)
+        target_fs.pipe_file(f"{target_root}/{relative}", source_fs.cat_file(path))
+
+
+def memory_url():
+    return f"memory://resume-{uuid.uuid4().hex}"
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_resume_from_every_checkpoint(name, tmp_path):
+    """memory:// keeps this fast; every seventh resume goes through a local directory."""
+    reference = memory_url()
+    train(name, reference)
+    names = CheckpointStore(Storage(reference)).names()
+    units = 24 if SCENARIOS[name].tbptt else 6
+    assert len(names) == units + 2  # one per split (or batch), plus one per epoch end
+    for index, checkpoint in enumerate(names[:-1]):
+        resumed = str(tmp_path / checkpoint) if index % 7 == 3 else memory_url()
+        copy_run_until(reference, resumed, checkpoint)
+        result = train(name, resumed)
+        assert result.resumed_from == checkpoint
+        assert_same_run(reference, resumed)
+
+
+def test_local_and_memory_runs_are_identical(tmp_path):
+    local = str(tmp_path / "local")
+    memory = memory_url()
+    train("tbptt", local)
+    train("tbptt", memory)
+    assert_same_run(local, memory)
+
+
+def test_resume_continues_with_more_epochs(tmp_path):
+    """Training 2 epochs, then fit again with max_epochs=3, equals training 3 epochs at once."""
+    straight = str(tmp_path / "straight")
+    staged = str(tmp_path / "staged")
+    train("tbptt", straight, epochs=3)
+    train("tbptt", staged, epochs=2)
+    result = train("tbptt", staged, epochs=3)
+    assert result.resumed_from is not None
+    assert_same_run(straight, staged)
+
+
+def test_resume_after_max_steps_stop(tmp_path):
+    straight = str(tmp_path / "straight")
+    staged = str(tmp_path / "staged")
+    train("accumulate_batches", straight)
+    first = train("accumulate_batches", staged, max_steps=1)
+    assert first.stop_reason is not None
+    train("accumulate_batches", staged)
+    assert_same_run(straight, staged)
+
+
+def test_resume_off_starts_over(tmp_path):
+    run = str(tmp_path / "run")
+    train("plain", run)
+    with pytest.warns(UserWarning, match="replaced"):
+        result = train("plain", run, resume="off")
+    assert result.resumed_from is None
+    assert read_metrics(run).count(b"\n") == 6
+
+
+def test_resume_latest_requires_a_checkpoint(tmp_path):
+    with pytest.raises(engine.CheckpointNotFound, match="no checkpoint"):
+        train("plain", str(tmp_path / "empty"), resume="latest")
+
+
+def test_resume_named_checkpoint(tmp_path):
+    reference = str(tmp_path / "reference")
+    train("tbptt", reference)
+    names = CheckpointStore(Storage(reference)).names()
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(reference, resumed)
+    result = train("tbptt", resumed, resume=names[5])
+    assert result.resumed_from == names[5]
+    assert_same_run(reference, resumed)

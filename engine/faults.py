@@ -67,7 +67,7 @@ def parse_faults(text: str) -> list[Fault]:
     faults = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         pieces = item.split(":")
-        if len(pieces) != 3 or not pieces[1].isdigit():
+        if len(pieces) != 3 or not (pieces[1].isascii() and pieces[1].isdigit()):
             raise ConfigError(f"{ENVIRONMENT_VARIABLE}: {item!r} is not POINT:HIT:KIND")
         faults.append(Fault(pieces[0], int(pieces[1]), pieces[2]))
     return faults

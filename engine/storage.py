@@ -23,7 +23,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 def check_name(name: str, what: str = "name") -> str:
     """Refuse anything but a plain file name (no separators, no '..', no hidden names)."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(f"{what}: {name!r} is not a plain file name (letters, digits, '.', '_', '-')")
     return name
 

@@ -26,7 +26,7 @@ def decode_tree(data: bytes) -> ProgressTree:
         raise ProgressSchemaError("not a progress envelope (expected keys kind, schema, tree)")
     if envelope["kind"] != _KIND:
         raise ProgressSchemaError(f"not progress data: kind is {envelope['kind']!r}")
-    if envelope["schema"] != SCHEMA_VERSION:
+    if type(envelope["schema"]) is not int or envelope["schema"] != SCHEMA_VERSION:
         raise ProgressSchemaError(
             f"progress schema version {envelope['schema']!r} is not supported (this code reads {SCHEMA_VERSION})"
         )

@@ -371,8 +371,6 @@ def test_check_name_accepts_plain_names():
         assert check_name(name) == name
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _SAFE_NAME ends with '$', which also matches before a trailing "
-                                        "newline, so 'x\\n' passes as a plain file name")
 def test_check_name_refuses_a_trailing_newline():
     with pytest.raises(engine.ConfigError):
         check_name("tensors.bin\n")

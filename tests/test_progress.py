@@ -297,7 +297,6 @@ def test_decode_rejects_other_schema_versions(schema):
         decode_tree(msgpack.packb(_envelope(schema=schema)))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: decode_tree compares the schema version with != so True and 1.0 pass as version 1")
 @pytest.mark.parametrize("schema", [True, 1.0])
 def test_decode_rejects_schema_version_of_the_wrong_type(schema):
     with pytest.raises(ProgressSchemaError):

@@ -128,7 +128,7 @@ def _add_tensor(tensor: torch.Tensor, path: str, tensors: list[torch.Tensor]) ->
         raise CheckpointWriteError(f"cannot store {path}: tensor layout {tensor.layout} is not supported")
     if tensor.dtype not in _DTYPE_NAMES:
         raise CheckpointWriteError(f"cannot store {path}: dtype {tensor.dtype} is not supported")
-    tensor = tensor.detach()
+    tensor = tensor.detach().resolve_conj().resolve_neg()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensors.append(tensor.contiguous())
@@ -141,7 +141,7 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
     outer = _unpack(header, _refuse_extension, "state header")
     if not isinstance(outer, dict) or set(outer) != {"format", "version", "tensors", "tree"}:
         raise CheckpointCorrupt("state.msgpack is not a splitloop state (unexpected keys)")
-    if outer["format"] != FORMAT or outer["version"] != VERSION:
+    if outer["format"] != FORMAT or type(outer["version"]) is not int or outer["version"] != VERSION:
         raise CheckpointCorrupt(f"state.msgpack has format {outer['format']!r} version {outer['version']!r}; expected {FORMAT!r} {VERSION}")
     if not isinstance(outer["tensors"], list) or not isinstance(outer["tree"], bytes):
         raise CheckpointCorrupt("state.msgpack: 'tensors' must be a list and 'tree' bytes")
@@ -167,9 +167,21 @@ def _refuse_extension(code: int, payload: bytes) -> Any:
     raise CheckpointCorrupt(f"msgpack extension type {code} is not allowed here")
 
 
+def _refuse_timestamp(value: Any) -> Any:
+    # msgpack decodes extension type -1 (Timestamp) itself, without calling ext_hook.
+    items = value.values() if isinstance(value, dict) else value
+    if any(isinstance(item, msgpack.Timestamp) for item in items):
+        raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
+    return value
+
+
 def _unpack(data: bytes, ext_hook: Any, what: str) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True)
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True,
+                                list_hook=_refuse_timestamp, object_hook=_refuse_timestamp)
+        if isinstance(value, msgpack.Timestamp):
+            raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
+        return value
     except CheckpointCorrupt:
         raise
     except Exception as error:  # msgpack raises several unrelated types for bad input

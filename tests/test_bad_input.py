@@ -343,8 +343,6 @@ def test_parse_faults_hit_zero():
         faults.parse_faults("split_end:0:raise")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: parse_faults checks HIT with str.isdigit, which accepts '²', and "
-                                        "int('²') then raises a bare ValueError instead of ConfigError")
 def test_parse_faults_non_ascii_digit_is_a_config_error():
     with pytest.raises(engine.ConfigError):
         faults.parse_faults("split_end:²:raise")

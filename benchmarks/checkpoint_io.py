@@ -24,8 +24,8 @@ filesystem, never /dev/shm, and removed at the end.
 
 Reproduce (from the repository root, in the environment of the README)::
 
-    python benchmarks/checkpoint_io.py              # about a minute
-    python benchmarks/checkpoint_io.py --quick      # fewer repeats, for tests
+    python benchmarks/checkpoint_io.py              # 1.5-2.5 minutes on 2 shared cores
+    python benchmarks/checkpoint_io.py --quick      # fewer repeats, 30-50 s, for tests
 
 The last line is ``write throughput ratio: X.XX (checkpoint / raw write, 100 MB state)``.
 """

@@ -171,7 +171,7 @@ class FitRun:
             "schedulers": [schedule.scheduler.state_dict() for schedule in self.setup.schedules],
             "loops": self.tree.loop_states(),
             "rng": capture_global_rng().to_state(),
-            "callbacks": [callback.state_dict() for callback in self.callbacks],
+            "callbacks": self._callback_states(),
             "metrics_bytes": metrics_bytes,
             "elapsed_seconds": self._elapsed(),
         }
@@ -184,13 +184,39 @@ class FitRun:
             "automatic_optimization": bool(getattr(self.module, "automatic_optimization", True)),
             "optimizers": len(self.setup.optimizers),
             "schedulers": len(self.setup.schedules),
-            "callbacks": len(self.callbacks),
             "data_length": self.data.length,
             "accumulate_grad": self.config.accumulate_grad,
             "accumulate_over": self.config.accumulate_over,
         }
 
+    def _callback_states(self) -> dict[str, Any]:
+        states = {key: callback.state_dict() for key, callback in self._callbacks_by_key().items()}
+        return {key: state for key, state in states.items() if state}
+
+    def _callbacks_by_key(self) -> dict[str, Callback]:
+        """Callbacks keyed by class, so their states survive adding or reordering callbacks."""
+        keyed: dict[str, Callback] = {}
+        for callback in self.callbacks:
+            base = f"{type(callback).__module__}.{type(callback).__qualname__}"
+            key, count = base, 1
+            while key in keyed:
+                count += 1
+                key = f"{base}#{count}"
+            keyed[key] = callback
+        return keyed
+
     # ---- resuming ---------------------------------------------------------------------
+    def _restore_callbacks(self, name: str, saved: Any) -> None:
+        if not isinstance(saved, dict):
+            raise CheckpointCorrupt(f"{name}: the callback states are malformed")
+        current = self._callbacks_by_key()
+        for key, callback in current.items():
+            if key in saved:
+                callback.load_state_dict(saved[key])
+        dropped = [key for key, state in saved.items() if key not in current and state]
+        if dropped:
+            warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used", stacklevel=4)
+
     def _find_checkpoint(self, resume: str) -> LoadedCheckpoint | None:
         if resume == "off":
             return None
@@ -227,8 +253,7 @@ class FitRun:
                 schedule.scheduler.load_state_dict(scheduler_state)
             self.tree.load_progress(loaded.progress)
             self.tree.load_loop_states(state["loops"])
-            for callback, callback_state in zip(self.callbacks, state["callbacks"], strict=True):
-                callback.load_state_dict(callback_state)
+            self._restore_callbacks(loaded.name, state["callbacks"])
             rng = RngSnapshot.from_state(state["rng"])
         except CheckpointError:
             raise

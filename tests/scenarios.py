@@ -226,6 +226,26 @@ def step(optimizer: torch.optim.Optimizer, scenario: Scenario, schedulers: list[
         scheduler.step()
 
 
+class AnnounceStart(engine.Callback):
+    """Prints 'training' when fit starts, so a test can kill the process at a random instant
+    of training rather than of the imports."""
+
+    def on_fit_start(self, view: engine.RunView) -> None:
+        print("training", flush=True)
+
+
+def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str = "auto",
+                           every: int = 1, keep_last: int | None = 3, asynchronous: bool = False,
+                           callbacks: tuple = (), **extra: Any) -> engine.FitResult:
+    """Train scenario ``name`` into ``run_dir`` with a checkpoint every ``every`` splits."""
+    model, loader = build(name)
+    checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous)
+    settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
+    settings.update(SCENARIOS[name].config_kwargs())
+    settings.update(extra)
+    return engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, resume=resume)
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
@@ -235,11 +255,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--every", type=int, default=1)
     args = parser.parse_args(argv)
-    model, loader = build(args.name)
-    checkpoint = engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous)
-    settings = dict(max_epochs=args.epochs, run_dir=args.run_dir, checkpoint=checkpoint, progress_bar="off")
-    settings.update(SCENARIOS[args.name].config_kwargs())
-    result = engine.Trainer(engine.TrainerConfig(**settings)).fit(model, loader)
+    result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
+                                    asynchronous=args.asynchronous, callbacks=(AnnounceStart(),))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0
 

@@ -12,16 +12,11 @@ import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.storage import Storage
 from resume_helpers import assert_same_run, read_metrics
-from scenarios import SCENARIOS, build
+from scenarios import SCENARIOS, train_with_checkpoints
 
 
 def train(name, run_dir, epochs=2, resume="auto", keep_last=None, **extra):
-    model, loader = build(name)
-    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last)
-    settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
-    settings.update(SCENARIOS[name].config_kwargs())
-    settings.update(extra)
-    return engine.Trainer(engine.TrainerConfig(**settings)).fit(model, loader, resume=resume)
+    return train_with_checkpoints(name, run_dir, epochs=epochs, resume=resume, keep_last=keep_last, **extra)
 
 
 def copy_run_until(source, target, keep_name):

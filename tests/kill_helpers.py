@@ -1,0 +1,64 @@
+"""Run a scenario in a real subprocess, optionally armed to die at a fault point."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
+TIMEOUT = 120
+
+
+def environment(faults: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("SPLITLOOP_FAULTS", None)
+    if faults:
+        env["SPLITLOOP_FAULTS"] = faults
+    return env
+
+
+def run_scenario(name: str, run_dir: str, faults: str | None = None, *args: str) -> subprocess.CompletedProcess:
+    """Train in a subprocess; returns the completed process (returncode -9 when SIGKILLed)."""
+    return subprocess.run([sys.executable, SCRIPT, name, run_dir, *args], env=environment(faults),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int = 80) -> int:
+    """Start the scenario again and again (each start armed with ``faults``) until a process
+    finishes by itself; returns how many processes were killed on the way."""
+    kills = 0
+    for _ in range(limit):
+        process = run_scenario(name, run_dir, faults, *args)
+        if process.returncode == 0:
+            return kills
+        assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+        kills += 1
+    raise AssertionError(f"{name} did not finish within {limit} starts")
+
+
+def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_delay: float, *args: str) -> bool:
+    """Start the scenario, wait until it trains, SIGKILL it after a random delay. Returns
+    False if it finished before the kill."""
+    process = subprocess.Popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        if not line.startswith("training"):
+            process.wait(TIMEOUT)
+            assert process.returncode == 0, process.stderr.read()[-3000:]
+            return False
+        time.sleep(rng.uniform(0.0, max_delay))
+        process.send_signal(signal.SIGKILL)
+        process.wait(TIMEOUT)
+        return process.returncode == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+        process.stderr.close()

@@ -161,6 +161,9 @@ class EpochData:
     def _open_at(self, skip: int) -> Iterator[Any]:
         if self._stateful:
             self.loader.load_state_dict(self._loader_state)
+            if self.length is not None and skip >= self.length:
+                # The epoch's iterator was exhausted; a new iter() would start the next epoch.
+                return iter(())
             return iter(self.loader)
         if self._map_style:
             return _open_skipping_loader(self.loader, skip)

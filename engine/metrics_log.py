@@ -47,6 +47,8 @@ class MetricsLog:
             self._storage.truncate(METRICS_FILE, committed_bytes)
 
     def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int) -> None:
+        if self._storage is None:
+            return
         record: dict[str, object] = {
             "epoch": cursor.epoch,
             "batch": cursor.batch,

@@ -81,6 +81,25 @@ class Storage:
             with self.fs.open(path, "ab") as handle:
                 handle.write(data)
 
+    def read_into(self, relative: str, size: int) -> bytearray:
+        """Read a file expected to hold ``size`` bytes into a new bytearray (no extra copy);
+        the result is shorter or the read stops early when the file is not that size."""
+        path = self.path(relative)
+        if not self.is_local:
+            return bytearray(self.fs.cat_file(path))
+        buffer = bytearray(size + 1)  # one spare byte reveals a file longer than expected
+        view = memoryview(buffer)
+        filled = 0
+        with open(path, "rb", buffering=0) as handle:
+            while filled < len(buffer):
+                count = handle.readinto(view[filled:])
+                if not count:
+                    break
+                filled += count
+        del view
+        del buffer[filled:]
+        return buffer
+
     def read(self, relative: str) -> bytes:
         path = self.path(relative)
         if self.is_local:

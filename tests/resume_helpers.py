@@ -49,3 +49,16 @@ def assert_same_run(reference_dir: str, resumed_dir: str) -> None:
         assert_equal_trees(reference_state[key], resumed_state[key], key)
     assert reference_progress.to_dict() == resumed_progress.to_dict()
     assert read_metrics(reference_dir) == read_metrics(resumed_dir)
+
+
+def copy_run_until(source, target, keep_name):
+    """A copy of ``source`` whose newest checkpoint is ``keep_name``; later ones removed and
+    metrics.jsonl left as it was at the end (longer than the checkpoint recorded)."""
+    source_fs, source_root = fsspec.core.url_to_fs(source)
+    target_fs, target_root = fsspec.core.url_to_fs(target)
+    for path in source_fs.find(source_root):
+        relative = path[len(source_root.rstrip("/")) + 1:]
+        if relative.startswith("checkpoints/ckpt-") and relative.split("/")[1] > keep_name:
+            continue
+        target_fs.makedirs(target_fs._parent(f"{target_root}/{relative}"), exist_ok=True)
+        target_fs.pipe_file(f"{target_root}/{relative}", source_fs.cat_file(path))

@@ -5,31 +5,17 @@ real processes.)"""
 import shutil
 import uuid
 
-import fsspec
 import pytest
 
 import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.storage import Storage
-from resume_helpers import assert_same_run, read_metrics
+from resume_helpers import assert_same_run, copy_run_until, read_metrics
 from scenarios import SCENARIOS, train_with_checkpoints
 
 
 def train(name, run_dir, epochs=2, resume="auto", keep_last=None, **extra):
     return train_with_checkpoints(name, run_dir, epochs=epochs, resume=resume, keep_last=keep_last, **extra)
-
-
-def copy_run_until(source, target, keep_name):
-    """A copy of ``source`` whose newest checkpoint is ``keep_name``; later ones removed and
-    metrics.jsonl left as it was at the end (longer than the checkpoint recorded)."""
-    source_fs, source_root = fsspec.core.url_to_fs(source)
-    target_fs, target_root = fsspec.core.url_to_fs(target)
-    for path in source_fs.find(source_root):
-        relative = path[len(source_root.rstrip("/")) + 1:]
-        if relative.startswith("checkpoints/ckpt-") and relative.split("/")[1] > keep_name:
-            continue
-        target_fs.makedirs(target_fs._parent(f"{target_root}/{relative}"), exist_ok=True)
-        target_fs.pipe_file(f"{target_root}/{relative}", source_fs.cat_file(path))
 
 
 def memory_url():

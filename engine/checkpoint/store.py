@@ -152,7 +152,7 @@ class CheckpointStore:
         contents = {}
         for file_name, record in manifest.files.items():
             try:
-                data = bytearray(self.storage.read(f"{directory}/{file_name}"))
+                data = self.storage.read_into(f"{directory}/{file_name}", record.size)
             except FileNotFoundError as error:
                 raise CheckpointCorrupt(f"{name}: {file_name} is missing") from error
             verify_file(file_name, data, record)

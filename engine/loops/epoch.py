@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from engine import faults
 from engine.data_position import EXHAUSTED, EpochData
 from engine.errors import DataError
 from engine.loops.context import Position, StopState
@@ -49,6 +50,7 @@ class EpochLoop:
             progress.increment_processed()
             progress.increment_completed()
             self.data.batch_done()
+            faults.reach("batch_end")
             if self._batch_boundary is not None:
                 self._position.split = 0
                 self._batch_boundary(0, self.runner.last_losses)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine import faults
 from engine.loops.step_output import Hidden, StepCall
 from engine.optim_setup import OptimizerSetup
 from progress import Progress
@@ -40,6 +41,7 @@ class StepCounter:
     def _after_step(self, optimizer: object, args: object, kwargs: object) -> None:
         self.progress.increment_processed()
         self.progress.increment_completed()
+        faults.reach("after_optimizer_step")
 
     @property
     def total(self) -> int:
@@ -100,8 +102,10 @@ class AutomaticFlow:
         if self.needs_zero_grad[optimizer_index]:
             optimizer.zero_grad()
             self.needs_zero_grad[optimizer_index] = False
+        faults.reach("step_start")
         loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
         (loss / self._accumulate if self._accumulate > 1 else loss).backward()
+        faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True
         unit_ends = last_split or self._per_split
         window_full = unit_ends and self.units_since_step + 1 >= self._accumulate
@@ -160,6 +164,7 @@ class ManualFlow:
         self._parameters = parameters
 
     def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
+        faults.reach("step_start")
         loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
         return loss.detach(), new_hidden
 

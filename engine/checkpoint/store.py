@@ -161,7 +161,10 @@ class CheckpointStore:
             progress = decode_tree(bytes(contents["progress.msgpack"]))
         except ProgressSchemaError as error:
             raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
-        state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
+        try:
+            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
+        except CheckpointCorrupt as error:
+            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
         return LoadedCheckpoint(name, manifest, progress, state)
 
     def _read_manifest(self, name: str) -> Manifest:

@@ -1,0 +1,94 @@
+"""The command line: the demo is deterministic and resumable, inspect reports what it finds."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli import main
+
+FINGERPRINT_PREFIX = "fingerprint: "
+
+
+def run_cli(*args, faults=None, check=True):
+    env = dict(os.environ)
+    env.pop("SPLITLOOP_FAULTS", None)
+    if faults:
+        env["SPLITLOOP_FAULTS"] = faults
+    process = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert process.returncode == 0, process.stderr[-3000:]
+    return process
+
+
+def fingerprint_of(output):
+    last = output.strip().splitlines()[-1]
+    assert last.startswith(FINGERPRINT_PREFIX), last
+    value = last[len(FINGERPRINT_PREFIX):]
+    assert len(value) == 64 and int(value, 16) >= 0
+    return value
+
+
+@pytest.mark.slow
+def test_demo_is_deterministic_and_resumes_exactly(tmp_path):
+    first = run_cli("demo", "--dir", str(tmp_path / "a"), "--epochs", "2", "--progress", "off")
+    second = run_cli("demo", "--dir", str(tmp_path / "b"), "--epochs", "2", "--progress", "off")
+    assert fingerprint_of(first.stdout) == fingerprint_of(second.stdout)
+
+    killed = run_cli("demo", "--dir", str(tmp_path / "c"), "--epochs", "2", "--progress", "off",
+                     faults="split_end_after_checkpoint:17:sigkill", check=False)
+    assert killed.returncode == -9
+    resumed = run_cli("demo", "--dir", str(tmp_path / "c"), "--epochs", "2", "--progress", "off")
+    assert "resumed from" in resumed.stdout
+    assert fingerprint_of(resumed.stdout) == fingerprint_of(first.stdout)
+    assert (tmp_path / "a" / "metrics.jsonl").read_bytes() == (tmp_path / "c" / "metrics.jsonl").read_bytes()
+
+    other_seed = run_cli("demo", "--dir", str(tmp_path / "d"), "--epochs", "2", "--seed", "1", "--progress", "off")
+    assert fingerprint_of(other_seed.stdout) != fingerprint_of(first.stdout)
+
+    report = json.loads(run_cli("inspect", str(tmp_path / "c"), "--json").stdout)
+    assert report["fingerprint"] == fingerprint_of(first.stdout)
+    assert report["latest"] == report["checkpoints"][-1]["name"]
+    assert all(entry["valid"] and entry["error"] is None for entry in report["checkpoints"])
+    assert report["checkpoints"][-1]["cursor"] == {"epoch": 1, "batch": 5, "split": 3, "optimizer": 0}
+
+
+def test_demo_writes_metrics_lines(tmp_path, capsys):
+    assert main(["demo", "--dir", str(tmp_path), "--epochs", "1", "--progress", "off"]) == 0
+    output = capsys.readouterr().out
+    fingerprint_of(output)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 24  # 6 windows x 4 splits
+    assert [(l["epoch"], l["batch"], l["split"]) for l in lines[:5]] == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 1, 0)]
+    assert all(isinstance(l["loss"], float) for l in lines)
+
+
+def test_inspect_table_and_empty_dir(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "no checkpoints" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("demo", ["--dir", "--epochs", "--seed", "--checkpoint-every", "--fresh", "--progress"]),
+    ("inspect", ["--json"]),
+])
+def test_help_explains_every_flag(command, flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in flags:
+        assert flag in text
+
+
+def test_faults_lists_points_and_kinds(capsys):
+    from engine import faults
+
+    assert main(["faults"]) == 0
+    text = capsys.readouterr().out
+    for point in faults.POINTS:
+        assert point in text
+    for kind in faults.KINDS:
+        assert kind in text

@@ -44,7 +44,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def inspect_run(url: str) -> dict:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
-    store = CheckpointStore(Storage(url))
+    store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect()
     latest = next((entry for entry in reversed(entries) if entry.valid), None)
     result = {

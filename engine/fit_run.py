@@ -71,6 +71,11 @@ class FitRun:
     def run(self, resume: str) -> FitResult:
         try:
             self._start(resume)
+            # A resumed run re-evaluates the split-boundary predicates before doing any work.
+            reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
+                                                self._elapsed(), self.config.max_time)
+            if reason is not None and self.resumed_from is not None:
+                self.stop.request(reason)
             for callback in self.callbacks:
                 callback.on_fit_start(self.view)
             self.tree.fit.run()
@@ -257,7 +262,7 @@ class FitRun:
             rng = RngSnapshot.from_state(state["rng"])
         except CheckpointError:
             raise
-        except (KeyError, TypeError, ValueError, RuntimeError, ProgressSchemaError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ProgressSchemaError) as error:
             raise CheckpointIncompatible(f"{loaded.name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
         self.metrics.resume_at(int(state["metrics_bytes"]))
         self._elapsed_before = float(state["elapsed_seconds"])

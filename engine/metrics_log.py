@@ -14,6 +14,7 @@ from engine.storage import Storage
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"
+_FLUSH_EVERY_LINES = 256
 
 
 class MetricsLog:
@@ -59,6 +60,8 @@ class MetricsLog:
         if len(losses) > 1:
             record["losses"] = losses
         self._buffer.append(json.dumps(record))
+        if len(self._buffer) >= _FLUSH_EVERY_LINES:
+            self.flush(durable=False)
 
     def flush(self, durable: bool) -> int:
         """Write buffered lines; returns the committed length in bytes."""

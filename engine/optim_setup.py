@@ -24,6 +24,11 @@ class LRSchedule:
     interval: Literal["step", "epoch"] = "epoch"
 
     def __post_init__(self) -> None:
+        if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ModuleContractError(
+                "ReduceLROnPlateau needs a metric in step(metric); the engine cannot step it. "
+                "Step it yourself (for example in Callback.on_epoch_end) and leave it out of configure_optimizers"
+            )
         if self.interval not in ("step", "epoch"):
             raise ModuleContractError(f"LRSchedule.interval: expected 'step' or 'epoch', got {self.interval!r}")
         for method in ("step", "state_dict", "load_state_dict"):

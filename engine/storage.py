@@ -31,7 +31,7 @@ def check_name(name: str, what: str = "name") -> str:
 class Storage:
     """Files under one root directory, addressed by relative '/'-separated names."""
 
-    def __init__(self, url: str, filesystem: fsspec.AbstractFileSystem | None = None) -> None:
+    def __init__(self, url: str, filesystem: fsspec.AbstractFileSystem | None = None, create: bool = True) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"run_dir: expected a non-empty path or URL, got {url!r}")
         if filesystem is None:
@@ -42,7 +42,10 @@ class Storage:
         self.fs = filesystem
         self.root = root.rstrip("/") or "/"
         self.is_local = isinstance(filesystem, LocalFileSystem)
-        self.fs.makedirs(self.root, exist_ok=True)
+        if create:
+            self.fs.makedirs(self.root, exist_ok=True)
+        elif not self.fs.isdir(self.root):
+            raise ConfigError(f"run directory {url!r} does not exist")
 
     def path(self, relative: str) -> str:
         parts = relative.split("/")

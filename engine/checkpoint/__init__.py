@@ -1,6 +1,6 @@
 """Pickle-free, verified, atomically committed checkpoints over fsspec.
 
 Modules: ``codec`` (state tree <-> msgpack + raw tensor bytes), ``manifest`` (the commit
-record with sizes and checksums), ``commit`` (the write protocol), ``store`` (listing,
-verifying, loading, retention), ``policy`` (when to save).
+record with sizes and checksums), ``store`` (the commit protocol, listing, verifying, loading,
+retention).
 """

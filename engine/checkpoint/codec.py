@@ -3,18 +3,24 @@
 ``state.msgpack`` is one msgpack map::
 
     {"format": "splitloop.state", "version": 1,
-     "tensors": [{"dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48}, ...],
+     "tensors": [{"dtype": "float32", "shape": [3, 4], "offset": 0, "nbytes": 48, "device": "cpu"}, ...],
      "tree": <bin: msgpack of the tree>}
 
 In the tree, a tensor is msgpack extension type 1 whose payload is the msgpack int index into
-``tensors``; a tuple is extension type 2 whose payload is a msgpack array. Any other extension
-type is refused. Tensor bytes live in ``tensors.bin`` at ``offset`` (64-byte aligned),
+``tensors``; a tuple is extension type 2 whose payload is a msgpack array; a namedtuple is
+extension type 3 whose payload is ``[type name, [field names], [values]]`` (decoded as a
+namedtuple made on the spot, never imported). Any other extension type is refused.
+``device`` is where the tensor lived; a CUDA tensor goes back to its device when CUDA is
+available, and stays on the CPU otherwise. Tensor bytes live in ``tensors.bin`` at ``offset`` (64-byte aligned),
 C-contiguous, little-endian as in memory.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
+import re
 import sys
 from typing import Any
 
@@ -28,7 +34,10 @@ VERSION = 1
 ALIGNMENT = 64
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
+_EXT_NAMEDTUPLE = 3
 _MAX_DIMS = 64
+_ENTRY_KEYS = {"dtype", "shape", "offset", "nbytes", "device"}
+_CUDA_DEVICE = re.compile(r"cuda(:\d{1,3})?")
 _MAX_ELEMENTS = 1 << 40
 
 DTYPES: dict[str, torch.dtype] = {
@@ -78,12 +87,15 @@ def encode_state(tree: Any) -> EncodedState:
     """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
     tensors: list[torch.Tensor] = []
     plain = _to_plain(tree, "state", tensors)
+    devices = [str(tensor.device) for tensor in tensors]
+    tensors = [tensor if tensor.device.type == "cpu" else tensor.cpu() for tensor in tensors]
     table = []
     layout = []
     offset = 0
     for tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        table.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
+        table.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset,
+                      "nbytes": nbytes, "device": devices[len(table)]})
         layout.append((offset, nbytes))
         offset = _align(offset + nbytes)
     header = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": msgpack.packb(plain)})
@@ -116,6 +128,9 @@ def _to_plain(value: Any, path: str, tensors: list[torch.Tensor]) -> Any:
         return [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
     if isinstance(value, tuple):
         items = [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        if hasattr(value, "_fields"):  # a namedtuple: keep its name and field names
+            payload = [type(value).__name__, list(value._fields), items]
+            return msgpack.ExtType(_EXT_NAMEDTUPLE, msgpack.packb(payload))
         return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items))
     raise CheckpointWriteError(
         f"cannot store {path}: values of type {type(value).__name__} are not supported "
@@ -128,10 +143,7 @@ def _add_tensor(tensor: torch.Tensor, path: str, tensors: list[torch.Tensor]) ->
         raise CheckpointWriteError(f"cannot store {path}: tensor layout {tensor.layout} is not supported")
     if tensor.dtype not in _DTYPE_NAMES:
         raise CheckpointWriteError(f"cannot store {path}: dtype {tensor.dtype} is not supported")
-    tensor = tensor.detach().resolve_conj().resolve_neg()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    tensors.append(tensor.contiguous())
+    tensors.append(tensor.detach().resolve_conj().resolve_neg().contiguous())
     return len(tensors) - 1
 
 
@@ -158,9 +170,30 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
             if not isinstance(items, list):
                 raise CheckpointCorrupt("state.msgpack: a tuple payload is not an array")
             return tuple(items)
+        if code == _EXT_NAMEDTUPLE:
+            return _decode_namedtuple(_unpack(payload, ext_hook, "namedtuple"))
         return _refuse_extension(code, payload)
 
     return _unpack(outer["tree"], ext_hook, "state tree")
+
+
+@functools.lru_cache(maxsize=64)
+def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
+    return collections.namedtuple(name, fields)
+
+
+def _decode_namedtuple(value: Any) -> tuple:
+    """A namedtuple comes back as a namedtuple class of the same name and fields (made here,
+    never imported: attribute access works, isinstance with the original class does not)."""
+    if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
+            or not isinstance(value[1], list) or not isinstance(value[2], list) or len(value[1]) != len(value[2])
+            or not all(isinstance(f, str) for f in value[1])):
+        raise CheckpointCorrupt("state.msgpack: malformed namedtuple")
+    try:
+        cls = _namedtuple_class(value[0], tuple(value[1]))
+    except ValueError as error:
+        raise CheckpointCorrupt(f"state.msgpack: bad namedtuple name or fields: {error}") from error
+    return cls(*value[2])
 
 
 def _refuse_extension(code: int, payload: bytes) -> Any:
@@ -190,7 +223,7 @@ def _unpack(data: bytes, ext_hook: Any, what: str) -> Any:
 
 def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torch.Tensor:
     where = f"tensor {index}"
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "offset", "nbytes"}:
+    if not isinstance(entry, dict) or not {"dtype", "shape", "offset", "nbytes"} <= set(entry) <= _ENTRY_KEYS:
         raise CheckpointCorrupt(f"{where}: malformed table entry")
     dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
     if dtype is None:
@@ -210,7 +243,16 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
-    return raw.view(dtype).reshape(shape)
+    return _to_recorded_device(raw.view(dtype).reshape(shape), entry.get("device", "cpu"))
+
+
+def _to_recorded_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """Tensors saved from a CUDA device go back there when CUDA is available, CPU otherwise."""
+    if isinstance(device, str) and _CUDA_DEVICE.fullmatch(device) and torch.cuda.is_available():
+        index = int(device.partition(":")[2] or 0)
+        if index < torch.cuda.device_count():
+            return tensor.to(device)
+    return tensor
 
 
 def _is_count(value: Any) -> bool:

@@ -59,9 +59,10 @@ class LoadedCheckpoint:
 
 
 class CheckpointStore:
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, create: bool = True) -> None:
         self.storage = storage
-        storage.makedirs(CHECKPOINT_DIR)
+        if create:
+            storage.makedirs(CHECKPOINT_DIR)
 
     # ---- listing ----------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -151,10 +152,15 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)}")
         contents = {}
         for file_name, record in manifest.files.items():
+            path = f"{directory}/{file_name}"
             try:
-                data = self.storage.read_into(f"{directory}/{file_name}", record.size)
+                size = self.storage.size(path)
             except FileNotFoundError as error:
                 raise CheckpointCorrupt(f"{name}: {file_name} is missing") from error
+            if size != record.size:
+                # Checked before reading: a hostile manifest must not make us allocate its size.
+                raise CheckpointCorrupt(f"{name}: {file_name}: {size} bytes on disk, the manifest says {record.size} (truncated or torn)")
+            data = self.storage.read_into(path, record.size)
             verify_file(file_name, data, record)
             contents[file_name] = data
         try:

@@ -372,3 +372,11 @@ def test_check_name_accepts_plain_names():
 def test_check_name_refuses_a_trailing_newline():
     with pytest.raises(engine.ConfigError):
         check_name("tensors.bin\n")
+
+
+def test_reduce_lr_on_plateau_is_refused_with_advice():
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    with pytest.raises(engine.ModuleContractError, match="ReduceLROnPlateau needs a metric"):
+        engine.LRSchedule(plateau)

@@ -92,3 +92,10 @@ def test_faults_lists_points_and_kinds(capsys):
         assert point in text
     for kind in faults.KINDS:
         assert kind in text
+
+
+def test_inspect_of_a_missing_dir_is_an_error_and_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "typo"
+    assert main(["inspect", str(missing)]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert not missing.exists()

@@ -121,3 +121,17 @@ def test_staging_directories_are_ignored(reference, tmp_path):
     result = train_with_checkpoints("tbptt", run_dir, keep_last=None)
     assert result.resumed_from == names[3]
     assert_same_run(reference, run_dir)
+
+
+def test_manifest_declaring_a_huge_size_is_refused_without_allocating(reference, tmp_path):
+    run_dir = str(tmp_path / "run")
+    names = CheckpointStore(Storage(reference)).names()
+    copy_run_until(reference, run_dir, names[2])
+    fs, root = fsspec.core.url_to_fs(run_dir)
+    path = f"{root}/checkpoints/{names[2]}/MANIFEST.json"
+    manifest = json.loads(fs.cat_file(path))
+    manifest["files"]["tensors.bin"]["size"] = 2 ** 45
+    fs.pipe_file(path, json.dumps(manifest).encode())
+    report = inspect_run(run_dir)
+    assert report["checkpoints"][2]["valid"] is False and "manifest says 35184372088832" in report["checkpoints"][2]["error"]
+    assert report["latest"] == names[1]

@@ -169,3 +169,37 @@ def test_plain_iterable_warns_once_about_fast_forward():
     copy_run_until(reference, resumed, names[1])
     _, _, _, messages = train("plain_iterable", resumed)
     assert sum("drawing and dropping" in m for m in messages) == 1
+
+
+Pair = __import__("collections").namedtuple("Pair", ["x", "y"])
+
+
+class AttributeRegressor(Regressor):
+    def training_step(self, batch):
+        return torch.nn.functional.mse_loss(self.layer(self.dropout(batch.x)), batch.y)
+
+
+def collate_pairs(items):
+    return Pair(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]))
+
+
+def test_namedtuple_batches_survive_a_mid_batch_resume():
+    """The batch in flight is stored in the checkpoint; a namedtuple batch comes back as a
+    namedtuple with the same fields, so the step's attribute access still works."""
+    def run(run_dir):
+        torch.manual_seed(0)
+        loader = DataLoader(CountingDataset(), batch_size=3, shuffle=True, collate_fn=collate_pairs)
+        model = AttributeRegressor()
+        model.tbptt_split_length = None
+        config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, progress_bar="off",
+                                      checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+        return engine.Trainer(config).fit(model, loader)
+
+    reference = memory_url()
+    run(reference)
+    names = CheckpointStore(Storage(reference)).names()
+    for name in names[:-1]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        assert run(resumed).resumed_from == name
+        assert_same_run(reference, resumed)

@@ -6,6 +6,7 @@ import shutil
 import uuid
 
 import pytest
+import torch
 
 import engine
 from engine.checkpoint.store import CheckpointStore
@@ -90,3 +91,27 @@ def test_resume_named_checkpoint(tmp_path):
     result = train("tbptt", resumed, resume=names[5])
     assert result.resumed_from == names[5]
     assert_same_run(reference, resumed)
+
+
+def test_refitting_a_finished_max_steps_run_does_nothing(tmp_path):
+    run = str(tmp_path / "run")
+    first = train("tbptt", run, max_steps=5)
+    again = train("tbptt", run, max_steps=5)
+    assert first.optimizer_steps == again.optimizer_steps == 5
+    assert again.resumed_from is not None and "max_steps" in again.stop_reason
+    assert read_metrics(run).count(b"\n") == 5
+
+
+def test_namedtuple_hidden_state_and_batches_round_trip():
+    import collections
+
+    from engine.checkpoint.codec import decode_state, encode_state
+
+    State = collections.namedtuple("State", ["h", "c"])
+    value = {"hidden": State(torch.ones(2), torch.zeros(3)), "plain": (1, 2)}
+    encoded = encode_state(value)
+    data = bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks()))
+    decoded = decode_state(encoded.header, data)
+    assert type(decoded["hidden"]).__name__ == "State" and decoded["hidden"]._fields == ("h", "c")
+    assert torch.equal(decoded["hidden"].h, torch.ones(2)) and torch.equal(decoded["hidden"].c, torch.zeros(3))
+    assert type(decoded["plain"]) is tuple

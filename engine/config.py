@@ -102,6 +102,9 @@ class TrainerConfig:
         preemption_signals: signals that request a graceful stop (finish the split, checkpoint, exit).
         preemption_exit_code: exit status of a preempted run (see docs/preemption.md).
         requeue_command: optional shell command run after the preemption checkpoint commits.
+        exit_on_preemption: after a preemption checkpoint, end the process with
+            ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
+            ``FitResult.preempted`` set instead.
     """
 
     max_epochs: int | None = 1
@@ -118,6 +121,7 @@ class TrainerConfig:
     preemption_signals: tuple[int, ...] = (int(signal.SIGTERM), int(signal.SIGUSR1))
     preemption_exit_code: int = 75
     requeue_command: str | None = None
+    exit_on_preemption: bool = True
 
     def __post_init__(self) -> None:
         owner = "TrainerConfig"

@@ -37,6 +37,7 @@ POINTS: dict[str, str] = {
     "checkpoint_before_rename": "after the manifest, before the atomic rename (local filesystems)",
     "checkpoint_after_rename": "after the rename, before the directory fsync and retention",
     "checkpoint_retention": "while deleting checkpoints beyond keep_last",
+    "filesystem_write": "each write-type call on the run directory's filesystem (needs enospc/eio to mean an I/O error)",
 }
 
 KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio")
@@ -107,6 +108,11 @@ def arm_from_environment() -> None:
     text = os.environ.get(ENVIRONMENT_VARIABLE, "")
     if text:
         inject(parse_faults(text))
+
+
+def armed_at(point: str) -> bool:
+    """Whether any fault is armed at ``point``."""
+    return _active and point in _registry.faults
 
 
 def reach(point: str) -> None:

@@ -11,8 +11,8 @@ import torch
 from engine import faults
 from engine.builder import Boundaries, LoopTree, build_loops, tbptt_split_length
 from engine.callbacks import Callback, RunView
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from engine.checkpoint.store import LoadedCheckpoint
+from engine.checkpointing import RunCheckpointer
 from engine.config import TrainerConfig
 from engine.data_position import EpochData
 from engine.display import Display
@@ -27,6 +27,7 @@ from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
 from engine.metrics_log import MetricsLog
 from engine.optim_setup import read_optimizer_setup
+from engine.preemption import PreemptionWatcher, run_requeue_command
 from engine.result import FitResult
 from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
 from engine.storage import Storage
@@ -54,58 +55,70 @@ class FitRun:
                                           Boundaries(self._split_boundary, self._epoch_boundary))
         self.storage = storage
         self.metrics = MetricsLog(storage)
-        self.checkpoints = CheckpointStore(storage) if storage is not None and config.checkpoint else None
+        self.checkpoints = RunCheckpointer(storage, config.checkpoint, self.metrics) if storage is not None and config.checkpoint else None
+        self.preemption = PreemptionWatcher(config.preemption_signals)
         self.view = RunView(self.stop.request)
         self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
-        self.last_checkpoint: str | None = None
-        self.writer_generation = 0
         self._saved_current_state = False
         self._elapsed_before = 0.0
         self._started = time.monotonic()
-        self._last_save_time = self._started
-        self._steps_at_last_save = 0
 
     # ---- running ----------------------------------------------------------------------
     def run(self, resume: str) -> FitResult:
-        try:
-            self._start(resume)
-            # A resumed run re-evaluates the split-boundary predicates before doing any work.
-            reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
-                                                self._elapsed(), self.config.max_time)
-            if reason is not None and self.resumed_from is not None:
-                self.stop.request(reason)
-            for callback in self.callbacks:
-                callback.on_fit_start(self.view)
-            self.tree.fit.run()
-            if self.checkpoints is not None and not self._saved_current_state:
-                self._save()
-            self.metrics.flush(durable=False)
-            if not self.stop.requested:
+        with self.preemption:
+            try:
+                self._start(resume)
                 for callback in self.callbacks:
-                    callback.on_fit_end(self.view)
-        finally:
-            self.display.close()
-            self.tree.close()
+                    callback.on_fit_start(self.view)
+                self.tree.fit.run()
+                if self.checkpoints is not None and not self._saved_current_state:
+                    self._save(force=True)
+                self.metrics.flush(durable=False)
+                if self.checkpoints is not None:
+                    self.checkpoints.close(failing=False)
+            except BaseException:
+                if self.checkpoints is not None:
+                    self.checkpoints.close(failing=True)
+                raise
+            finally:
+                self.display.close()
+                self.tree.close()
+        if not self.stop.requested:
+            for callback in self.callbacks:
+                callback.on_fit_end(self.view)
+        preempted = self.preemption.received is not None and self.stop.reason == self.preemption.reason
+        if preempted and self.config.requeue_command:
+            run_requeue_command(self.config.requeue_command)
         return FitResult(
             cursor=self.cursor,
             epochs_completed=self.tree.fit.progress.total.completed,
             optimizer_steps=self.tree.step_counter.total,
             stop_reason=self.stop.reason,
             resumed_from=self.resumed_from,
-            last_checkpoint=self.last_checkpoint,
+            last_checkpoint=None if self.checkpoints is None else self.checkpoints.last_name,
             progress=self.tree.progress_tree(self.cursor),
+            preempted=preempted,
         )
 
     def _start(self, resume: str) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.acquire()
         loaded = self._find_checkpoint(resume)
         if loaded is None:
             self.metrics.start_fresh()
-            return
-        self._restore(loaded)
-        self.resumed_from = loaded.name
-        self._saved_current_state = True
+        else:
+            self._restore(loaded)
+            self.resumed_from = loaded.name
+            self._saved_current_state = True
+            # A resumed run re-evaluates the split-boundary predicates before doing any work.
+            reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
+                                                self._elapsed(), self.config.max_time)
+            if reason is not None:
+                self.stop.request(reason)
+        if self.checkpoints is not None:
+            self.checkpoints.start(self.tree.step_counter.total)
 
     def _elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self._started
@@ -124,22 +137,19 @@ class FitRun:
             callback.on_split_end(view)
         self._saved_current_state = False
         faults.reach("split_end")
+        self._check_stop(steps)
+        if self.checkpoints is not None:
+            self.checkpoints.check()
+            if self.stop.requested or self.checkpoints.due(self._units_completed(), steps):
+                self._save(force=self.stop.requested)
+        faults.reach("split_end_after_checkpoint")
+
+    def _check_stop(self, steps: int) -> None:
+        if self.preemption.received is not None:
+            self.stop.request(self.preemption.reason)
         reason = split_boundary_stop_reason(steps, self.config.max_steps, self._elapsed(), self.config.max_time)
         if reason is not None:
             self.stop.request(reason)
-        if self.checkpoints is not None and self._split_checkpoint_due(steps):
-            self._save()
-        faults.reach("split_end_after_checkpoint")
-
-    def _split_checkpoint_due(self, steps: int) -> bool:
-        policy = self.config.checkpoint
-        if self.stop.requested:
-            return True
-        if policy.every_n_splits is not None and self._units_completed() % policy.every_n_splits == 0:
-            return True
-        if policy.every_n_steps is not None and steps // policy.every_n_steps > self._steps_at_last_save // policy.every_n_steps:
-            return True
-        return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
     def _units_completed(self) -> int:
         loop = self.tree.split if self.tree.split is not None else self.tree.epoch
@@ -151,22 +161,17 @@ class FitRun:
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)
         faults.reach("epoch_end")
-        reason = split_boundary_stop_reason(self.tree.step_counter.total, None, self._elapsed(), self.config.max_time)
-        if reason is not None:
-            self.stop.request(reason)
+        self._check_stop(self.tree.step_counter.total)
         if self.checkpoints is not None and (self.config.checkpoint.at_epoch_end or self.stop.requested):
-            self._save()
+            self._save(force=self.stop.requested)
 
     # ---- saving -----------------------------------------------------------------------
-    def _save(self) -> None:
-        metrics_bytes = self.metrics.flush(durable=True)
-        encoded = encode_state(self._state_tree(metrics_bytes))
-        progress_bytes = encode_tree(self.tree.progress_tree(self.cursor))
-        self.last_checkpoint = self.checkpoints.write(encoded, progress_bytes, self.cursor, self.writer_generation)
-        self.checkpoints.apply_retention(self.config.checkpoint.keep_last)
-        self._saved_current_state = True
-        self._last_save_time = time.monotonic()
-        self._steps_at_last_save = self.tree.step_counter.total
+    def _save(self, force: bool = False) -> None:
+        steps = self.tree.step_counter.total
+        self.metrics.flush(durable=False)
+        saved = self.checkpoints.save(self._state_tree(self.metrics.committed_bytes),
+                                      encode_tree(self.tree.progress_tree(self.cursor)), self.cursor, steps, force)
+        self._saved_current_state = saved
 
     def _state_tree(self, metrics_bytes: int) -> dict[str, Any]:
         return {
@@ -230,11 +235,11 @@ class FitRun:
                 return None
             raise CheckpointNotFound(f"resume={resume!r} needs TrainerConfig.run_dir and a checkpoint policy")
         if resume not in ("auto", "latest"):
-            return self.checkpoints.load(resume)
-        loaded = self.checkpoints.latest()
+            return self.checkpoints.store.load(resume)
+        loaded = self.checkpoints.store.latest()
         if loaded is not None:
             return loaded
-        existing = self.checkpoints.names()
+        existing = self.checkpoints.store.names()
         if existing:
             raise CheckpointCorrupt(
                 f"{len(existing)} checkpoint(s) in {self.storage.url} and none verifies; "
@@ -268,9 +273,8 @@ class FitRun:
         self._elapsed_before = float(state["elapsed_seconds"])
         self.cursor = loaded.progress.cursor
         self.view._cursor = self.cursor
-        self.view._optimizer_steps = self._steps_at_last_save = self.tree.step_counter.total
+        self.view._optimizer_steps = self.tree.step_counter.total
         self.view._epochs_completed = self.tree.fit.progress.total.completed
-        self.writer_generation = loaded.manifest.writer_generation
         restore_global_rng(rng)
 
 

@@ -20,6 +20,8 @@ class FitResult:
         resumed_from: the checkpoint this call resumed from, or None for a fresh start.
         last_checkpoint: the newest checkpoint this call wrote, or None.
         progress: every loop's progress record at the end, with the cursor.
+        preempted: the run stopped because a preemption signal arrived (a checkpoint of the
+            last completed split was committed first).
     """
 
     cursor: Cursor | None
@@ -29,3 +31,4 @@ class FitResult:
     resumed_from: str | None
     last_checkpoint: str | None
     progress: ProgressTree
+    preempted: bool = False

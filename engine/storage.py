@@ -41,7 +41,11 @@ class Storage:
         self.url = url
         self.fs = filesystem
         self.root = root.rstrip("/") or "/"
-        self.is_local = isinstance(filesystem, LocalFileSystem)
+        # A wrapping filesystem (engine.faulty_fs) keeps the protocol of what it wraps; the
+        # local fast paths below then ask it before each write so its faults still fire.
+        inner = getattr(filesystem, "inner", filesystem)
+        self.is_local = isinstance(inner, LocalFileSystem)
+        self._before_write = getattr(filesystem, "before_write", None) if self.is_local else None
         if create:
             self.fs.makedirs(self.root, exist_ok=True)
         elif not self.fs.isdir(self.root):
@@ -53,6 +57,10 @@ class Storage:
             check_name(part, "path component")
         return "/".join([self.root, *parts])
 
+    def _check_write(self) -> None:
+        if self._before_write is not None:
+            self._before_write()
+
     def makedirs(self, relative: str) -> None:
         self.fs.makedirs(self.path(relative), exist_ok=True)
 
@@ -61,6 +69,7 @@ class Storage:
         size = 0
         crc = 0
         path = self.path(relative)
+        self._check_write()
         opener = open if self.is_local else self.fs.open
         with opener(path, "wb") as handle:
             for chunk in chunks:
@@ -74,6 +83,7 @@ class Storage:
 
     def append(self, relative: str, data: bytes, durable: bool) -> None:
         path = self.path(relative)
+        self._check_write()
         if self.is_local:
             with open(path, "ab") as handle:
                 handle.write(data)
@@ -103,6 +113,17 @@ class Storage:
         del buffer[filled:]
         return buffer
 
+    def replace(self, relative: str, data: bytes) -> None:
+        """Replace a small file whole: write a temporary sibling, then rename over the target
+        (atomic on a local filesystem)."""
+        temporary = f"{relative}.{os.getpid()}.tmp"
+        self.write(temporary, [data], durable=True)
+        self._check_write()
+        if self.is_local:
+            os.replace(self.path(temporary), self.path(relative))
+        else:
+            self.fs.mv(self.path(temporary), self.path(relative))
+
     def read(self, relative: str) -> bytes:
         path = self.path(relative)
         if self.is_local:
@@ -119,6 +140,7 @@ class Storage:
     def truncate(self, relative: str, size: int) -> None:
         """Cut a file to its first ``size`` bytes."""
         path = self.path(relative)
+        self._check_write()
         if self.is_local:
             os.truncate(path, size)
             return
@@ -148,6 +170,7 @@ class Storage:
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
+        self._check_write()
         if self.is_local:
             os.rename(self.path(source), self.path(target))
         else:
@@ -158,6 +181,7 @@ class Storage:
         batches concurrent fsyncs into fewer journal commits, which halves the wait."""
         if not self.is_local:
             return
+        self._check_write()
         paths = [self.path(relative) if relative else self.root for relative in relatives]
         with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:
             for _ in pool.map(_fsync_path, paths):

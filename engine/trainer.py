@@ -10,6 +10,7 @@ from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
 from engine.errors import ConfigError
+from engine.faulty_fs import filesystem_for
 from engine.fit_run import FitRun
 from engine.result import FitResult
 from engine.storage import Storage
@@ -60,5 +61,10 @@ class Trainer:
         if not isinstance(resume, str):
             raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name, got {resume!r}")
         faults.arm_from_environment()
-        storage = Storage(self.config.run_dir) if self.config.run_dir is not None else None
-        return FitRun(self.config, self.callbacks, module, train_data, storage).run(resume)
+        storage = None
+        if self.config.run_dir is not None:
+            storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
+        result = FitRun(self.config, self.callbacks, module, train_data, storage).run(resume)
+        if result.preempted and self.config.exit_on_preemption:
+            raise SystemExit(self.config.preemption_exit_code)
+        return result

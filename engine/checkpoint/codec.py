@@ -72,7 +72,7 @@ class EncodedState:
             if offset > position:
                 chunks.append(bytes(offset - position))
             if nbytes:
-                chunks.append(memoryview(tensor_bytes_view(tensor)))
+                chunks.append(memoryview(tensor_bytes_view(tensor if tensor.device.type == "cpu" else tensor.cpu())))
             position = offset + nbytes
         return chunks
 
@@ -88,7 +88,6 @@ def encode_state(tree: Any) -> EncodedState:
     tensors: list[torch.Tensor] = []
     plain = _to_plain(tree, "state", tensors)
     devices = [str(tensor.device) for tensor in tensors]
-    tensors = [tensor if tensor.device.type == "cpu" else tensor.cpu() for tensor in tensors]
     table = []
     layout = []
     offset = 0

@@ -77,8 +77,9 @@ class CheckpointStore:
 
     # ---- writing ----------------------------------------------------------------------
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
-              generation: int, sequence: int | None = None) -> str:
-        """Commit one checkpoint; returns its name. On failure nothing partial remains visible."""
+              generation: int, sequence: int | None = None, also_sync: list[str] | tuple = ()) -> str:
+        """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
+        ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch."""
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
@@ -102,7 +103,7 @@ class CheckpointStore:
             self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
             if atomic_rename:
                 # Everything must be durable before the rename makes it visible.
-                self.storage.sync([f"{directory}/{n}" for n in (*contents, MANIFEST_FILE)] + [directory])
+                self.storage.sync([f"{directory}/{n}" for n in (*contents, MANIFEST_FILE)] + [directory, *also_sync])
                 faults.reach("checkpoint_before_rename")
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
                 faults.reach("checkpoint_after_rename")
@@ -136,6 +137,14 @@ class CheckpointStore:
                 self._discard(f"{CHECKPOINT_DIR}/{name}")
             elif self._manifest_or_none(name) is not None:
                 kept += 1
+
+    def newest_generation(self) -> int:
+        """The writer generation recorded by the newest checkpoint whose manifest parses."""
+        for name in reversed(self.names()):
+            manifest = self._manifest_or_none(name)
+            if manifest is not None:
+                return manifest.writer_generation
+        return 0
 
     def _manifest_or_none(self, name: str) -> Manifest | None:
         try:

@@ -1,0 +1,175 @@
+"""Checkpoint writers: synchronous, or in a background thread with bounded snapshots.
+
+Both take an :class:`EncodedState` (see codec) and commit it through the store; both check the
+writer lease before committing and apply retention after. The background writer copies the
+tensors into reusable buffers on the training thread (the only blocking part), then writes,
+checksums and commits them in its own thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import Callable
+
+import torch
+
+from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.lease import WriterLease
+from engine.checkpoint.store import CheckpointStore
+from engine.errors import CheckpointError, CheckpointWriteError
+from progress import Cursor
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    encoded: EncodedState
+    progress_bytes: bytes
+    cursor: Cursor | None
+    buffers: "SnapshotBuffers | None" = None
+
+
+class SnapshotBuffers:
+    """CPU tensors reused from one snapshot to the next (reallocated only when a tensor's
+    shape or dtype changes, e.g. a hidden state appearing after the first split)."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def capture(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        copies = []
+        for index, tensor in enumerate(tensors):
+            if index < len(self._buffers) and self._buffers[index].shape == tensor.shape and self._buffers[index].dtype == tensor.dtype:
+                buffer = self._buffers[index]
+            else:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                if index < len(self._buffers):
+                    self._buffers[index] = buffer
+                else:
+                    self._buffers.append(buffer)
+            buffer.copy_(tensor)
+            copies.append(buffer)
+        return copies
+
+
+class _Committer:
+    """What both writers do with a pending checkpoint."""
+
+    def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
+                 also_sync: Callable[[], list[str]]) -> None:
+        self.store = store
+        self.lease = lease
+        self.keep_last = keep_last
+        self.also_sync = also_sync
+        self.last_name: str | None = None
+
+    def commit(self, pending: PendingCheckpoint) -> None:
+        if self.lease is not None:
+            self.lease.verify()
+        generation = self.lease.generation if self.lease is not None else 0
+        self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
+                                          also_sync=self.also_sync())
+        self.store.apply_retention(self.keep_last)
+
+
+class SyncWriter(_Committer):
+    """Writes on the calling thread."""
+
+    def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
+        self.commit(pending)
+        return True
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class BackgroundWriter(_Committer):
+    """Writes in a daemon thread. ``max_in_flight`` snapshots may be queued or being written;
+    when none is free, ``when_behind="wait"`` blocks and ``"skip"`` drops the new checkpoint
+    (a forced one, the last of a run or of a preemption, always waits)."""
+
+    def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
+                 also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str) -> None:
+        super().__init__(store, lease, keep_last, also_sync)
+        self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
+        self._queue: collections.deque[PendingCheckpoint] = collections.deque()
+        self._condition = threading.Condition()
+        self._when_behind = when_behind
+        self._error: BaseException | None = None
+        self._closing = False
+        self._busy = False
+        self.skipped = 0
+        self._thread = threading.Thread(target=self._work, name="splitloop-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
+        """Snapshot and queue; returns False when the checkpoint was skipped."""
+        self.check()
+        with self._condition:
+            while not self._free:
+                if self._when_behind == "skip" and not force:
+                    self.skipped += 1
+                    return False
+                self._condition.wait()
+                self._raise_pending_locked()
+            buffers = self._free.pop()
+        encoded = pending.encoded
+        copies = buffers.capture(encoded.tensors)
+        pending.encoded = EncodedState(encoded.header, copies, encoded.layout)
+        pending.buffers = buffers
+        with self._condition:
+            self._queue.append(pending)
+            self._condition.notify_all()
+        return True
+
+    def _work(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue and not self._closing:
+                    self._condition.wait()
+                if not self._queue:
+                    return
+                pending = self._queue.popleft()
+                self._busy = True
+            try:
+                self.commit(pending)
+            except BaseException as error:  # reaches the training thread at its next boundary
+                with self._condition:
+                    if self._error is None:
+                        self._error = error
+            finally:
+                with self._condition:
+                    self._free.append(pending.buffers)
+                    self._busy = False
+                    self._condition.notify_all()
+
+    def _raise_pending_locked(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
+
+    def check(self) -> None:
+        """Raise, on the training thread, an error the background writer met."""
+        if self._error is not None:
+            with self._condition:
+                self._raise_pending_locked()
+
+    def flush(self) -> None:
+        """Wait until every queued snapshot is committed (or failed)."""
+        with self._condition:
+            while self._queue or self._busy:
+                self._condition.wait()
+
+    def close(self) -> None:
+        self.flush()
+        with self._condition:
+            self._closing = True
+            self._condition.notify_all()
+        self._thread.join()
+        self.check()

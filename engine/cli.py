@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from engine.cli_commands import run_demo, run_inspect, run_list_faults
+from engine.cli_commands import run_chaos, run_demo, run_inspect, run_list_faults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("faults", help="list the fault-injection points and kinds",
                         description="List the named fault points and fault kinds of engine.faults.")
+
+    chaos = commands.add_parser("chaos", help="run the demo under a matrix of faults and check each resume",
+                                description="Train the demo once without faults (the reference), then once per fault "
+                                            "(a fault point x kind with a random arrival count), resuming until it finishes; "
+                                            "print a table (fault -> outcome, resumed at, exact?) and a summary line.")
+    chaos.add_argument("--dir", required=True, help="work directory (one run directory per trial is made inside)")
+    chaos.add_argument("--trials", type=int, default=None, help="number of faults (default: every point x kind pair once)")
+    chaos.add_argument("--epochs", type=int, default=2, help="demo epochs per run (default 2)")
+    chaos.add_argument("--seed", type=int, default=0, help="seed for the fault order and arrival counts (default 0)")
     return parser
 
 
@@ -44,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_inspect(args.dir, as_json=args.json)
     if args.command == "faults":
         return run_list_faults()
+    if args.command == "chaos":
+        return run_chaos(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

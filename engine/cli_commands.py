@@ -91,3 +91,17 @@ def run_list_faults() -> int:
     print("fault kinds: " + ", ".join(faults.KINDS))
     print(f"arm with {faults.ENVIRONMENT_VARIABLE}=POINT:HIT:KIND[,POINT:HIT:KIND...]")
     return 0
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    from engine.chaos import chaos_faults
+    from engine.harness import check_fault_tolerance
+
+    if (args.trials is not None and args.trials <= 0) or args.epochs <= 0:
+        print("error: --trials and --epochs must be positive", file=sys.stderr)
+        return 2
+    fault_list = chaos_faults(args.trials, args.seed)
+    report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir, args=[str(args.epochs)])
+    print(report.table())
+    print(report.summary())
+    return 0 if report.all_exact else 1

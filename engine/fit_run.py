@@ -61,6 +61,7 @@ class FitRun:
         self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
+        self.resumed_cursor: Cursor | None = None
         self._saved_current_state = False
         self._elapsed_before = 0.0
         self._started = time.monotonic()
@@ -100,6 +101,7 @@ class FitRun:
             last_checkpoint=None if self.checkpoints is None else self.checkpoints.last_name,
             progress=self.tree.progress_tree(self.cursor),
             preempted=preempted,
+            resumed_cursor=self.resumed_cursor,
         )
 
     def _start(self, resume: str) -> None:
@@ -111,6 +113,7 @@ class FitRun:
         else:
             self._restore(loaded)
             self.resumed_from = loaded.name
+            self.resumed_cursor = loaded.progress.cursor
             self._saved_current_state = True
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -239,7 +242,7 @@ class FitRun:
         loaded = self.checkpoints.store.latest()
         if loaded is not None:
             return loaded
-        existing = self.checkpoints.store.names()
+        existing = self.checkpoints.store.committed_names()
         if existing:
             raise CheckpointCorrupt(
                 f"{len(existing)} checkpoint(s) in {self.storage.url} and none verifies; "

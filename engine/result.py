@@ -20,6 +20,7 @@ class FitResult:
         resumed_from: the checkpoint this call resumed from, or None for a fresh start.
         last_checkpoint: the newest checkpoint this call wrote, or None.
         progress: every loop's progress record at the end, with the cursor.
+        resumed_cursor: the cursor of the checkpoint this call resumed from.
         preempted: the run stopped because a preemption signal arrived (a checkpoint of the
             last completed split was committed first).
     """
@@ -32,3 +33,4 @@ class FitResult:
     last_checkpoint: str | None
     progress: ProgressTree
     preempted: bool = False
+    resumed_cursor: Cursor | None = None

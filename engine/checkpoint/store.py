@@ -70,6 +70,11 @@ class CheckpointStore:
         found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.match(n)]
         return sorted(found, key=lambda n: int(_NAME.match(n).group(1)))
 
+    def committed_names(self) -> list[str]:
+        """Checkpoints whose manifest exists and parses (verified or not): a directory without
+        one is an interrupted write, never a checkpoint."""
+        return [name for name in self.names() if self._manifest_or_none(name) is not None]
+
     def next_sequence(self) -> int:
         sequences = [int(m.group(1)) for n in self.storage.list_names(CHECKPOINT_DIR)
                      for m in [(_NAME.match(n) or _TEMPORARY.match(n))] if m]
@@ -111,6 +116,9 @@ class CheckpointStore:
         except OSError as error:
             self._discard(directory)
             raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
+        except BaseException:
+            self._discard(directory)
+            raise
         return name
 
     def _discard(self, directory: str) -> None:

@@ -86,3 +86,11 @@ def build_demo(seed: int) -> tuple[CharLSTM, DataLoader]:
     dataset = StreamWindows(load_corpus())
     loader = DataLoader(dataset, batch_size=None, shuffle=False)
     return CharLSTM(len(dataset.vocabulary)), loader
+
+
+def train(run_dir: str, epochs: str = "2", seed: str = "0") -> engine.FitResult:
+    """The demo as a training function for :mod:`engine.harness` and ``python -m engine chaos``:
+    checkpoints every split into ``run_dir`` and resumes from it."""
+    module, loader = build_demo(int(seed))
+    config = engine.TrainerConfig(max_epochs=int(epochs), run_dir=run_dir, progress_bar="off")
+    return engine.Trainer(config).fit(module, loader)

@@ -1,0 +1,40 @@
+"""``python -m engine chaos``: the demo under a matrix of faults, each resumed and compared."""
+
+from __future__ import annotations
+
+import random
+
+from engine.faults import Fault
+
+LOOP_POINTS = ["step_start", "after_backward", "after_optimizer_step", "split_end",
+               "split_end_after_checkpoint", "batch_end", "epoch_end"]
+CHECKPOINT_POINTS = ["checkpoint_before_file", "checkpoint_after_file", "checkpoint_before_manifest",
+                     "checkpoint_before_rename", "checkpoint_after_rename", "checkpoint_retention"]
+
+# Highest arrival count to draw from, per point, for a demo run of 2 epochs
+# (48 splits, 48 optimizer steps, 12 batches, ~50 checkpoints of 3 data files each).
+_HIT_RANGE = {
+    "step_start": 40, "after_backward": 40, "after_optimizer_step": 40, "split_end": 40,
+    "split_end_after_checkpoint": 40, "batch_end": 10, "epoch_end": 2,
+    "checkpoint_before_file": 120, "checkpoint_after_file": 120, "checkpoint_before_manifest": 40,
+    "checkpoint_before_rename": 40, "checkpoint_after_rename": 40, "checkpoint_retention": 38,
+    "filesystem_write": 200,
+}
+
+
+def fault_matrix() -> list[tuple[str, str]]:
+    """The (point, kind) pairs that make sense for the demo."""
+    pairs = [(point, kind) for point in LOOP_POINTS for kind in ("sigkill", "raise", "sigterm")]
+    pairs += [(point, kind) for point in CHECKPOINT_POINTS for kind in ("sigkill", "raise", "enospc")]
+    pairs += [("filesystem_write", "enospc"), ("filesystem_write", "eio")]
+    return pairs
+
+
+def chaos_faults(trials: int | None, seed: int) -> list[Fault]:
+    """``trials`` faults (all pairs when None), in a shuffled order with random arrival counts."""
+    rng = random.Random(seed)
+    pairs = fault_matrix()
+    rng.shuffle(pairs)
+    if trials is not None:
+        pairs = [pairs[i % len(pairs)] for i in range(trials)]
+    return [Fault(point, rng.randint(1, _HIT_RANGE[point]), kind) for point, kind in pairs]

@@ -1,0 +1,235 @@
+"""Check that a training function survives faults: run it under each fault, resume until it
+finishes, and compare the result with an uninterrupted reference, bit for bit.
+
+Usable from pytest in a user's own project::
+
+    from engine.faults import Fault
+    from engine.harness import check_fault_tolerance
+
+    def test_my_training_survives_faults(tmp_path):
+        report = check_fault_tolerance("mypackage.train:main", [
+            Fault("split_end", 7, "sigkill"),
+            Fault("checkpoint_before_manifest", 3, "sigkill"),
+            Fault("filesystem_write", 40, "enospc"),
+        ], work_dir=str(tmp_path))
+        assert report.all_exact, report.table()
+
+``"mypackage.train:main"`` names a function ``main(run_dir, *args) -> engine.FitResult`` that
+builds its model and data from a fixed seed and calls ``Trainer.fit`` with
+``TrainerConfig(run_dir=run_dir, ...)``. It runs in a fresh subprocess for every attempt
+(``python -m engine.harness MODULE:FUNCTION RUN_DIR ARGS...``), so SIGKILL faults work. A Python
+callable instead of a string runs in this process (faults of kind ``sigkill`` are then refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Callable, Sequence
+
+import fsspec
+import torch
+
+from engine import faults
+from engine.checkpoint.store import CheckpointStore
+from engine.errors import ConfigError, EngineError
+from engine.faults import Fault
+from engine.metrics_log import METRICS_FILE
+from engine.result import FitResult
+from engine.storage import Storage
+
+RESULT_PREFIX = "SPLITLOOP_RESULT "
+TrainFunction = Callable[..., FitResult]
+
+
+@dataclasses.dataclass
+class Trial:
+    """One fault: what happened when it fired, where the run resumed, whether it was exact."""
+
+    fault: Fault
+    outcome: str
+    resumed_from: str | None
+    resumed_cursor: tuple[int, int, int, int] | None
+    attempts: int
+    differences: list[str]
+
+    @property
+    def exact(self) -> bool:
+        return self.outcome != "never fired" and not self.differences
+
+
+@dataclasses.dataclass
+class FaultReport:
+    reference_dir: str
+    trials: list[Trial]
+
+    @property
+    def all_exact(self) -> bool:
+        return all(trial.exact for trial in self.trials)
+
+    def table(self) -> str:
+        rows = [f"{'fault':<44} {'outcome':<18} {'resumed at':<26} exact"]
+        for trial in self.trials:
+            where = "-" if trial.resumed_cursor is None else "epoch {} batch {} split {}".format(*trial.resumed_cursor[:3])
+            verdict = "yes" if trial.exact else "NO: " + "; ".join(trial.differences[:3] or [trial.outcome])
+            rows.append(f"{trial.fault.encode():<44} {trial.outcome:<18} {where:<26} {verdict}")
+        return "\n".join(rows)
+
+    def summary(self) -> str:
+        exact = sum(trial.exact for trial in self.trials)
+        return f"chaos: {len(self.trials)} trials, {exact} exact, {len(self.trials) - exact} failed"
+
+
+def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault | str], work_dir: str,
+                          args: Sequence[str] = (), max_attempts: int = 20, timeout: float = 600.0) -> FaultReport:
+    """Run ``train`` once without faults (the reference), then once per fault: with the fault
+    armed, then again without it until it finishes; compare each final state with the
+    reference (:func:`compare_runs`)."""
+    parsed = [fault if isinstance(fault, Fault) else faults.parse_faults(fault)[0] for fault in fault_list]
+    if callable(train) and any(fault.kind == "sigkill" for fault in parsed):
+        raise ConfigError("faults of kind 'sigkill' need train given as 'module:function' (a subprocess)")
+    attempt = _subprocess_attempt if isinstance(train, str) else _in_process_attempt
+    reference = os.path.join(work_dir, "reference")
+    outcome, _ = attempt(train, reference, None, args, timeout)
+    if outcome != "completed":
+        raise EngineError(f"the reference run did not complete: {outcome}")
+    trials = []
+    for index, fault in enumerate(parsed):
+        run_dir = os.path.join(work_dir, f"trial-{index:03d}")
+        outcome, _ = attempt(train, run_dir, fault, args, timeout)
+        resumed: FitResult | dict | None = None
+        attempts = 1
+        last = outcome
+        while last != "completed" and attempts < max_attempts:
+            last, result = attempt(train, run_dir, None, args, timeout)
+            resumed = resumed or result
+            attempts += 1
+        if outcome == "completed":
+            outcome = "never fired"
+        differences = compare_runs(reference, run_dir) if last == "completed" else [f"did not finish: {last}"]
+        resumed_from, cursor = _resume_point(resumed)
+        trials.append(Trial(fault, outcome, resumed_from, cursor, attempts, differences))
+    return FaultReport(reference, trials)
+
+
+def _resume_point(result: Any) -> tuple[str | None, tuple[int, int, int, int] | None]:
+    if result is None:
+        return None, None
+    if isinstance(result, FitResult):
+        cursor = result.resumed_cursor
+        return result.resumed_from, None if cursor is None else cursor.as_tuple()
+    cursor = result.get("resumed_cursor")
+    return result.get("resumed_from"), None if cursor is None else tuple(cursor)
+
+
+def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None, args: Sequence[str],
+                        timeout: float) -> tuple[str, FitResult | None]:
+    faults.inject([fault] if fault else [])
+    saved = os.environ.pop(faults.ENVIRONMENT_VARIABLE, None)
+    try:
+        result = train(run_dir, *args)
+        return ("preempted" if getattr(result, "preempted", False) else "completed"), result
+    except SystemExit as exit_info:
+        return f"exit {exit_info.code}", None
+    except (EngineError, OSError) as error:
+        return f"raised {type(error).__name__}", None
+    finally:
+        faults.clear()
+        if saved is not None:
+            os.environ[faults.ENVIRONMENT_VARIABLE] = saved
+
+
+def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Sequence[str],
+                        timeout: float) -> tuple[str, dict | None]:
+    env = dict(os.environ)
+    env.pop(faults.ENVIRONMENT_VARIABLE, None)
+    if fault is not None:
+        env[faults.ENVIRONMENT_VARIABLE] = fault.encode()
+    process = subprocess.run([sys.executable, "-m", "engine.harness", train, run_dir, *args],
+                             env=env, capture_output=True, text=True, timeout=timeout)
+    result = None
+    for line in process.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            result = json.loads(line[len(RESULT_PREFIX):])
+    if process.returncode == 0:
+        return "completed", result
+    if process.returncode < 0:
+        return f"killed by signal {-process.returncode}", result
+    return f"exit {process.returncode}", result
+
+
+def compare_runs(reference_dir: str, other_dir: str) -> list[str]:
+    """Differences between the final states of two runs (empty when bit-identical): model,
+    optimizers, schedulers, loop states, RNG, callbacks, progress counters, metrics.jsonl."""
+    loaded = []
+    for run_dir in (reference_dir, other_dir):
+        latest = CheckpointStore(Storage(run_dir, create=False), create=False).latest()
+        if latest is None:
+            return [f"{run_dir} holds no valid checkpoint"]
+        loaded.append(latest)
+    differences: list[str] = []
+    for key in ("module", "optimizers", "schedulers", "loops", "rng", "callbacks", "metrics_bytes"):
+        _compare(loaded[0].state[key], loaded[1].state[key], key, differences)
+    if loaded[0].progress.to_dict() != loaded[1].progress.to_dict():
+        differences.append("progress counters differ")
+    if _read_metrics(reference_dir) != _read_metrics(other_dir):
+        differences.append(f"{METRICS_FILE} differs")
+    return differences
+
+
+def _read_metrics(run_dir: str) -> bytes:
+    fs, root = fsspec.core.url_to_fs(run_dir)
+    path = f"{root.rstrip('/')}/{METRICS_FILE}"
+    return fs.cat_file(path) if fs.exists(path) else b""
+
+
+def _compare(a: Any, b: Any, path: str, differences: list[str]) -> None:
+    if len(differences) >= 20:
+        return
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b)):
+            differences.append(f"{path} differs")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            differences.append(f"{path}: keys differ")
+            return
+        for key in a:
+            _compare(a[key], b[key], f"{path}.{key}", differences)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            differences.append(f"{path}: lengths or types differ")
+            return
+        for index, (x, y) in enumerate(zip(a, b)):
+            _compare(x, y, f"{path}[{index}]", differences)
+    elif a != b:
+        differences.append(f"{path}: {a!r} != {b!r}")
+
+
+def _load_function(spec: str) -> TrainFunction:
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ConfigError(f"train function {spec!r}: expected 'module:function'")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Subprocess entry: ``python -m engine.harness MODULE:FUNCTION RUN_DIR [ARGS...]``."""
+    if len(argv) < 2:
+        print("usage: python -m engine.harness MODULE:FUNCTION RUN_DIR [ARGS...]", file=sys.stderr)
+        return 2
+    result = _load_function(argv[0])(argv[1], *argv[2:])
+    if isinstance(result, FitResult):
+        cursor = None if result.resumed_cursor is None else list(result.resumed_cursor.as_tuple())
+        print(RESULT_PREFIX + json.dumps({"resumed_from": result.resumed_from, "resumed_cursor": cursor}), flush=True)
+        if result.preempted:
+            return 75
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

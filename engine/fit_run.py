@@ -74,11 +74,12 @@ class FitRun:
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 self.tree.fit.run()
-                if self.checkpoints is not None and not self._saved_current_state:
-                    self._save(force=True)
-                self.metrics.flush(durable=False)
                 if self.checkpoints is not None:
+                    if not self._saved_current_state:
+                        self._save(force=True)
                     self.checkpoints.close(failing=False)
+                else:
+                    self.metrics.flush(durable=False)
             except BaseException:
                 if self.checkpoints is not None:
                     self.checkpoints.close(failing=True)

@@ -22,6 +22,7 @@ class MetricsLog:
         self._storage = storage
         self._buffer: list[str] = []
         self.committed_bytes = 0
+        self._append_failed = False
 
     def start_fresh(self) -> None:
         if self._storage is None:
@@ -67,7 +68,12 @@ class MetricsLog:
         """Write buffered lines; returns the committed length in bytes."""
         if self._buffer and self._storage is not None:
             data = ("\n".join(self._buffer) + "\n").encode()
+            if self._append_failed:
+                # A failed append (ENOSPC, EIO) may have left part of a line behind.
+                self._storage.truncate(METRICS_FILE, self.committed_bytes)
+            self._append_failed = True
             self._storage.append(METRICS_FILE, data, durable)
+            self._append_failed = False
             self.committed_bytes += len(data)
         self._buffer.clear()
         return self.committed_bytes

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
@@ -44,21 +45,22 @@ def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int 
 def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_delay: float, *args: str) -> bool:
     """Start the scenario, wait until it trains, SIGKILL it after a random delay. Returns
     False if it finished before the kill."""
-    process = subprocess.Popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = process.stdout.readline()
-        if not line.startswith("training"):
+    with tempfile.TemporaryFile(mode="w+") as stderr:  # a file, so a chatty child never blocks on a pipe
+        process = subprocess.Popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
+                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            line = process.stdout.readline()
+            if not line.startswith("training"):
+                process.wait(TIMEOUT)
+                stderr.seek(0)
+                assert process.returncode == 0, stderr.read()[-3000:]
+                return False
+            time.sleep(rng.uniform(0.0, max_delay))
+            process.send_signal(signal.SIGKILL)
             process.wait(TIMEOUT)
-            assert process.returncode == 0, process.stderr.read()[-3000:]
-            return False
-        time.sleep(rng.uniform(0.0, max_delay))
-        process.send_signal(signal.SIGKILL)
-        process.wait(TIMEOUT)
-        return process.returncode == -signal.SIGKILL
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stdout.close()
-        process.stderr.close()
+            return process.returncode == -signal.SIGKILL
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            process.stdout.close()

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import random
 import sys
+import time
 from typing import Any, Callable
 
 import torch
@@ -234,6 +235,16 @@ class AnnounceStart(engine.Callback):
         print("training", flush=True)
 
 
+class SlowDown(engine.Callback):
+    """Sleeps after every split (changes no number), to keep a process alive for a while."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        time.sleep(self.seconds)
+
+
 def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str = "auto",
                            every: int = 1, keep_last: int | None = 3, asynchronous: bool = False,
                            callbacks: tuple = (), **extra: Any) -> engine.FitResult:
@@ -254,9 +265,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each split")
     args = parser.parse_args(argv)
+    callbacks = (AnnounceStart(), SlowDown(args.sleep)) if args.sleep else (AnnounceStart(),)
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
-                                    asynchronous=args.asynchronous, callbacks=(AnnounceStart(),))
+                                    asynchronous=args.asynchronous, callbacks=callbacks)
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0
 

@@ -12,7 +12,7 @@ from kill_helpers import kill_at_random_instant, run_scenario, run_until_done
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,437 @@
+"""Checkpoint overhead on training: no checkpoints, synchronous and asynchronous checkpoints.
+
+What is measured: the wall time of one training run (``engine.Trainer.fit``, Adam, TBPTT, one
+epoch, ``resume="off"``, built model excluded from the timing) run three ways:
+
+* ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
+* ``sync``: a checkpoint after every split, ``CheckpointConfig(every_n_splits=1, keep_last=2)``,
+  written on the training thread;
+* ``async``: the same with ``asynchronous=True`` (``max_in_flight=1``, ``when_behind="wait"``):
+  the training thread encodes the state and copies its tensors into reused buffers, a
+  background thread writes, fsyncs and commits.
+
+Each checkpointing run gets a fresh run directory, created under the current directory (or
+``--dir``) on a real filesystem, never /dev/shm, and deleted (untimed) after the run;
+``os.sync()`` runs (untimed) before every run so that no run pays for another's dirty pages.
+With ``at_epoch_end`` left at its default, a run of N splits writes N + 1 checkpoints (the
+epoch-end checkpoint follows the last split's).
+
+Two models, both character-level LSTM language models (embedding -> LSTM -> linear):
+
+* ``small``: embedding 32, LSTM hidden 128, vocabulary 64 (about 0.1M parameters, a 1.2 MB
+  checkpoint), batches of 16 x 256 cut into 8 TBPTT splits of 32 steps; 10 ms-scale splits, so
+  the fixed per-checkpoint costs (6 fsyncs, a rename, retention) dominate.
+* ``25M``: vocabulary 4096, embedding 1024, 2-layer LSTM hidden 1024 (25.2M parameters, a
+  300 MB checkpoint with Adam's two moments), batches of 8 x 64 cut into 4 splits of 16 steps.
+
+The three ways run interleaved in rounds (the first way of a round rotates: A B C, B C A, C A B,
+...); after an untimed warm-up of each way (one split). Reported per model: the median wall
+time of each way, and the medians of the per-round ratios sync / none and async / none (each
+round runs under the same machine conditions, so a per-round ratio cancels slow drift that a
+ratio of two medians would not). Also reported: the steady-state time per split (first to last
+split end, which leaves out the end of the run: the epoch-end checkpoint and the final flush),
+and where each checkpoint's time goes, from timers wrapped (in this script only) around
+``FitRun._save`` (everything the training thread spends on one checkpoint), ``encode_state``,
+``BackgroundWriter.submit`` (waiting for a free buffer set, then the copy),
+``SnapshotBuffers.capture`` (the copy) and ``_Committer.commit`` (the write, in the background
+thread when asynchronous). The script checks with ``torch.equal`` that the three ways end with
+identical parameters in every round: checkpoints must not change training.
+
+Blocking against a plain copy: for each model, after its runs, ``encode_state`` of the state
+tree plus ``SnapshotBuffers.capture`` of its tensors into buffers allocated by a warm-up capture
+(the reuse the engine does from one checkpoint to the next) is timed against
+``[t.clone() for t in tensors]`` of the same tensors (model ``state_dict`` and optimizer state),
+interleaved, median of per-pair ratios; the goal is <= 1.2. A ``copy_`` into preallocated
+buffers is printed too, as the floor. The same clone time also divides the real runs'
+median blocking time per asynchronous checkpoint.
+
+Reproduce (from the repository root, in the environment of the README)::
+
+    python benchmarks/checkpoint_overhead.py            # 3 rounds per model, 3-4 min on 2 cores
+    python benchmarks/checkpoint_overhead.py --quick    # 1 round, shorter runs, 40-60 s
+
+The last line is ``async every-split overhead ratio: X.XXX (async every split / no checkpoints,
+25M model)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+import engine
+import engine.checkpointing
+from engine.checkpoint.codec import encode_state
+from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _Committer
+from engine.fit_run import FitRun
+from engine.rng import capture_global_rng
+
+# One intra-op thread: on a 2-core machine shared with other work, 2 threads oversubscribe; it
+# also leaves the second core to the background writer, as a GPU job leaves CPU cores free.
+THREADS = 1
+SEED = 1234
+WAYS = ("none", "sync", "async")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Hidden = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One model and the data of one run."""
+
+    label: str
+    vocabulary: int
+    embedding: int
+    hidden: int
+    layers: int
+    batch_size: int
+    sequence_length: int
+    split_length: int
+    batches: int
+
+
+SMALL = Workload("small", vocabulary=64, embedding=32, hidden=128, layers=1,
+                 batch_size=16, sequence_length=256, split_length=32, batches=10)
+# The 25M model: a step (forward, backward, Adam) of 8 sequences x 16 time steps takes about
+# 0.9-1.3 s on one core, against about 50 ms to copy its 300 MB of state into reused buffers
+# (20-25x) and 0.7-1.3 s to write and fsync that state on this machine's disk. A realistic
+# ratio: large enough that a snapshot is a small part of a step, and a step long enough that
+# the background writer can keep up with a checkpoint every split, which is the case
+# asynchronous checkpoints are for. With shorter splits the writer, not the engine, sets the
+# pace (``when_behind="wait"``), and the async figure measures the disk.
+LARGE = Workload("25M", vocabulary=4096, embedding=1024, hidden=1024, layers=2,
+                 batch_size=8, sequence_length=64, split_length=16, batches=2)
+
+
+class LanguageModel(engine.Module):
+    """Embedding -> LSTM -> linear, trained with TBPTT and Adam."""
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__()
+        self.tbptt_split_length = workload.split_length
+        self.embed = torch.nn.Embedding(workload.vocabulary, workload.embedding)
+        self.rnn = torch.nn.LSTM(workload.embedding, workload.hidden, num_layers=workload.layers, batch_first=True)
+        self.head = torch.nn.Linear(workload.hidden, workload.vocabulary)
+
+    def training_step(self, batch: Batch, hidden: Hidden | None) -> tuple[torch.Tensor, Hidden]:
+        inputs, targets = batch
+        output, hidden = self.rnn(self.embed(inputs), hidden)
+        loss = torch.nn.functional.cross_entropy(self.head(output).flatten(0, 1), targets.flatten())
+        return loss, hidden
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def make_batches(workload: Workload) -> list[Batch]:
+    """The run's batches of (inputs, next-character targets), the same on every call."""
+    generator = torch.Generator().manual_seed(SEED)
+    batches = []
+    for _ in range(workload.batches):
+        shape = (workload.batch_size, workload.sequence_length + 1)
+        codes = torch.randint(workload.vocabulary, shape, generator=generator)
+        batches.append((codes[:, :-1].contiguous(), codes[:, 1:].contiguous()))
+    return batches
+
+
+def fresh_model(workload: Workload) -> LanguageModel:
+    torch.manual_seed(SEED)
+    return LanguageModel(workload)
+
+
+# ---- timers around the engine's checkpoint path (this script only) ----------------------------
+class CheckpointTimers:
+    """Wraps the engine functions a checkpoint goes through and records each call's seconds,
+    by label. ``_Committer.commit`` runs in the writer thread when asynchronous; appending to a
+    list is atomic under the GIL."""
+
+    TARGETS = (
+        (FitRun, "_save", "save"),
+        (engine.checkpointing, "encode_state", "encode"),
+        (BackgroundWriter, "submit", "submit"),
+        (SnapshotBuffers, "capture", "capture"),
+        (_Committer, "commit", "commit"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = collections.defaultdict(list)
+        self._originals: list[tuple[object, str, Callable[..., Any]]] = []
+
+    def install(self) -> None:
+        for owner, name, label in self.TARGETS:
+            original = getattr(owner, name)
+            self._originals.append((owner, name, original))
+            setattr(owner, name, self._timed(original, label))
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+        self._originals.clear()
+
+    def take(self) -> dict[str, list[float]]:
+        """The seconds recorded since the last call, and a fresh start."""
+        taken, self.seconds = dict(self.seconds), collections.defaultdict(list)
+        return taken
+
+    def _timed(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[label].append(time.perf_counter() - started)
+        return timed
+
+
+class SplitClock(engine.Callback):
+    """When each split ended (``time.perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.ends.append(time.perf_counter())
+
+    def per_split_seconds(self) -> float:
+        """Steady state: first to last split end, over the splits in between (each with its
+        checkpoint); the end of the run is left out."""
+        return (self.ends[-1] - self.ends[0]) / max(1, len(self.ends) - 1)
+
+
+# ---- one run ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunResult:
+    seconds: float
+    per_split_seconds: float
+    timers: dict[str, list[float]]
+    model: LanguageModel
+
+
+def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
+    if way == "none":
+        return None
+    return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=way == "async")
+
+
+def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, timers: CheckpointTimers,
+              max_steps: int | None = None) -> RunResult:
+    """One fresh run of ``way`` in a fresh run directory (model built outside the timing)."""
+    model = fresh_model(workload)
+    run_dir = None if way == "none" else tempfile.mkdtemp(prefix=f"{workload.label}-{way}-", dir=work)
+    config = engine.TrainerConfig(max_epochs=1, max_steps=max_steps, run_dir=run_dir,
+                                  checkpoint=checkpoint_policy(way), progress_bar="off")
+    clock = SplitClock()
+    os.sync()
+    timers.take()
+    started = time.perf_counter()
+    engine.Trainer(config, callbacks=[clock]).fit(model, batches, resume="off")
+    seconds = time.perf_counter() - started
+    recorded = timers.take()
+    if run_dir is not None:
+        shutil.rmtree(run_dir)
+    return RunResult(seconds, clock.per_split_seconds(), recorded, model)
+
+
+def same_parameters(models: list[torch.nn.Module]) -> bool:
+    first = models[0].state_dict()
+    return all(torch.equal(first[key], other.state_dict()[key]) for other in models[1:] for key in first)
+
+
+def run_rounds(workload: Workload, repeats: int, work: str, timers: CheckpointTimers) -> list[dict[str, RunResult]]:
+    """``repeats`` rounds of the three ways back to back, the first way rotating."""
+    batches = make_batches(workload)
+    for way in WAYS:  # warm-up, untimed: first-call costs of each way
+        timed_run(workload, way, batches, work, timers, max_steps=1)
+    rounds = []
+    for index in range(repeats):
+        order = WAYS[index % 3:] + WAYS[:index % 3]
+        results = {way: timed_run(workload, way, batches, work, timers) for way in order}
+        equal = same_parameters([results[way].model for way in WAYS])
+        print(f"  round {index + 1}: " + ", ".join(f"{way} {results[way].seconds:.2f} s" for way in WAYS)
+              + f"; sync/none {results['sync'].seconds / results['none'].seconds:.3f}, "
+              f"async/none {results['async'].seconds / results['none'].seconds:.3f}; parameters equal: {equal}")
+        if not equal:
+            raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
+        for result in results.values():
+            result.model = None  # keep memory flat: 25M-parameter models are 100 MB each
+        rounds.append(results)
+    return rounds
+
+
+# ---- reporting the runs -------------------------------------------------------------------------
+def median_ratio(rounds: list[dict[str, RunResult]], way: str, field: str = "seconds") -> float:
+    """Median of the per-round ratios ``way`` / none (see the module docstring)."""
+    return statistics.median(getattr(r[way], field) / getattr(r["none"], field) for r in rounds)
+
+
+def median_per_checkpoint(rounds: list[dict[str, RunResult]], way: str, label: str) -> float:
+    """Median seconds of one call of ``label`` over every checkpoint of every round of ``way``."""
+    values = [value for r in rounds for value in r[way].timers.get(label, [])]
+    return statistics.median(values) if values else 0.0
+
+
+def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> float:
+    """Print the run figures of one model; returns the async / none ratio."""
+    wall = {way: statistics.median(r[way].seconds for r in rounds) for way in WAYS}
+    split = {way: statistics.median(r[way].per_split_seconds for r in rounds) for way in WAYS}
+    checkpoints = len(rounds[0]["sync"].timers.get("save", []))
+    print(f"{workload.label}: median wall time none {wall['none']:.3f} s, sync {wall['sync']:.3f} s, "
+          f"async {wall['async']:.3f} s ({checkpoints} checkpoints per run)")
+    print(f"{workload.label}: ratio sync/none {median_ratio(rounds, 'sync'):.3f}, "
+          f"async/none {median_ratio(rounds, 'async'):.3f} (medians of {len(rounds)} per-round ratios)")
+    print(f"{workload.label}: steady state per split none {split['none'] * 1e3:.1f} ms, "
+          f"sync {split['sync'] * 1e3:.1f} ms, async {split['async'] * 1e3:.1f} ms; ratio sync/none "
+          f"{median_ratio(rounds, 'sync', 'per_split_seconds'):.3f}, async/none "
+          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f} (end of run left out)")
+    report_checkpoint_breakdown(workload, rounds)
+    return median_ratio(rounds, "async")
+
+
+def report_checkpoint_breakdown(workload: Workload, rounds: list[dict[str, RunResult]]) -> None:
+    """Where one checkpoint's time goes, medians over every checkpoint of every round."""
+    def ms(way: str, label: str) -> float:
+        return median_per_checkpoint(rounds, way, label) * 1e3
+
+    print(f"{workload.label}: per sync checkpoint, training thread blocked {ms('sync', 'save'):.1f} ms "
+          f"(encode {ms('sync', 'encode'):.1f} ms, write and commit {ms('sync', 'commit'):.1f} ms)")
+    capture, submit = ms("async", "capture"), ms("async", "submit")
+    print(f"{workload.label}: per async checkpoint, training thread blocked {ms('async', 'save'):.1f} ms "
+          f"(encode {ms('async', 'encode'):.1f} ms, submit {submit:.1f} ms = copy into buffers {capture:.1f} ms "
+          f"+ wait for the writer ~{submit - capture:.1f} ms); background write and commit "
+          f"{ms('async', 'commit'):.1f} ms")
+
+
+# ---- blocking time against a plain copy ---------------------------------------------------------
+def trained_state_tree(workload: Workload) -> dict[str, Any]:
+    """What ``FitRun._state_tree`` holds that has tensors: module, Adam after two steps, RNG."""
+    model = fresh_model(workload)
+    config = engine.TrainerConfig(max_steps=2, run_dir=None, checkpoint=None, progress_bar="off")
+    engine.Trainer(config).fit(model, make_batches(workload)[:1], resume="off")
+    optimizer = model._engine_optimizers[0]
+    return {"module": model.state_dict(), "optimizers": [optimizer.state_dict()],
+            "rng": capture_global_rng().to_state()}
+
+
+def time_call(function: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
+
+
+def interleaved_pairs(first: Callable[[], float], second: Callable[[], float], repeats: int) -> Iterator[tuple[float, float]]:
+    """``repeats`` pairs (first, second) timed back to back; odd pairs run second first."""
+    for index in range(repeats):
+        if index % 2 == 0:
+            a = first()
+            yield a, second()
+        else:
+            b = second()
+            yield first(), b
+
+
+def report_blocking(workload: Workload, rounds: list[dict[str, RunResult]] | None, repeats: int) -> float:
+    """Print the asynchronous blocking time against a clone; returns the micro-benchmark ratio."""
+    tree = trained_state_tree(workload)
+    tensors = encode_state(tree).tensors
+    megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+    buffers = SnapshotBuffers()
+    buffers.capture(tensors)  # warm-up: allocates the buffers the engine then reuses
+    floor = [torch.empty_like(t) for t in tensors]
+
+    def blocking() -> float:
+        return time_call(lambda: buffers.capture(encode_state(tree).tensors))
+
+    def clone() -> float:
+        return time_call(lambda: [t.clone() for t in tensors])
+
+    pairs = list(interleaved_pairs(blocking, clone, repeats))
+    copy_seconds = statistics.median(time_call(lambda: [b.copy_(t) for b, t in zip(floor, tensors)]) for _ in range(repeats))
+    blocking_ms = statistics.median(b for b, _ in pairs) * 1e3
+    clone_ms = statistics.median(c for _, c in pairs) * 1e3
+    ratio = statistics.median(b / c for b, c in pairs)
+    print(f"{workload.label}: blocking per async checkpoint, {len(tensors)} tensors, {megabytes:.1f} MB: "
+          f"encode_state + capture {blocking_ms:.2f} ms, clone {clone_ms:.2f} ms, ratio {ratio:.3f} "
+          f"(goal <= 1.2); copy_ into preallocated tensors {copy_seconds * 1e3:.2f} ms (the floor)")
+    if rounds is not None:
+        real_ms = median_per_checkpoint(rounds, "async", "save") * 1e3
+        print(f"{workload.label}: in the runs, FitRun._save per async checkpoint {real_ms:.2f} ms "
+              f"= {real_ms / clone_ms:.3f} x the clone")
+    return ratio
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 3, 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="one round of shorter runs, for tests")
+    parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
+    arguments = parser.parse_args()
+    if arguments.repeats is None:
+        arguments.repeats = 1 if arguments.quick else 3
+    if arguments.repeats < 1:
+        parser.error("--repeats must be positive")
+    return arguments
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem ``path`` is on, from /proc/mounts (longest mount prefix)."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                mount_point = fields[1]
+                if (path == mount_point or path.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) > len(best):
+                    best, kind = mount_point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def workloads(quick: bool) -> list[Workload]:
+    if not quick:
+        return [SMALL, LARGE]
+    return [dataclasses.replace(SMALL, batches=3), dataclasses.replace(LARGE, batches=1)]
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    torch.set_num_threads(THREADS)
+    work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_overhead-", dir=arguments.dir or os.getcwd()))
+    kind = filesystem_type(work)
+    print(f"temporary directory {work} ({kind}), torch {torch.__version__}, torch threads {THREADS}")
+    if kind in ("tmpfs", "ramfs"):
+        print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
+    timers = CheckpointTimers()
+    timers.install()
+    ratio = None
+    try:
+        for workload in workloads(arguments.quick):
+            splits = workload.batches * workload.sequence_length // workload.split_length
+            parameters = sum(p.numel() for p in fresh_model(workload).parameters())
+            print(f"{workload.label}: LSTM {workload.layers}x{workload.hidden}, {parameters / 1e6:.2f}M parameters, "
+                  f"{workload.batches} batches of {workload.batch_size}x{workload.sequence_length}, "
+                  f"{splits} splits of {workload.split_length} per run")
+            rounds = run_rounds(workload, arguments.repeats, work, timers)
+            ratio = report_runs(workload, rounds)
+            report_blocking(workload, rounds, repeats=5 if arguments.quick else 9)
+    finally:
+        timers.uninstall()
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"async every-split overhead ratio: {ratio:.3f} (async every split / no checkpoints, 25M model)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Asynchronous checkpoints: same checkpoints as synchronous ones, bounded snapshots, reused
+buffers, background errors surfacing on the training thread, pending writes flushed on exit."""
+
+import time
+import uuid
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.writer import SnapshotBuffers
+from engine.storage import Storage
+from progress import Cursor
+from resume_helpers import assert_same_run, copy_run_until
+from scenarios import train_with_checkpoints
+
+
+def memory_url():
+    return f"memory://async-{uuid.uuid4().hex}"
+
+
+def test_async_run_equals_sync_run(tmp_path):
+    sync_dir = str(tmp_path / "sync")
+    async_dir = str(tmp_path / "async")
+    train_with_checkpoints("accumulate_splits", sync_dir, keep_last=None)
+    train_with_checkpoints("accumulate_splits", async_dir, keep_last=None, asynchronous=True)
+    assert_same_run(sync_dir, async_dir)
+    sync_names = CheckpointStore(Storage(sync_dir)).names()
+    assert CheckpointStore(Storage(async_dir)).names() == sync_names  # none skipped with "wait"
+
+
+def test_resume_from_every_async_checkpoint():
+    reference = memory_url()
+    train_with_checkpoints("tbptt_several_optimizers", reference, keep_last=None, asynchronous=True)
+    names = CheckpointStore(Storage(reference)).names()
+    for name in names[:-1:3]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        assert train_with_checkpoints("tbptt_several_optimizers", resumed, asynchronous=True).resumed_from == name
+        assert_same_run(reference, resumed)
+
+
+def slow_writes(monkeypatch, seconds):
+    original = CheckpointStore.write
+
+    def write(self, *args, **kwargs):
+        time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "write", write)
+
+
+def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp_path):
+    slow_writes(monkeypatch, 0.05)
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference)
+    run_dir = memory_url()
+    from scenarios import build
+
+    model, loader = build("tbptt")
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip")
+    config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
+                                  gradient_clip_val=0.5)
+    result = engine.Trainer(config).fit(model, loader)
+    names = CheckpointStore(Storage(run_dir)).names()
+    assert 1 < len(names) < 26  # some were skipped, the last one (forced) was not
+    assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == result.cursor == Cursor(1, 2, 3, 0)
+    assert_same_run(reference, run_dir)
+
+
+def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
+    slow_writes(monkeypatch, 0.02)
+    in_flight = []
+    from engine.checkpoint import writer as writer_module
+
+    original_submit = writer_module.BackgroundWriter.submit
+
+    def submit(self, pending, force=False):
+        written = original_submit(self, pending, force)
+        in_flight.append(len(self._queue) + int(self._busy))
+        return written
+
+    monkeypatch.setattr(writer_module.BackgroundWriter, "submit", submit)
+    train_with_checkpoints("tbptt", str(tmp_path / "run"), asynchronous=True)
+    assert in_flight and max(in_flight) <= 1
+
+
+def test_snapshot_buffers_are_reused():
+    buffers = SnapshotBuffers()
+    tensors = [torch.randn(3, 4), torch.arange(5)]
+    first = buffers.capture(tensors)
+    tensors[0].add_(1.0)
+    second = buffers.capture(tensors)
+    assert all(a is b for a, b in zip(first, second))
+    assert torch.equal(second[0], tensors[0]) and second[0].data_ptr() != tensors[0].data_ptr()
+    third = buffers.capture([torch.randn(2, 2), torch.arange(5)])
+    assert third[0] is not first[0] and third[1] is first[1]
+
+
+class RaiseAt(engine.Callback):
+    def __init__(self, at):
+        self.at = at
+        self.seen = 0
+
+    def on_split_end(self, view):
+        self.seen += 1
+        if self.seen == self.at:
+            raise RuntimeError("boom")
+
+
+def test_pending_writes_are_flushed_when_training_fails(monkeypatch, tmp_path):
+    slow_writes(monkeypatch, 0.03)
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="boom"):
+        train_with_checkpoints("tbptt", run_dir, asynchronous=True, callbacks=(RaiseAt(7),))
+    # split 6 (epoch 0, batch 1, split 1) was queued before the failure and is committed
+    assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == Cursor(0, 1, 1, 0)
+
+
+def test_background_error_reaches_the_training_thread(tmp_path):
+    from engine import faults
+
+    run_dir = str(tmp_path / "run")
+    faults.inject([faults.Fault("checkpoint_before_manifest", 4, "eio")])
+    try:
+        with pytest.raises(engine.CheckpointWriteError, match="Input/output error"):
+            train_with_checkpoints("tbptt", run_dir, asynchronous=True)
+    finally:
+        faults.clear()
+    store = CheckpointStore(Storage(run_dir))
+    assert [info.valid for info in store.inspect()] == [True, True, True]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
@@ -58,13 +58,14 @@ class RunCheckpointer:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
-    def save(self, state_tree: dict[str, Any], progress_bytes: bytes, cursor: Cursor | None,
+    def save(self, state_tree_for: Callable[[int], dict[str, Any]], progress_bytes: bytes, cursor: Cursor | None,
              optimizer_steps: int, force: bool) -> bool:
-        """Commit (or queue) a checkpoint; False when it was skipped or failed under
+        """Flush metrics.jsonl, then commit (or queue) the checkpoint built by
+        ``state_tree_for(committed metrics bytes)``; False when it was skipped or failed under
         ``on_io_error="warn"``."""
         try:
-            self._metrics.flush(durable=False)
-            pending = PendingCheckpoint(encode_state(state_tree), progress_bytes, cursor)
+            committed_bytes = self._metrics.flush(durable=False)
+            pending = PendingCheckpoint(encode_state(state_tree_for(committed_bytes)), progress_bytes, cursor)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise

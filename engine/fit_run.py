@@ -172,9 +172,8 @@ class FitRun:
     # ---- saving -----------------------------------------------------------------------
     def _save(self, force: bool = False) -> None:
         steps = self.tree.step_counter.total
-        self.metrics.flush(durable=False)
-        saved = self.checkpoints.save(self._state_tree(self.metrics.committed_bytes),
-                                      encode_tree(self.tree.progress_tree(self.cursor)), self.cursor, steps, force)
+        saved = self.checkpoints.save(self._state_tree, encode_tree(self.tree.progress_tree(self.cursor)),
+                                      self.cursor, steps, force)
         self._saved_current_state = saved
 
     def _state_tree(self, metrics_bytes: int) -> dict[str, Any]:

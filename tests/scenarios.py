@@ -250,7 +250,8 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
                            callbacks: tuple = (), **extra: Any) -> engine.FitResult:
     """Train scenario ``name`` into ``run_dir`` with a checkpoint every ``every`` splits."""
     model, loader = build(name)
-    checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous)
+    checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous,
+                                         on_io_error=extra.pop("on_io_error", "raise"))
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())
     settings.update(extra)

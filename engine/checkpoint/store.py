@@ -142,7 +142,10 @@ class CheckpointStore:
         for name in reversed(self.names()):
             if kept >= keep_last:
                 faults.reach("checkpoint_retention")
-                self._discard(f"{CHECKPOINT_DIR}/{name}")
+                try:
+                    self.storage.remove_tree(f"{CHECKPOINT_DIR}/{name}")
+                except OSError as error:  # the new checkpoint is committed; an old one lingers
+                    warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
             elif self._manifest_or_none(name) is not None:
                 kept += 1
 

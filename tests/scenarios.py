@@ -277,3 +277,9 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def harness_train(run_dir: str, name: str = "tbptt") -> engine.FitResult:
+    """A training function for engine.harness (``scenarios:harness_train``)."""
+    torch.set_num_threads(1)
+    return train_with_checkpoints(name, run_dir)

@@ -1,0 +1,121 @@
+"""The public fault-injection harness: every fault point x kind that makes sense, each resumed
+and compared with the uninterrupted run; and the harness reports a run that does not resume
+exactly."""
+
+import os
+import pathlib
+
+import pytest
+
+import engine
+from engine import faults
+from engine.faults import Fault
+from engine.harness import check_fault_tolerance
+from scenarios import harness_train, train_with_checkpoints
+
+LOOP_POINTS = ["step_start", "after_backward", "after_optimizer_step", "split_end", "split_end_after_checkpoint",
+               "batch_end", "epoch_end"]
+CHECKPOINT_POINTS = ["checkpoint_before_file", "checkpoint_after_file", "checkpoint_before_manifest",
+                     "checkpoint_before_rename", "checkpoint_after_rename", "checkpoint_retention"]
+HITS = {"batch_end": 2, "epoch_end": 1, "checkpoint_before_file": 7, "checkpoint_after_file": 8,
+        "checkpoint_retention": 2, "filesystem_write": 25}
+
+
+def matrix(kinds_by_point):
+    return [Fault(point, HITS.get(point, 5), kind) for point, kinds in kinds_by_point.items() for kind in kinds]
+
+
+def test_every_point_has_a_test_here():
+    assert set(LOOP_POINTS) | set(CHECKPOINT_POINTS) | {"filesystem_write"} == set(faults.POINTS)
+
+
+def test_in_process_faults_resume_exactly(tmp_path):
+    fault_list = matrix({
+        **{point: ["raise", "sigterm"] for point in LOOP_POINTS},
+        **{point: ["raise", "enospc", "eio"] for point in CHECKPOINT_POINTS},
+        "filesystem_write": ["enospc", "eio"],
+    })
+    report = check_fault_tolerance(harness_train, fault_list, work_dir=str(tmp_path))
+    assert len(report.trials) == len(fault_list) == 34
+    for trial in report.trials:
+        assert trial.outcome not in ("never fired", "completed"), trial
+        assert trial.exact, report.table()
+        assert trial.resumed_from is not None
+    sigterm = [t for t in report.trials if t.fault.kind == "sigterm"]
+    assert all(t.outcome == "exit 75" for t in sigterm)
+    assert report.summary() == "chaos: 34 trials, 34 exact, 0 failed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigkill_at_every_point_in_a_subprocess(tmp_path, monkeypatch):
+    tests_dir = str(pathlib.Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    fault_list = matrix({point: ["sigkill"] for point in LOOP_POINTS + CHECKPOINT_POINTS})
+    fault_list.append(Fault("filesystem_write", 40, "sigkill"))
+    report = check_fault_tolerance("scenarios:harness_train", fault_list, work_dir=str(tmp_path))
+    for trial in report.trials:
+        assert trial.outcome == "killed by signal 9", report.table()
+        assert trial.exact, report.table()
+
+
+class ForgetfulLearningRate(engine.Callback):
+    """A bug on purpose: halves the LR at the 3rd split of *this process*, which a resume
+    repeats. The harness must catch it."""
+
+    def __init__(self, model_holder):
+        self.seen = 0
+        self.model_holder = model_holder
+
+    def on_split_end(self, view):
+        self.seen += 1
+        if self.seen == 3:
+            for group in self.model_holder["optimizer"].param_groups:
+                group["lr"] *= 0.5
+
+
+def forgetful_train(run_dir):
+    from scenarios import build
+
+    holder = {}
+    model, loader = build("tbptt")
+
+    class Holder(engine.Callback):
+        def on_fit_start(self, view):
+            holder["optimizer"] = model.optimizers()
+
+    config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, progress_bar="off",
+                                  checkpoint=engine.CheckpointConfig(every_n_splits=1))
+    return engine.Trainer(config, callbacks=[Holder(), ForgetfulLearningRate(holder)]).fit(model, loader)
+
+
+def test_the_harness_reports_an_inexact_resume(tmp_path):
+    report = check_fault_tolerance(forgetful_train, [Fault("split_end", 9, "raise")], work_dir=str(tmp_path))
+    trial = report.trials[0]
+    assert trial.outcome == "raised InjectedFault"
+    assert not trial.exact and not report.all_exact
+    assert any(d.startswith("module.") for d in trial.differences)
+    assert "NO:" in report.table() and report.summary().endswith("0 exact, 1 failed")
+
+
+def test_a_fault_that_never_fires_is_not_exact(tmp_path):
+    report = check_fault_tolerance(harness_train, [Fault("epoch_end", 9, "raise")], work_dir=str(tmp_path))
+    assert report.trials[0].outcome == "never fired" and not report.all_exact
+
+
+def test_sigkill_needs_a_subprocess(tmp_path):
+    with pytest.raises(engine.ConfigError, match="subprocess"):
+        check_fault_tolerance(harness_train, [Fault("split_end", 1, "sigkill")], work_dir=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_chaos_command_prints_table_and_summary(tmp_path):
+    import subprocess
+    import sys
+
+    process = subprocess.run([sys.executable, "-m", "engine", "chaos", "--dir", str(tmp_path), "--trials", "2"],
+                             capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-2000:]
+    lines = process.stdout.strip().splitlines()
+    assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"
+    assert lines[0].split()[:2] == ["fault", "outcome"] and len(lines) == 4

@@ -64,8 +64,10 @@ class Storage:
     def makedirs(self, relative: str) -> None:
         self.fs.makedirs(self.path(relative), exist_ok=True)
 
-    def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool) -> tuple[int, int]:
-        """Write ``chunks`` to a new file; returns (size, crc32). ``durable`` fsyncs local files."""
+    def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
+              checksum: bool = True) -> tuple[int, int]:
+        """Write ``chunks`` to a new file; returns (size, crc32) (crc32 0 when ``checksum`` is
+        False). ``durable`` fsyncs local files."""
         size = 0
         crc = 0
         path = self.path(relative)
@@ -74,7 +76,8 @@ class Storage:
         with opener(path, "wb") as handle:
             for chunk in chunks:
                 handle.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                if checksum:
+                    crc = zlib.crc32(chunk, crc)
                 size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
             if durable and self.is_local:
                 handle.flush()
@@ -179,13 +182,16 @@ class Storage:
     def sync(self, relatives: Iterable[str]) -> None:
         """fsync files and directories (local filesystems only), concurrently: the kernel
         batches concurrent fsyncs into fewer journal commits, which halves the wait."""
+        self.start_sync(relatives).wait()
+
+    def start_sync(self, relatives: Iterable[str]) -> "PendingSync":
+        """Like :meth:`sync`, but returns at once; ``wait()`` on the result."""
         if not self.is_local:
-            return
+            return PendingSync(None, [])
         self._check_write()
         paths = [self.path(relative) if relative else self.root for relative in relatives]
-        with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:
-            for _ in pool.map(_fsync_path, paths):
-                pass
+        pool = ThreadPoolExecutor(max_workers=max(1, len(paths)))
+        return PendingSync(pool, [pool.submit(_fsync_path, path) for path in paths])
 
     def fsync_directory(self, relative: str) -> None:
         """Make a rename or a new file in ``relative`` durable (local filesystems only)."""
@@ -204,3 +210,20 @@ def _fsync_path(path: str) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+class PendingSync:
+    """fsyncs running in background threads (fsync releases the GIL)."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, futures: list) -> None:
+        self._pool = pool
+        self._futures = futures
+
+    def wait(self) -> None:
+        """Block until every fsync finished; re-raise the first error."""
+        try:
+            for future in self._futures:
+                future.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)

@@ -10,6 +10,7 @@ Public API::
     Cursor          (epoch, batch, split, optimizer): the exact position of a run
     ProgressTree    the named progress records of every loop, with the cursor
     encode_tree / decode_tree   msgpack (de)serialization with a schema version
+    SCHEMA_VERSION  the schema version encode_tree writes and decode_tree reads
     ProgressSchemaError         raised for anything that does not match the schema
 """
 

@@ -67,6 +67,15 @@ def test_kill_every_few_boundaries(name, tmp_path, references):
     assert_same_run(references(name), run_dir)
 
 
+def test_kill_with_asynchronous_checkpoints(tmp_path, references):
+    """SIGKILL while background writes are queued or in progress: a lost write only means an
+    older resume point; the result is still exact."""
+    run_dir = str(tmp_path / "run")
+    kills = run_until_done("tbptt", run_dir, "split_end_after_checkpoint:4:sigkill", "--async")
+    assert kills >= 5
+    assert_same_run(references("tbptt"), run_dir)
+
+
 def test_kill_at_random_instants(tmp_path, references):
     """At least 20 SIGKILLs at random instants of training (mid-step, mid-checkpoint-write,
     mid-retention), each followed by a resume; the final state is bit-exact."""

@@ -96,20 +96,16 @@ class RunCheckpointer:
 
     def close(self, failing: bool) -> None:
         """Flush pending writes and release the lease. With ``failing`` (an exception is on its
-        way up) errors are reported as warnings so they do not hide the original one."""
+        way up) write errors become warnings so they do not hide the original one."""
         try:
             if self._writer is not None:
-                if failing:
-                    try:
-                        self._writer.close()
-                    except Exception as error:  # noqa: BLE001 - reported, the original error wins
-                        warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
-                else:
-                    try:
-                        self._writer.close()
-                    except WriterConflict:
-                        raise
-                    except CheckpointWriteError as error:
-                        self._handle_io_error(error)
+                self._writer.close()
+        except (WriterConflict, CheckpointWriteError) as error:
+            if failing:
+                warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
+            elif isinstance(error, WriterConflict):
+                raise
+            else:
+                self._handle_io_error(error)
         finally:
             self._lease.release()

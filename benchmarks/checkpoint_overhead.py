@@ -105,12 +105,12 @@ class Workload:
 SMALL = Workload("small", vocabulary=64, embedding=32, hidden=128, layers=1,
                  batch_size=16, sequence_length=256, split_length=32, batches=10)
 # The 25M model: a step (forward, backward, Adam) of 8 sequences x 16 time steps takes about
-# 0.9-1.3 s on one core, against about 50 ms to copy its 300 MB of state into reused buffers
-# (20-25x) and 0.7-1.3 s to write and fsync that state on this machine's disk. A realistic
-# ratio: large enough that a snapshot is a small part of a step, and a step long enough that
-# the background writer can keep up with a checkpoint every split, which is the case
-# asynchronous checkpoints are for. With shorter splits the writer, not the engine, sets the
-# pace (``when_behind="wait"``), and the async figure measures the disk.
+# 0.8-1.5 s on one core, against 50-100 ms to copy its 300 MB of state into reused buffers:
+# 10-20x, so that a snapshot is a small part of a step, as on an accelerator where the state
+# copy is a fraction of a step. Writing and fsyncing those 300 MB takes 1.0-1.9 s on this
+# machine's disk, about one step: whether the background writer keeps up with a checkpoint
+# every split is then part of what the async figure shows (with ``when_behind="wait"`` the
+# training thread waits for it). Longer steps would not fit the time budget of the script.
 LARGE = Workload("25M", vocabulary=4096, embedding=1024, hidden=1024, layers=2,
                  batch_size=8, sequence_length=64, split_length=16, batches=2)
 
@@ -217,7 +217,7 @@ class RunResult:
     seconds: float
     per_split_seconds: float
     timers: dict[str, list[float]]
-    model: LanguageModel
+    model: LanguageModel | None
 
 
 def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:

@@ -72,8 +72,9 @@ class RunCheckpointer:
         except (CheckpointWriteError, OSError) as error:
             self._handle_io_error(error)
             return False
-        self._last_save_time = time.monotonic()
-        self._steps_at_last_save = optimizer_steps
+        if written:
+            self._last_save_time = time.monotonic()
+            self._steps_at_last_save = optimizer_steps
         return written
 
     def check(self) -> None:

@@ -48,10 +48,13 @@ class CheckpointConfig:
         keep_last: how many valid checkpoints to keep (older ones are deleted only after a
             newer one is committed). None keeps all.
         asynchronous: snapshot on the training thread, write in a background thread.
-        max_in_flight: with ``asynchronous``, how many snapshots may wait for the writer.
-        when_behind: with ``asynchronous`` and the writer ``max_in_flight`` behind: ``"wait"``
-            blocks training until a slot frees, ``"skip"`` replaces the oldest queued snapshot
-            with the newest one.
+        max_in_flight: with ``asynchronous``, how many snapshots may exist at once (being
+            written or queued); each holds a reusable copy of the state's tensors.
+        when_behind: with ``asynchronous`` and ``max_in_flight`` snapshots in flight: ``"wait"``
+            blocks training until the writer frees one; ``"skip"`` never blocks: the newest
+            snapshot replaces the oldest queued one, or, when every snapshot is being written,
+            this checkpoint is skipped. A run's last checkpoint and a preemption checkpoint
+            always wait.
         on_io_error: ``"raise"`` stops training with CheckpointWriteError when a write fails;
             ``"warn"`` warns and trains on (earlier checkpoints stay intact either way).
     """

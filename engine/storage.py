@@ -46,6 +46,7 @@ class Storage:
         inner = getattr(filesystem, "inner", filesystem)
         self.is_local = isinstance(inner, LocalFileSystem)
         self._before_write = getattr(filesystem, "before_write", None) if self.is_local else None
+        self._sync_pool: ThreadPoolExecutor | None = None
         if create:
             self.fs.makedirs(self.root, exist_ok=True)
         elif not self.fs.isdir(self.root):
@@ -187,11 +188,12 @@ class Storage:
     def start_sync(self, relatives: Iterable[str]) -> "PendingSync":
         """Like :meth:`sync`, but returns at once; ``wait()`` on the result."""
         if not self.is_local:
-            return PendingSync(None, [])
+            return PendingSync([])
         self._check_write()
         paths = [self.path(relative) if relative else self.root for relative in relatives]
-        pool = ThreadPoolExecutor(max_workers=max(1, len(paths)))
-        return PendingSync(pool, [pool.submit(_fsync_path, path) for path in paths])
+        if self._sync_pool is None:
+            self._sync_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="splitloop-fsync")
+        return PendingSync([self._sync_pool.submit(_fsync_path, path) for path in paths])
 
     def fsync_directory(self, relative: str) -> None:
         """Make a rename or a new file in ``relative`` durable (local filesystems only)."""
@@ -215,15 +217,12 @@ def _fsync_path(path: str) -> None:
 class PendingSync:
     """fsyncs running in background threads (fsync releases the GIL)."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None, futures: list) -> None:
-        self._pool = pool
+    def __init__(self, futures: list) -> None:
         self._futures = futures
 
     def wait(self) -> None:
         """Block until every fsync finished; re-raise the first error."""
-        try:
-            for future in self._futures:
-                future.result()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+        errors = [future.exception() for future in self._futures]
+        for error in errors:
+            if error is not None:
+                raise error

@@ -51,6 +51,22 @@ def slow_writes(monkeypatch, seconds):
     monkeypatch.setattr(CheckpointStore, "write", write)
 
 
+def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
+    slow_writes(monkeypatch, 0.05)
+    from scenarios import build
+
+    model, loader = build("tbptt")
+    run_dir = memory_url()
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip",
+                                         max_in_flight=2)
+    config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
+    engine.Trainer(config).fit(model, loader)
+    cursors = [CheckpointStore(Storage(run_dir)).load(n).progress.cursor for n in CheckpointStore(Storage(run_dir)).names()]
+    assert 1 < len(cursors) < 13
+    assert cursors == sorted(cursors, key=lambda c: c.as_tuple())  # always forward, newest last
+    assert cursors[-1] == Cursor(0, 2, 3, 0)
+
+
 def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp_path):
     slow_writes(monkeypatch, 0.05)
     reference = str(tmp_path / "reference")
@@ -78,12 +94,13 @@ def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
 
     def submit(self, pending, force=False):
         written = original_submit(self, pending, force)
-        in_flight.append(len(self._queue) + int(self._busy))
+        in_flight.append((len(self._queue), 1 - len(self._free)))  # queued, buffer sets in use
         return written
 
     monkeypatch.setattr(writer_module.BackgroundWriter, "submit", submit)
     train_with_checkpoints("tbptt", str(tmp_path / "run"), asynchronous=True)
-    assert in_flight and max(in_flight) <= 1
+    assert in_flight and max(queued for queued, _ in in_flight) <= 1
+    assert max(in_use for _, in_use in in_flight) <= 1
 
 
 def test_snapshot_buffers_are_reused():

@@ -21,7 +21,7 @@ import re
 import time
 import warnings
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
@@ -93,9 +93,11 @@ class CheckpointStore:
 
     # ---- writing ----------------------------------------------------------------------
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
-              generation: int, sequence: int | None = None, also_sync: list[str] | tuple = ()) -> str:
+              generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
+              on_data_written: Callable[[], None] | None = None) -> str:
         """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
-        ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch."""
+        ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
+        ``on_data_written`` is called once the tensors' bytes are no longer read."""
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
@@ -121,6 +123,9 @@ class CheckpointStore:
             if overlap:
                 pending = self.storage.start_sync([*data_paths, directory])
                 records = {n: FileRecord(r.size, _crc32(contents[n])) for n, r in records.items()}
+            if on_data_written is not None:
+                on_data_written()
+            if overlap:
                 pending.wait()
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation)

@@ -69,12 +69,19 @@ class _Committer:
             self.lease.verify()
         generation = self.lease.generation if self.lease is not None else 0
         self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
-                                          also_sync=self.also_sync())
+                                          also_sync=self.also_sync(), on_data_written=lambda: self.release(pending))
         self.store.apply_retention(self.keep_last)
+
+    def release(self, pending: PendingCheckpoint) -> None:
+        """The snapshot's tensors are no longer needed (their bytes are written)."""
+        raise NotImplementedError
 
 
 class SyncWriter(_Committer):
     """Writes on the calling thread."""
+
+    def release(self, pending: PendingCheckpoint) -> None:
+        pass
 
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
         self.commit(pending)
@@ -113,18 +120,37 @@ class BackgroundWriter(_Committer):
             while not self._free:
                 if self._when_behind == "skip" and not force:
                     self.skipped += 1
-                    return False
+                    if not self._queue:
+                        return False  # every snapshot is being written: skip this checkpoint
+                    superseded = self._queue.popleft()
+                    self._free.append(superseded.buffers)
+                    break
                 self._condition.wait()
                 self._raise_pending_locked()
             buffers = self._free.pop()
         encoded = pending.encoded
-        copies = buffers.capture(encoded.tensors)
+        try:
+            copies = buffers.capture(encoded.tensors)
+        except BaseException:
+            with self._condition:
+                self._free.append(buffers)
+                self._condition.notify_all()
+            raise
         pending.encoded = EncodedState(encoded.header, copies, encoded.layout)
         pending.buffers = buffers
         with self._condition:
             self._queue.append(pending)
             self._condition.notify_all()
         return True
+
+    def release(self, pending: PendingCheckpoint) -> None:
+        """Hand the snapshot's buffers back as soon as its files are written, before the
+        fsyncs, the rename and retention: the next snapshot waits less."""
+        with self._condition:
+            if pending.buffers is not None:
+                self._free.append(pending.buffers)
+                pending.buffers = None
+                self._condition.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -142,8 +168,8 @@ class BackgroundWriter(_Committer):
                     if self._error is None:
                         self._error = error
             finally:
+                self.release(pending)
                 with self._condition:
-                    self._free.append(pending.buffers)
                     self._busy = False
                     self._condition.notify_all()
 

@@ -78,10 +78,12 @@ class _Registry:
     def __init__(self) -> None:
         self.faults: dict[str, list[Fault]] = {}
         self.arrivals: dict[str, int] = {}
+        self.fired: list[Fault] = []
 
     def set(self, faults: Iterable[Fault]) -> None:
         self.faults = {}
         self.arrivals = {}
+        self.fired = []
         for fault in faults:
             self.faults.setdefault(fault.point, []).append(fault)
 
@@ -115,6 +117,12 @@ def armed_at(point: str) -> bool:
     return _active and point in _registry.faults
 
 
+def fired() -> list[Fault]:
+    """The armed faults that have triggered in this process (an I/O fault counts when its
+    error was handed out, whether or not the caller then tolerated it)."""
+    return list(_registry.fired)
+
+
 def reach(point: str) -> None:
     """Mark an arrival at ``point``; trigger a fault armed for this arrival."""
     if not _active:
@@ -135,6 +143,7 @@ def io_error_due(point: str) -> OSError | None:
     for fault in _registry.faults.get(point, ()):
         if fault.hit == count:
             if fault.kind in ("enospc", "eio"):
+                _registry.fired.append(fault)
                 return _os_error(fault.kind, point)
             _trigger(fault)
     return None
@@ -146,6 +155,7 @@ def _os_error(kind: str, point: str) -> OSError:
 
 
 def _trigger(fault: Fault) -> None:
+    _registry.fired.append(fault)
     if fault.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "sigterm":

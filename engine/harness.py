@@ -72,11 +72,11 @@ class FaultReport:
         return all(trial.exact for trial in self.trials)
 
     def table(self) -> str:
-        rows = [f"{'fault':<44} {'outcome':<18} {'resumed at':<26} exact"]
+        rows = [f"{'fault':<44} {'outcome':<28} {'resumed at':<26} exact"]
         for trial in self.trials:
             where = "-" if trial.resumed_cursor is None else "epoch {} batch {} split {}".format(*trial.resumed_cursor[:3])
             verdict = "yes" if trial.exact else "NO: " + "; ".join(trial.differences[:3] or [trial.outcome])
-            rows.append(f"{trial.fault.encode():<44} {trial.outcome:<18} {where:<26} {verdict}")
+            rows.append(f"{trial.fault.encode():<44} {trial.outcome:<28} {where:<26} {verdict}")
         return "\n".join(rows)
 
     def summary(self) -> str:
@@ -89,7 +89,11 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
     """Run ``train`` once without faults (the reference), then once per fault: with the fault
     armed, then again without it until it finishes; compare each final state with the
     reference (:func:`compare_runs`)."""
-    parsed = [fault if isinstance(fault, Fault) else faults.parse_faults(fault)[0] for fault in fault_list]
+    parsed = [f for item in fault_list for f in ([item] if isinstance(item, Fault) else faults.parse_faults(item))]
+    if not parsed:
+        raise ConfigError("check_fault_tolerance: no fault given")
+    if os.path.isdir(work_dir) and os.listdir(work_dir):
+        raise ConfigError(f"check_fault_tolerance: work_dir {work_dir!r} is not empty; runs in it would resume old ones")
     if callable(train) and any(fault.kind == "sigkill" for fault in parsed):
         raise ConfigError("faults of kind 'sigkill' need train given as 'module:function' (a subprocess)")
     attempt = _subprocess_attempt if isinstance(train, str) else _in_process_attempt
@@ -100,8 +104,8 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
     trials = []
     for index, fault in enumerate(parsed):
         run_dir = os.path.join(work_dir, f"trial-{index:03d}")
-        outcome, _ = attempt(train, run_dir, fault, args, timeout)
-        resumed: FitResult | dict | None = None
+        outcome, first = attempt(train, run_dir, fault, args, timeout)
+        resumed: dict | None = None
         attempts = 1
         last = outcome
         while last != "completed" and attempts < max_attempts:
@@ -109,30 +113,35 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
             resumed = resumed or result
             attempts += 1
         if outcome == "completed":
-            outcome = "never fired"
+            outcome = "tolerated" if _fired(first) else "never fired"
         differences = compare_runs(reference, run_dir) if last == "completed" else [f"did not finish: {last}"]
         resumed_from, cursor = _resume_point(resumed)
         trials.append(Trial(fault, outcome, resumed_from, cursor, attempts, differences))
     return FaultReport(reference, trials)
 
 
-def _resume_point(result: Any) -> tuple[str | None, tuple[int, int, int, int] | None]:
+def _fired(result: dict | None) -> bool:
+    return bool(result and result.get("fired"))
+
+
+def _resume_point(result: dict | None) -> tuple[str | None, tuple[int, int, int, int] | None]:
     if result is None:
         return None, None
-    if isinstance(result, FitResult):
-        cursor = result.resumed_cursor
-        return result.resumed_from, None if cursor is None else cursor.as_tuple()
     cursor = result.get("resumed_cursor")
     return result.get("resumed_from"), None if cursor is None else tuple(cursor)
 
 
 def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None, args: Sequence[str],
-                        timeout: float) -> tuple[str, FitResult | None]:
+                        timeout: float) -> tuple[str, dict | None]:
     faults.inject([fault] if fault else [])
     saved = os.environ.pop(faults.ENVIRONMENT_VARIABLE, None)
     try:
         result = train(run_dir, *args)
-        return ("preempted" if getattr(result, "preempted", False) else "completed"), result
+        outcome = "preempted" if getattr(result, "preempted", False) else "completed"
+        return outcome, {"fired": [f.encode() for f in faults.fired()],
+                         "resumed_from": getattr(result, "resumed_from", None),
+                         "resumed_cursor": None if getattr(result, "resumed_cursor", None) is None
+                         else list(result.resumed_cursor.as_tuple())}
     except SystemExit as exit_info:
         return f"exit {exit_info.code}", None
     except (EngineError, OSError) as error:
@@ -225,7 +234,8 @@ def main(argv: Sequence[str]) -> int:
     result = _load_function(argv[0])(argv[1], *argv[2:])
     if isinstance(result, FitResult):
         cursor = None if result.resumed_cursor is None else list(result.resumed_cursor.as_tuple())
-        print(RESULT_PREFIX + json.dumps({"resumed_from": result.resumed_from, "resumed_cursor": cursor}), flush=True)
+        print(RESULT_PREFIX + json.dumps({"resumed_from": result.resumed_from, "resumed_cursor": cursor,
+                                          "fired": [f.encode() for f in faults.fired()]}), flush=True)
         if result.preempted:
             return 75
     return 0

@@ -62,7 +62,10 @@ class MetricsLog:
             record["losses"] = losses
         self._buffer.append(json.dumps(record))
         if len(self._buffer) >= _FLUSH_EVERY_LINES:
-            self.flush(durable=False)
+            try:
+                self.flush(durable=False)
+            except OSError:
+                pass  # the lines stay buffered; the next checkpoint's flush reports the error
 
     def flush(self, durable: bool) -> int:
         """Write buffered lines; returns the committed length in bytes."""

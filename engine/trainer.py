@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -66,5 +67,7 @@ class Trainer:
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         result = FitRun(self.config, self.callbacks, module, train_data, storage).run(resume)
         if result.preempted and self.config.exit_on_preemption:
+            print(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "
+                  f"{result.cursor}; exiting with {self.config.preemption_exit_code}", file=sys.stderr, flush=True)
             raise SystemExit(self.config.preemption_exit_code)
         return result

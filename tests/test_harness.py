@@ -2,6 +2,7 @@
 and compared with the uninterrupted run; and the harness reports a run that does not resume
 exactly."""
 
+import contextlib
 import os
 import pathlib
 
@@ -124,3 +125,44 @@ def test_chaos_command_prints_table_and_summary(tmp_path):
     lines = process.stdout.strip().splitlines()
     assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"
     assert lines[0].split()[:2] == ["fault", "outcome"] and len(lines) == 4
+
+
+def first_retention_delete_arrival(run_dir, monkeypatch):
+    """The arrival count at filesystem_write of the first deletion of an old checkpoint."""
+    import engine.storage as storage_module
+
+    found = []
+    original_remove = storage_module.Storage.remove_tree
+
+    def remove_tree(self, relative):
+        if not found and "ckpt-" in relative:
+            found.append(faults._registry.arrivals["filesystem_write"] + 1)
+        return original_remove(self, relative)
+
+    monkeypatch.setattr(storage_module.Storage, "remove_tree", remove_tree)
+    faults.inject([Fault("filesystem_write", 10_000, "eio")])  # armed, never reached: counts arrivals
+    try:
+        harness_train(run_dir)
+    finally:
+        faults.clear()
+        monkeypatch.undo()
+    return found[0]
+
+
+def test_a_tolerated_fault_is_reported_as_such(tmp_path, monkeypatch):
+    """An EIO while deleting an old checkpoint is tolerated (a warning); the harness says so."""
+    hit = first_retention_delete_arrival(str(tmp_path / "probe"), monkeypatch)
+
+    def train(run_dir):
+        with pytest.warns(UserWarning, match="could not delete old checkpoint") if faults.armed_at("filesystem_write") \
+                else contextlib.nullcontext():
+            return harness_train(run_dir)
+
+    report = check_fault_tolerance(train, [Fault("filesystem_write", hit, "eio")], work_dir=str(tmp_path / "work"))
+    assert report.trials[0].outcome == "tolerated" and report.trials[0].exact
+
+
+def test_work_dir_must_be_empty(tmp_path):
+    (tmp_path / "leftover").mkdir()
+    with pytest.raises(engine.ConfigError, match="not empty"):
+        check_fault_tolerance(harness_train, ["split_end:1:raise"], work_dir=str(tmp_path))

@@ -178,7 +178,11 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
-    return collections.namedtuple(name, fields)
+    # rename=True accepts the "_0"-style names that namedtuple(..., rename=True) produced.
+    cls = collections.namedtuple(name, fields, rename=True)
+    if cls._fields != fields:
+        raise ValueError(f"field names {list(fields)} are not valid")
+    return cls
 
 
 def _decode_namedtuple(value: Any) -> tuple:
@@ -240,7 +244,7 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     if offset + nbytes > len(data):
         raise CheckpointCorrupt(f"{where}: bytes {offset}..{offset + nbytes} lie outside tensors.bin ({len(data)} bytes)")
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return _to_recorded_device(torch.empty(shape, dtype=dtype), entry.get("device", "cpu"))
     raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
     return _to_recorded_device(raw.view(dtype).reshape(shape), entry.get("device", "cpu"))
 

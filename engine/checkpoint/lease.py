@@ -52,11 +52,13 @@ class WriterLease:
         return data if isinstance(data, dict) else {}
 
     def _holder_alive(self, lease: dict[str, Any]) -> bool:
-        if not lease or "pid" not in lease:
+        """A malformed lease holds nothing: a writer that crashed mid-write could leave one."""
+        try:
+            if lease.get("host") == self._host:
+                return _pid_alive(int(lease["pid"]))
+            return time.time() - float(lease["heartbeat_unix"]) < self._stale_after
+        except (KeyError, TypeError, ValueError, OverflowError):
             return False
-        if lease.get("host") == self._host:
-            return _pid_alive(int(lease["pid"]))
-        return time.time() - float(lease.get("heartbeat_unix", 0)) < self._stale_after
 
     def _describe(self, lease: dict[str, Any]) -> str:
         return f"generation {lease.get('generation')} (pid {lease.get('pid')} on {lease.get('host')})"
@@ -76,7 +78,8 @@ class WriterLease:
                 "two writers would interleave checkpoints. Stop the other job first "
                 f"(or remove {LEASE_FILE} if you are sure it is gone)"
             )
-        previous = int(current.get("generation", 0)) if current else 0
+        previous = current.get("generation", 0) if current else 0
+        previous = previous if isinstance(previous, int) and not isinstance(previous, bool) else 0
         self.generation = max(previous, minimum_generation) + 1
         self._write()
         self.verify()  # another writer racing us would have replaced the file
@@ -93,6 +96,12 @@ class WriterLease:
             )
         if time.monotonic() - self._last_heartbeat > self._stale_after / 3:
             self._write()
+
+    def heartbeat_if_due(self) -> None:
+        """Refresh the heartbeat between commits, so that long intervals between checkpoints
+        do not make a live writer look stale to another host."""
+        if time.monotonic() - self._last_heartbeat > self._stale_after / 3:
+            self.verify()
 
     def release(self) -> None:
         current = self._read()

@@ -103,6 +103,7 @@ class CheckpointStore:
         atomic_rename = self.storage.is_local
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
+        renamed = False
         try:
             self.storage.makedirs(directory)
             contents = {
@@ -136,13 +137,17 @@ class CheckpointStore:
                 self.storage.sync([*unsynced, f"{directory}/{MANIFEST_FILE}", directory, *also_sync])
                 faults.reach("checkpoint_before_rename")
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
+                renamed = True
                 faults.reach("checkpoint_after_rename")
                 self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
+            if renamed:  # committed; only the durability of the rename is in doubt
+                raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
             self._discard(directory)
             raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
         except BaseException:
-            self._discard(directory)
+            if not renamed:
+                self._discard(directory)
             raise
         return name
 

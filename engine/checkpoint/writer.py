@@ -95,9 +95,10 @@ class SyncWriter(_Committer):
 
 
 class BackgroundWriter(_Committer):
-    """Writes in a daemon thread. ``max_in_flight`` snapshots may be queued or being written;
-    when none is free, ``when_behind="wait"`` blocks and ``"skip"`` drops the new checkpoint
-    (a forced one, the last of a run or of a preemption, always waits)."""
+    """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
+    being written until their files are); when none is free, ``when_behind="wait"`` blocks and
+    ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none is
+    queued (a forced one, the last of a run or of a preemption, always waits)."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str) -> None:

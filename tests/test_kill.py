@@ -63,7 +63,7 @@ def test_kill_at_epoch_end(tmp_path, references):
                                   "accumulate_batches", "plain"])
 def test_kill_every_few_boundaries(name, tmp_path, references):
     run_dir = str(tmp_path / "run")
-    kills = run_until_done(name, run_dir, "split_end_after_checkpoint:4:sigkill")
+    kills = run_until_done(name, run_dir, "split_end_after_checkpoint:6:sigkill")
     assert kills >= 1
     assert_same_run(references(name), run_dir)
 
@@ -86,7 +86,7 @@ def test_kill_at_random_instants(tmp_path, references):
     while kills < 20:
         run_dir = str(tmp_path / f"run{runs}")
         runs += 1
-        while kill_at_random_instant("tbptt", run_dir, rng, 1.5, "--epochs", "6"):
+        while kill_at_random_instant("tbptt", run_dir, rng, 0.8, "--epochs", "6"):
             kills += 1
         assert_same_run(references("tbptt", epochs=6), run_dir)
     assert kills >= 20

@@ -75,13 +75,13 @@ def test_a_writer_that_lost_the_lease_stops_before_committing(tmp_path):
 @pytest.mark.slow
 def test_second_process_is_refused_and_first_one_finishes_exactly(tmp_path):
     reference = str(tmp_path / "reference")
-    train_with_checkpoints("tbptt", reference, epochs=6)
+    train_with_checkpoints("tbptt", reference, epochs=4)
     run_dir = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6", "--sleep", "0.2"],
+    first = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--sleep", "0.2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
     try:
         assert first.stdout.readline().startswith("training")
-        second = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], capture_output=True,
+        second = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"], capture_output=True,
                                 text=True, env=environment(None), timeout=120)
         first_still_running = first.poll() is None
         out, err = first.communicate(timeout=300)

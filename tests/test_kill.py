@@ -2,6 +2,7 @@
 the uninterrupted run bit for bit: final model, optimizers, schedulers, RNG, progress and
 metrics.jsonl (see resume_helpers.assert_same_run)."""
 
+import os
 import random
 
 import pytest
@@ -86,10 +87,19 @@ def test_kill_at_random_instants(tmp_path, references):
     while kills < 20:
         run_dir = str(tmp_path / f"run{runs}")
         runs += 1
-        while kill_at_random_instant("tbptt", run_dir, rng, 0.8, "--epochs", "6"):
-            kills += 1
+        while not finished(run_dir, epochs=6):
+            if kill_at_random_instant("tbptt", run_dir, rng, 0.8, "--epochs", "6"):
+                kills += 1
         assert_same_run(references("tbptt", epochs=6), run_dir)
     assert kills >= 20
+
+
+def finished(run_dir, epochs):
+    """Whether the run's newest valid checkpoint has every epoch completed."""
+    if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return False
+    latest = CheckpointStore(Storage(run_dir)).latest()
+    return latest is not None and latest.progress.records["fit.epochs"].total.completed == epochs
 
 
 COMMIT_STEPS = [

@@ -64,7 +64,7 @@ class RunCheckpointer:
         ``state_tree_for(committed metrics bytes)``; False when it was skipped or failed under
         ``on_io_error="warn"``."""
         try:
-            committed_bytes = self._metrics.flush(durable=False)
+            committed_bytes = self._metrics.flush()
             pending = PendingCheckpoint(encode_state(state_tree_for(committed_bytes)), progress_bytes, cursor)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:

@@ -79,7 +79,7 @@ class FitRun:
                         self._save(force=True)
                     self.checkpoints.close(failing=False)
                 else:
-                    self.metrics.flush(durable=False)
+                    self.metrics.flush()
             except BaseException:
                 if self.checkpoints is not None:
                     self.checkpoints.close(failing=True)

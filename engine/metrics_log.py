@@ -63,19 +63,20 @@ class MetricsLog:
         self._buffer.append(json.dumps(record))
         if len(self._buffer) >= _FLUSH_EVERY_LINES:
             try:
-                self.flush(durable=False)
+                self.flush()
             except OSError:
                 pass  # the lines stay buffered; the next checkpoint's flush reports the error
 
-    def flush(self, durable: bool) -> int:
-        """Write buffered lines; returns the committed length in bytes."""
+    def flush(self) -> int:
+        """Write buffered lines (page cache only: a checkpoint commit fsyncs the file in its
+        own batch); returns the written length in bytes."""
         if self._buffer and self._storage is not None:
             data = ("\n".join(self._buffer) + "\n").encode()
             if self._append_failed:
                 # A failed append (ENOSPC, EIO) may have left part of a line behind.
                 self._storage.truncate(METRICS_FILE, self.committed_bytes)
             self._append_failed = True
-            self._storage.append(METRICS_FILE, data, durable)
+            self._storage.append(METRICS_FILE, data)
             self._append_failed = False
             self.committed_bytes += len(data)
         self._buffer.clear()

@@ -85,15 +85,13 @@ class Storage:
                 os.fsync(handle.fileno())
         return size, crc
 
-    def append(self, relative: str, data: bytes, durable: bool) -> None:
+    def append(self, relative: str, data: bytes) -> None:
+        """Append to a file (durability is the caller's: see :meth:`sync`)."""
         path = self.path(relative)
         self._check_write()
         if self.is_local:
             with open(path, "ab") as handle:
                 handle.write(data)
-                if durable:
-                    handle.flush()
-                    os.fsync(handle.fileno())
         else:
             with self.fs.open(path, "ab") as handle:
                 handle.write(data)

@@ -51,7 +51,7 @@ import engine
 import progress
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 
 SIZES_MB = (100, 1)
 THREADS = 1

@@ -71,10 +71,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 import engine
-import engine.checkpointing
+import engine.checkpoint.policy
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _Committer
-from engine.fit_run import FitRun
+from engine.run.run import FitRun
 from engine.rng import capture_global_rng
 
 # One intra-op thread: on a 2-core machine shared with other work, 2 threads oversubscribe; it
@@ -159,7 +159,7 @@ class CheckpointTimers:
 
     TARGETS = (
         (FitRun, "_save", "save"),
-        (engine.checkpointing, "encode_state", "encode"),
+        (engine.checkpoint.policy, "encode_state", "encode"),
         (BackgroundWriter, "submit", "submit"),
         (SnapshotBuffers, "capture", "capture"),
         (_Committer, "commit", "commit"),

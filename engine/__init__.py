@@ -31,7 +31,7 @@ from engine.fingerprint import fingerprint
 from engine.module import Module
 from engine.optim_setup import LRSchedule
 from engine.result import FitResult
-from engine.splitting import split_along_time
+from engine.data.splitting import split_along_time
 from engine.trainer import Trainer
 
 __all__ = [

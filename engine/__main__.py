@@ -1,5 +1,5 @@
-"""``python -m engine``: see engine/cli.py."""
+"""``python -m engine``: see engine/cli/main.py."""
 
-from engine.cli import main
+from engine.cli.main import main
 
 raise SystemExit(main())

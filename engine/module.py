@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from engine.splitting import Batch, split_along_time
+from engine.data.splitting import Batch, split_along_time
 
 
 class Module(torch.nn.Module):

@@ -11,10 +11,10 @@ from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
 from engine.errors import ConfigError
-from engine.faulty_fs import filesystem_for
-from engine.fit_run import FitRun
+from engine.faults.faulty_fs import filesystem_for
+from engine.run.run import FitRun
 from engine.result import FitResult
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 
 
 class Trainer:

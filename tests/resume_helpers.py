@@ -8,7 +8,7 @@ import fsspec
 import torch
 
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 
 
 def latest_state(run_dir: str) -> tuple[Any, Any]:

@@ -10,7 +10,7 @@ import torch
 import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import SnapshotBuffers
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints

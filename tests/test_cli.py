@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.cli import main
+from engine.cli.main import main
 
 FINGERPRINT_PREFIX = "fingerprint: "
 

@@ -19,7 +19,7 @@ import engine
 from engine.checkpoint import codec
 from engine.checkpoint.manifest import Manifest, verify_file
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor, ProgressTree, encode_tree
 
 # ---- helpers -----------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 
 import engine
 from engine.checkpoint.store import CheckpointStore
-from engine.cli_commands import inspect_run
-from engine.storage import Storage
+from engine.cli.commands import inspect_run
+from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 import engine
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until
 
 SAMPLES = 10

@@ -2,7 +2,7 @@
 
 import io
 
-from engine.display import Display
+from engine.run.display import Display
 from progress import Cursor
 
 

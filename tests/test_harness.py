@@ -11,7 +11,7 @@ import pytest
 import engine
 from engine import faults
 from engine.faults import Fault
-from engine.harness import check_fault_tolerance
+from engine.faults.harness import check_fault_tolerance
 from scenarios import harness_train, train_with_checkpoints
 
 LOOP_POINTS = ["step_start", "after_backward", "after_optimizer_step", "split_end", "split_end_after_checkpoint",
@@ -129,14 +129,14 @@ def test_chaos_command_prints_table_and_summary(tmp_path):
 
 def first_retention_delete_arrival(run_dir, monkeypatch):
     """The arrival count at filesystem_write of the first deletion of an old checkpoint."""
-    import engine.storage as storage_module
+    import engine.checkpoint.storage as storage_module
 
     found = []
     original_remove = storage_module.Storage.remove_tree
 
     def remove_tree(self, relative):
         if not found and "ckpt-" in relative:
-            found.append(faults._registry.arrivals["filesystem_write"] + 1)
+            found.append(faults.arrivals("filesystem_write") + 1)
         return original_remove(self, relative)
 
     monkeypatch.setattr(storage_module.Storage, "remove_tree", remove_tree)

@@ -1,4 +1,4 @@
-"""ENOSPC / EIO from the filesystem (through engine.faulty_fs.FaultyFileSystem): no valid
+"""ENOSPC / EIO from the filesystem (through engine.faults.faulty_fs.FaultyFileSystem): no valid
 checkpoint is lost, the partial one is never taken for a checkpoint, and training stops with a
 clear error (on_io_error="raise") or goes on (on_io_error="warn")."""
 
@@ -10,8 +10,8 @@ import pytest
 import engine
 from engine import faults
 from engine.checkpoint.store import CheckpointStore
-from engine.faulty_fs import FaultyFileSystem
-from engine.storage import Storage
+from engine.faults.faulty_fs import FaultyFileSystem
+from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 

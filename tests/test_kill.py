@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor
 from kill_helpers import kill_at_random_instant, run_scenario, run_until_done
 from resume_helpers import assert_same_run

@@ -12,7 +12,7 @@ import pytest
 import engine
 from engine.checkpoint.lease import LEASE_FILE
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from kill_helpers import SCRIPT, environment
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 import engine
+import engine.testing
 import progress
 
-PACKAGES = [engine, progress]
+PACKAGES = [engine, engine.testing, progress]
 
 
 def _names_bound_in_source(package: types.ModuleType) -> set[str]:

@@ -10,7 +10,7 @@ import torch
 
 import engine
 from engine.checkpoint.store import CheckpointStore
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
 from scenarios import SCENARIOS, train_with_checkpoints
 

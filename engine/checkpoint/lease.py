@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from engine.errors import WriterConflict
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 
 LEASE_FILE = "writer.lease"
 

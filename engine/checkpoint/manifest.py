@@ -13,7 +13,7 @@ import zlib
 from typing import Any
 
 from engine.errors import CheckpointCorrupt
-from engine.storage import check_name
+from engine.checkpoint.storage import check_name
 from progress import Cursor
 
 MANIFEST_FILE = "MANIFEST.json"

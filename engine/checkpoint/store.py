@@ -27,7 +27,7 @@ from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"

@@ -2,5 +2,5 @@
 
     FitLoop (epochs) -> EpochLoop (batches) -> [SplitLoop (TBPTT splits)] -> [OptimizerLoop] -> flow
 
-``engine.builder`` is the one place that reads feature flags and composes the tree.
+``engine.loops.tree`` is the one place that reads feature flags and composes the tree.
 """

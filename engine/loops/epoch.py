@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from engine import faults
-from engine.data_position import EXHAUSTED, EpochData
+from engine.data.position import EXHAUSTED, EpochData
 from engine.errors import DataError
 from engine.loops.context import Position, StopState
 from progress import Progress

@@ -8,7 +8,7 @@ import torch
 
 from engine.loops.context import Position, StopState
 from engine.loops.step_output import Hidden, detach_hidden
-from engine.splitting import check_splits
+from engine.data.splitting import check_splits
 from progress import Progress
 
 SplitBoundary = Callable[[int, "list[torch.Tensor]"], None]

@@ -9,13 +9,13 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from engine import faults
-from engine.builder import Boundaries, LoopTree, build_loops, tbptt_split_length
+from engine.loops.tree import Boundaries, LoopTree, build_loops, tbptt_split_length
 from engine.callbacks import Callback, RunView
 from engine.checkpoint.store import LoadedCheckpoint
-from engine.checkpointing import RunCheckpointer
+from engine.checkpoint.policy import RunCheckpointer
 from engine.config import TrainerConfig
-from engine.data_position import EpochData
-from engine.display import Display
+from engine.data.position import EpochData
+from engine.run.display import Display
 from engine.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -25,12 +25,12 @@ from engine.errors import (
 )
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
-from engine.metrics_log import MetricsLog
+from engine.run.metrics_log import MetricsLog
 from engine.optim_setup import read_optimizer_setup
-from engine.preemption import PreemptionWatcher, run_requeue_command
+from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from engine.result import FitResult
 from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor, ProgressSchemaError, encode_tree
 
 STATE_KEYS = {"signature", "module", "optimizers", "schedulers", "loops", "rng", "callbacks", "metrics_bytes", "elapsed_seconds"}

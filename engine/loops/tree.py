@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from engine.config import TrainerConfig
-from engine.data_position import EpochData
+from engine.data.position import EpochData
 from engine.errors import ConfigError
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"

@@ -13,8 +13,8 @@ from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, WriterConflict
-from engine.metrics_log import METRICS_FILE, MetricsLog
-from engine.storage import Storage
+from engine.run.metrics_log import METRICS_FILE, MetricsLog
+from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 

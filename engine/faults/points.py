@@ -123,6 +123,12 @@ def fired() -> list[Fault]:
     return list(_registry.fired)
 
 
+def arrivals(point: str) -> int:
+    """How many times ``point`` was reached since faults were last armed (counted only while
+    some fault is armed)."""
+    return _registry.arrivals.get(point, 0)
+
+
 def reach(point: str) -> None:
     """Mark an arrival at ``point``; trigger a fault armed for this arrival."""
     if not _active:

@@ -1,4 +1,4 @@
-"""What each CLI command does (argument parsing lives in engine/cli.py)."""
+"""What each CLI command does (argument parsing lives in engine/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import EngineError
 from engine.fingerprint import fingerprint
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 from engine.trainer import Trainer
 
 
@@ -94,8 +94,8 @@ def run_list_faults() -> int:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    from engine.chaos import chaos_faults
-    from engine.harness import check_fault_tolerance
+    from engine.faults.chaos import chaos_faults
+    from engine.faults.harness import check_fault_tolerance
 
     if (args.trials is not None and args.trials <= 0) or args.epochs <= 0:
         print("error: --trials and --epochs must be positive", file=sys.stderr)

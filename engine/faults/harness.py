@@ -3,8 +3,7 @@ finishes, and compare the result with an uninterrupted reference, bit for bit.
 
 Usable from pytest in a user's own project::
 
-    from engine.faults import Fault
-    from engine.harness import check_fault_tolerance
+    from engine.testing import Fault, check_fault_tolerance
 
     def test_my_training_survives_faults(tmp_path):
         report = check_fault_tolerance("mypackage.train:main", [
@@ -17,7 +16,7 @@ Usable from pytest in a user's own project::
 ``"mypackage.train:main"`` names a function ``main(run_dir, *args) -> engine.FitResult`` that
 builds its model and data from a fixed seed and calls ``Trainer.fit`` with
 ``TrainerConfig(run_dir=run_dir, ...)``. It runs in a fresh subprocess for every attempt
-(``python -m engine.harness MODULE:FUNCTION RUN_DIR ARGS...``), so SIGKILL faults work. A Python
+(``python -m engine.faults.harness MODULE:FUNCTION RUN_DIR ARGS...``), so SIGKILL faults work. A Python
 callable instead of a string runs in this process (faults of kind ``sigkill`` are then refused).
 """
 
@@ -38,9 +37,9 @@ from engine import faults
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import ConfigError, EngineError
 from engine.faults import Fault
-from engine.metrics_log import METRICS_FILE
+from engine.run.metrics_log import METRICS_FILE
 from engine.result import FitResult
-from engine.storage import Storage
+from engine.checkpoint.storage import Storage
 
 RESULT_PREFIX = "SPLITLOOP_RESULT "
 TrainFunction = Callable[..., FitResult]
@@ -158,7 +157,7 @@ def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Seq
     env.pop(faults.ENVIRONMENT_VARIABLE, None)
     if fault is not None:
         env[faults.ENVIRONMENT_VARIABLE] = fault.encode()
-    process = subprocess.run([sys.executable, "-m", "engine.harness", train, run_dir, *args],
+    process = subprocess.run([sys.executable, "-m", "engine.faults.harness", train, run_dir, *args],
                              env=env, capture_output=True, text=True, timeout=timeout)
     result = None
     for line in process.stdout.splitlines():
@@ -227,9 +226,9 @@ def _load_function(spec: str) -> TrainFunction:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Subprocess entry: ``python -m engine.harness MODULE:FUNCTION RUN_DIR [ARGS...]``."""
+    """Subprocess entry: ``python -m engine.faults.harness MODULE:FUNCTION RUN_DIR [ARGS...]``."""
     if len(argv) < 2:
-        print("usage: python -m engine.harness MODULE:FUNCTION RUN_DIR [ARGS...]", file=sys.stderr)
+        print("usage: python -m engine.faults.harness MODULE:FUNCTION RUN_DIR [ARGS...]", file=sys.stderr)
         return 2
     result = _load_function(argv[0])(argv[1], *argv[2:])
     if isinstance(result, FitResult):

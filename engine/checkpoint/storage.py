@@ -41,7 +41,7 @@ class Storage:
         self.url = url
         self.fs = filesystem
         self.root = root.rstrip("/") or "/"
-        # A wrapping filesystem (engine.faulty_fs) keeps the protocol of what it wraps; the
+        # A wrapping filesystem (engine.faults.faulty_fs) keeps the protocol of what it wraps; the
         # local fast paths below then ask it before each write so its faults still fire.
         inner = getattr(filesystem, "inner", filesystem)
         self.is_local = isinstance(inner, LocalFileSystem)

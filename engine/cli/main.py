@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from engine.cli_commands import run_chaos, run_demo, run_inspect, run_list_faults
+from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""Training data: the position inside an epoch (resumable) and TBPTT splitting."""

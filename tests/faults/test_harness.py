@@ -55,7 +55,7 @@ SIGKILL_HERE = ["step_start", "after_backward", "after_optimizer_step", "batch_e
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_in_a_subprocess(tmp_path, monkeypatch):
-    tests_dir = str(pathlib.Path(__file__).parent)
+    tests_dir = str(pathlib.Path(__file__).parent.parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     fault_list = matrix({point: ["sigkill"] for point in SIGKILL_HERE})
     fault_list.append(Fault("filesystem_write", 40, "sigkill"))

@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from engine.data.splitting import Batch, split_along_time
+from engine.optim_setup import OptimizerSetup
 
 
 class Module(torch.nn.Module):
@@ -78,3 +79,11 @@ class Module(torch.nn.Module):
     def lr_schedulers(self) -> list[object]:
         """The LR schedulers of the running fit (for manual optimization, which steps them)."""
         return list(self._engine_schedulers)
+
+
+def bind_optimizers(module: torch.nn.Module, setup: OptimizerSetup) -> None:
+    """Make the running fit's optimizers and schedulers available to ``module.optimizers()`` /
+    ``module.lr_schedulers()`` (engine modules only; a plain nn.Module is left untouched)."""
+    if isinstance(module, Module):
+        module._engine_optimizers = list(setup.optimizers)
+        module._engine_schedulers = [schedule.scheduler for schedule in setup.schedules]

@@ -61,6 +61,11 @@ class LoopTree:
             records["optimizer.optimizers"] = self.optimizer.progress
         return ProgressTree(records=records, cursor=cursor)
 
+    def units_completed(self) -> int:
+        """Units of step work completed over the run: splits with TBPTT, batches without."""
+        loop = self.split if self.split is not None else self.epoch
+        return loop.progress.total.completed
+
     def load_progress(self, tree: ProgressTree) -> None:
         """Adopt the counts of ``tree`` (rolled back to what was completed)."""
         mine = self.progress_tree().records

@@ -67,6 +67,10 @@ class MetricsLog:
             except OSError:
                 pass  # the lines stay buffered; the next checkpoint's flush reports the error
 
+    def length_after_flush(self) -> int:
+        """The file's committed length once the buffered lines are written."""
+        return self.committed_bytes + sum(len(line.encode()) + 1 for line in self._buffer)
+
     def flush(self) -> int:
         """Write buffered lines (page cache only: a checkpoint commit fsyncs the file in its
         own batch); returns the written length in bytes."""

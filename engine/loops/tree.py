@@ -145,7 +145,7 @@ def build_loops(
     else:
         split_loop = None
         epoch_loop = EpochLoop(data, WholeBatch(runner), position, stop, batch_boundary=boundaries.split)
-    fit_loop = FitLoop(epoch_loop, flow, config.max_epochs, position, stop, boundaries.epoch)
+    fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+numpy: Any
 try:  # NumPy is optional
     import numpy
 except ImportError:  # pragma: no cover - numpy is installed in the test environment
@@ -44,11 +45,12 @@ class RngSnapshot:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RngSnapshot":
-        numpy_state = state["numpy"]
-        if numpy_state is not None:
+        saved_numpy = state["numpy"]
+        numpy_state: tuple | None = None
+        if saved_numpy is not None:
             if numpy is None:
                 raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
-            name, keys, position, has_gauss, cached = numpy_state
+            name, keys, position, has_gauss, cached = saved_numpy
             numpy_state = (name, keys.numpy().astype(numpy.uint32), position, has_gauss, cached)
         return cls(
             torch_cpu=state["torch_cpu"],

@@ -59,12 +59,10 @@ class RunCheckpointer:
         if resume == "off":
             return None
         if resume not in ("auto", "latest"):
-            loaded = self.store.load(resume)
-            validate(loaded.name, loaded.state)
-            return loaded
-        loaded = self.store.latest(validate)
-        if loaded is not None:
-            return loaded
+            return self.store.load(resume, validate)
+        latest = self.store.latest(validate)
+        if latest is not None:
+            return latest
         existing = self.store.committed_names()
         if existing:
             raise CheckpointCorrupt(

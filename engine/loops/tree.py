@@ -12,7 +12,7 @@ optimization, accumulation, clipping)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
 from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
-from engine.module import Module
+from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
 from progress import ProgressTree
 
@@ -93,7 +93,7 @@ class LoopTree:
         self.step_counter.close()
 
 
-def tbptt_split_length(module: Module) -> int | None:
+def tbptt_split_length(module: torch.nn.Module) -> int | None:
     """The module's split length, validated."""
     length = getattr(module, "tbptt_split_length", None)
     if length is None:
@@ -104,7 +104,7 @@ def tbptt_split_length(module: Module) -> int | None:
 
 
 def build_loops(
-    module: Module,
+    module: torch.nn.Module,
     setup: OptimizerSetup,
     config: TrainerConfig,
     data: EpochData,
@@ -122,7 +122,7 @@ def build_loops(
         )
     automatic = bool(getattr(module, "automatic_optimization", True))
     several = automatic and len(setup.optimizers) > 1
-    call_step = make_step_call(module.training_step, tbptt, several)
+    call_step = make_step_call(getattr(module, "training_step"), tbptt, several)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
     if automatic:
@@ -139,14 +139,24 @@ def build_loops(
         flow = ManualFlow(call_step, read_output, parameters)
     optimizer_loop = OptimizerLoop(flow, len(setup.optimizers)) if several else None
     runner = optimizer_loop if optimizer_loop is not None else SingleOptimizer(flow)
-    if tbptt:
-        split_loop = SplitLoop(module.split_batch, split_length, carry, runner, position, stop, boundaries.split)
+    if split_length is not None:
+        split_loop = SplitLoop(_splitter(module), split_length, carry, runner, position, stop, boundaries.split)
         epoch_loop = EpochLoop(data, split_loop, position, stop, batch_boundary=None)
     else:
         split_loop = None
         epoch_loop = EpochLoop(data, WholeBatch(runner), position, stop, batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data)
+
+
+def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:
+    """The module's ``split_batch``, or the default cut along ``tbptt_time_dim`` for a plain
+    nn.Module that does not subclass engine.Module."""
+    custom = getattr(module, "split_batch", None)
+    if callable(custom):
+        return custom
+    time_dim = getattr(module, "tbptt_time_dim", 1)
+    return lambda batch, length: split_along_time(batch, length, time_dim)
 
 
 def _clipper(config: TrainerConfig) -> Callable[[list[torch.nn.Parameter]], object] | None:

@@ -40,7 +40,7 @@ class FitRun:
         self.config = config
         self.callbacks = list(callbacks)
         self.module = module
-        self.setup = read_optimizer_setup(module.configure_optimizers())
+        self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
         bind_optimizers(module, self.setup)
         self.position = Position()
         self.stop = StopState()
@@ -144,7 +144,7 @@ class FitRun:
     # ---- boundaries -------------------------------------------------------------------
     def _split_boundary(self, split_index: int, losses: list[torch.Tensor]) -> None:
         position = self.position
-        cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, 0)
+        cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values = [loss.item() for loss in losses]
         steps = self.tree.step_counter.total
         self.metrics.append(cursor, values, steps)

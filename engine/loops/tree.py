@@ -12,15 +12,16 @@ optimization, accumulation, clipping)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
+from engine.loops.evaluation import EvaluationLoop
 from engine.loops.fit import FitLoop
 from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
@@ -28,6 +29,7 @@ from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
 from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
+from engine.run.logged import MetricLogger
 from progress import ProgressTree
 
 
@@ -48,6 +50,8 @@ class LoopTree:
     flow: AutomaticFlow | ManualFlow
     step_counter: StepCounter
     data: EpochData
+    logger: MetricLogger
+    evaluation: EvaluationLoop | None = None
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -59,6 +63,9 @@ class LoopTree:
             records["split.splits"] = self.split.progress
         if self.optimizer is not None:
             records["optimizer.optimizers"] = self.optimizer.progress
+        if self.evaluation is not None:
+            records["evaluation.validations"] = self.evaluation.progress
+            records["evaluation.batches"] = self.evaluation.batches
         return ProgressTree(records=records, cursor=cursor)
 
     def units_completed(self) -> int:
@@ -81,6 +88,8 @@ class LoopTree:
             "flow": self.flow.state_dict(),
             "split": None if self.split is None else self.split.state_dict(),
             "data": self.data.state_dict(),
+            "logged": self.logger.state_dict(),
+            "evaluation": None if self.evaluation is None else self.evaluation.state_dict(),
         }
 
     def load_loop_states(self, states: dict[str, Any]) -> None:
@@ -88,6 +97,11 @@ class LoopTree:
         if self.split is not None:
             self.split.load_state_dict(states["split"])
         self.data.load_state_dict(states["data"])
+        self.logger.load_state_dict(states["logged"])
+        if self.evaluation is not None:
+            if states["evaluation"] is None:
+                raise ValueError("the checkpoint was written by a run without validation data")
+            self.evaluation.load_state_dict(states["evaluation"])
 
     def close(self) -> None:
         self.step_counter.close()
@@ -111,6 +125,8 @@ def build_loops(
     position: Position,
     stop: StopState,
     boundaries: Boundaries,
+    logger: MetricLogger,
+    val_data: Iterable[Any] | None = None,
 ) -> LoopTree:
     split_length = tbptt_split_length(module)
     tbptt = split_length is not None
@@ -146,7 +162,21 @@ def build_loops(
         split_loop = None
         epoch_loop = EpochLoop(data, WholeBatch(runner), position, stop, batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
-    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data)
+    evaluation = None if val_data is None else _evaluation_loop(module, val_data, split_length, carry, logger)
+    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data,
+                    logger, evaluation)
+
+
+def _evaluation_loop(module: torch.nn.Module, val_data: Iterable[Any], split_length: int | None, carry: bool,
+                     logger: MetricLogger) -> EvaluationLoop:
+    step = getattr(module, "validation_step", None)
+    if not callable(step):
+        raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
+    if split_length is None:
+        call: Callable[[Any, Any], Any] = lambda batch, hidden: step(batch)
+        return EvaluationLoop(module, val_data, call, None, None, carry, logger)
+    return EvaluationLoop(module, val_data, lambda batch, hidden: step(batch, hidden=hidden), _splitter(module),
+                          split_length, carry, logger)
 
 
 def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:

@@ -48,10 +48,11 @@ class MetricsLog:
         elif size > committed_bytes:
             self._storage.truncate(METRICS_FILE, committed_bytes)
 
-    def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int) -> None:
-        if self._storage is None:
-            return
+    def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int,
+               logged: dict[str, float] | None = None) -> None:
+        """The row of a completed training split."""
         record: dict[str, object] = {
+            "stage": "train",
             "epoch": cursor.epoch,
             "batch": cursor.batch,
             "split": cursor.split,
@@ -60,6 +61,22 @@ class MetricsLog:
         }
         if len(losses) > 1:
             record["losses"] = losses
+        if logged:
+            record["metrics"] = logged
+        self._add(record)
+
+    def append_aggregate(self, stage: str, cursor: Cursor | None, optimizer_steps: int, values: dict[str, float]) -> None:
+        """The row of a validation pass (``stage="val"``) or of a training epoch's aggregates
+        (``stage="train_epoch"``), at the training position where it was computed."""
+        record: dict[str, object] = {"stage": stage}
+        if cursor is not None:
+            record.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
+        record.update(step=optimizer_steps, metrics=values)
+        self._add(record)
+
+    def _add(self, record: dict[str, object]) -> None:
+        if self._storage is None:
+            return
         self._buffer.append(json.dumps(record))
         if len(self._buffer) >= _FLUSH_EVERY_LINES:
             try:

@@ -6,7 +6,7 @@ and restore. This is the one place that knows the tree::
       "module":          the model's state_dict
       "optimizers":      [optimizer.state_dict(), ...]
       "schedulers":      [scheduler.state_dict(), ...]
-      "loops":           {"flow": ..., "split": ..., "data": ...}   (LoopTree.loop_states)
+      "loops":           {"flow", "split", "data", "logged", "evaluation"}  (LoopTree.loop_states)
       "rng":             every global random stream (engine.rng)
       "callbacks":       {callback key: callback.state_dict()}      (non-empty states only)
       "metrics_bytes":   length of metrics.jsonl this checkpoint commits
@@ -45,6 +45,7 @@ METRICS_BYTES = "metrics_bytes"
 ELAPSED_SECONDS = "elapsed_seconds"
 
 STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS})
+LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
 # set up and elapsed_seconds is wall time: neither is compared).
 COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
@@ -72,6 +73,7 @@ class RunParts:
             "data_length": self.tree.data.length,
             "accumulate_grad": config.accumulate_grad,
             "accumulate_over": config.accumulate_over,
+            "validation": self.tree.evaluation is not None,
         }
 
     def callbacks_by_key(self) -> dict[str, Callback]:
@@ -138,8 +140,8 @@ def validate(name: str, state: Any) -> None:
         if not all(isinstance(item, dict) for item in state[key]):
             raise CheckpointCorrupt(f"{name}: {key} holds an entry that is not a state dict")
     _expect(name, LOOPS, state[LOOPS], dict)
-    if set(state[LOOPS]) != {"flow", "split", "data"}:
-        raise CheckpointCorrupt(f"{name}: loop states have keys {sorted(map(str, state[LOOPS]))}, expected ['data', 'flow', 'split']")
+    if set(state[LOOPS]) != LOOP_KEYS:
+        raise CheckpointCorrupt(f"{name}: loop states have keys {sorted(map(str, state[LOOPS]))}, expected {sorted(LOOP_KEYS)}")
     _expect(name, CALLBACKS, state[CALLBACKS], dict)
     metrics_bytes = state[METRICS_BYTES]
     if isinstance(metrics_bytes, bool) or not isinstance(metrics_bytes, int) or metrics_bytes < 0:

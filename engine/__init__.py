@@ -4,7 +4,7 @@ Public API (see docs/quickstart.md)::
 
     Trainer, TrainerConfig, CheckpointConfig, FitResult
     Module, LRSchedule, split_along_time
-    Callback, RunView
+    Callback, RunView, EarlyStopping
     fingerprint
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
@@ -13,6 +13,7 @@ Public API (see docs/quickstart.md)::
 
 from engine.callbacks import Callback, RunView
 from engine.config import CheckpointConfig, TrainerConfig
+from engine.early_stopping import EarlyStopping
 from engine.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "DataError",
+    "EarlyStopping",
     "EngineError",
     "FitResult",
     "InjectedFault",

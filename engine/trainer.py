@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import sys
 from typing import Any, Iterable, Sequence
 
@@ -68,7 +69,8 @@ class Trainer:
         if isinstance(val_data, (str, bytes)):
             raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
                               "(pass resume= as a keyword)")
-        if val_data is not None and iter(val_data) is val_data:
+        # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
+        if isinstance(val_data, collections.abc.Iterator):
             raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
                             "pass a DataLoader or a list")
         faults.arm_from_environment()

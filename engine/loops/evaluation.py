@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from engine import faults
 from engine.errors import DataError, ModuleContractError
 from engine.loops.step_output import Hidden, detach_hidden
 from engine.rng import capture_global_rng, restore_global_rng
@@ -101,6 +102,7 @@ class EvaluationLoop:
                 self._record(result)
         batches.increment_processed()
         batches.increment_completed()
+        faults.reach("validation_batch_end")
 
     def _record(self, result: Any) -> None:
         if isinstance(result, dict):

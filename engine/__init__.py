@@ -5,7 +5,7 @@ Public API (see docs/quickstart.md)::
     Trainer, TrainerConfig, CheckpointConfig, FitResult
     Module, LRSchedule, split_along_time
     Callback, RunView, EarlyStopping
-    fingerprint
+    fingerprint, load_weights, export_weights
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
             WriterConflict, InjectedFault
@@ -34,6 +34,7 @@ from engine.optim_setup import LRSchedule
 from engine.result import FitResult
 from engine.data.splitting import split_along_time
 from engine.trainer import Trainer
+from engine.weights import export_weights, load_weights
 
 __all__ = [
     "Callback",
@@ -57,6 +58,8 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "WriterConflict",
+    "export_weights",
     "fingerprint",
+    "load_weights",
     "split_along_time",
 ]

@@ -14,6 +14,9 @@ from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"
+# Where each resume happened (one JSON row per resumed process). Kept out of metrics.jsonl so that
+# file stays byte-identical to the one of a run that was never interrupted.
+RESUMES_FILE = "resumes.jsonl"
 _FLUSH_EVERY_LINES = 256
 
 
@@ -83,6 +86,15 @@ class MetricsLog:
                 self.flush()
             except OSError:
                 pass  # the lines stay buffered; the next checkpoint's flush reports the error
+
+    def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
+        """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""
+        if self._storage is None:
+            return
+        row: dict[str, object] = {"checkpoint": checkpoint, "step": optimizer_steps, "time": round(wall_time, 3)}
+        if cursor is not None:
+            row.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
+        self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
     def length_after_flush(self) -> int:
         """The file's committed length once the buffered lines are written."""

@@ -125,6 +125,7 @@ class FitRun:
             self._elapsed_before = restored.elapsed_seconds
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
+            self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,

@@ -167,8 +167,12 @@ def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> No
                    for key, value in current.items() if saved.get(key) != value]
     if differences:
         raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
-    module_state = parts.module.state_dict()
-    saved_module = state[MODULE]
+    check_module_state(name, parts.module, state[MODULE])
+
+
+def check_module_state(name: str, module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
+    """Refuse model weights whose keys, shapes or dtypes differ from ``module``'s, naming them."""
+    module_state = module.state_dict()
     missing = sorted(set(module_state) - set(saved_module))
     unexpected = sorted(set(saved_module) - set(module_state))
     if missing or unexpected:

@@ -40,7 +40,7 @@ class EvaluationLoop:
         self.progress = Progress()
         self.batches = Progress()
         self.seed: int | None = None
-        self.last_validated_step = 0
+        self.validated_at_step: int | None = None
         self._hidden: Hidden = None
         self._module = module
         self._data = data
@@ -59,7 +59,12 @@ class EvaluationLoop:
 
     def due_after_steps(self, optimizer_steps: int, every_n_steps: int) -> bool:
         """Mid-epoch validation: due when the step count crosses a multiple of ``every_n_steps``."""
-        return optimizer_steps // every_n_steps > self.last_validated_step // every_n_steps
+        return optimizer_steps // every_n_steps > (self.validated_at_step or 0) // every_n_steps
+
+    def current_at(self, optimizer_steps: int) -> bool:
+        """Whether a pass already ran with the weights of step ``optimizer_steps`` (epoch-end
+        validation is then not repeated)."""
+        return self.validated_at_step == optimizer_steps
 
     def run(self, optimizer_steps: int) -> dict[str, float]:
         """One validation pass; returns its aggregated metrics."""
@@ -79,7 +84,7 @@ class EvaluationLoop:
             raise DataError("the validation data yielded no batch")
         self.batches.reset_current()
         values = self._logger.end_evaluation()
-        self.last_validated_step = optimizer_steps
+        self.validated_at_step = optimizer_steps
         progress.increment_processed()
         progress.increment_completed()
         return values
@@ -116,11 +121,12 @@ class EvaluationLoop:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "last_validated_step": self.last_validated_step}
+        return {"seed": self.seed, "validated_at_step": self.validated_at_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state["seed"])
-        self.last_validated_step = int(state["last_validated_step"])
+        step = state["validated_at_step"]
+        self.validated_at_step = None if step is None else int(step)
 
 
 def _batches(data: Iterable[Any]) -> Iterator[Any]:

@@ -203,7 +203,8 @@ class FitRun:
         aggregates = self.logger.end_epoch()
         if aggregates:
             self.metrics.append_aggregate("train_epoch", self.cursor, steps, aggregates)
-        if self.tree.evaluation is not None and self.config.val_at_epoch_end:
+        evaluation = self.tree.evaluation
+        if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
             self._validate(steps)
         self._update_status()
         for callback in self.callbacks:

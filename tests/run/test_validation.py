@@ -74,6 +74,7 @@ def test_rows_have_stages_and_epoch_aggregates_match_their_splits(tmp_path):
     assert len(train) == 2 * SPLITS_PER_EPOCH
     # mid-epoch at steps 5, 10, 15, 20 and one at each epoch end
     assert [row["step"] for row in val] == [5, 10, 12, 15, 20, 24]
+
     assert len(epochs) == 2
     for epoch, aggregate in enumerate(epochs):
         split_values = [row["metrics"]["train_loss_mean"] for row in train if row["epoch"] == epoch]
@@ -83,6 +84,12 @@ def test_rows_have_stages_and_epoch_aggregates_match_their_splits(tmp_path):
     assert set(val[0]["metrics"]) == {"val_loss", "val_noise", "val_max"}
     assert result.metrics["val_loss"] == val[-1]["metrics"]["val_loss"]
     assert result.metrics["train_loss_mean"] == epochs[-1]["metrics"]["train_loss_mean"]
+
+
+def test_an_epoch_end_validation_is_not_repeated_when_the_weights_did_not_change(tmp_path):
+    run_dir = str(tmp_path / "run")
+    train_validated(run_dir, epochs=2, every_steps=4)  # step 12 ends epoch 0 and is a multiple of 4
+    assert [row["step"] for row in rows(run_dir, "val")] == [4, 8, 12, 16, 20, 24]
 
 
 def test_validation_results_do_not_depend_on_the_process(tmp_path):

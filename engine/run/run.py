@@ -50,7 +50,7 @@ class FitRun:
         module._engine_schedulers = [s.scheduler for s in self.setup.schedules]
         self.position = Position()
         self.stop = StopState()
-        self.data = EpochData(train_data)
+        self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary))
         self.storage = storage
@@ -87,6 +87,7 @@ class FitRun:
             finally:
                 self.display.close()
                 self.tree.close()
+                self.data.close()
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)

@@ -4,7 +4,7 @@ random in ``__getitem__`` (Python ``random``, torch and NumPy), as random crops 
 Run as a script to train into a run directory (used by the subprocess kill and preemption
 tests); it prints ``training`` once the first split is done::
 
-    python tests/worker_training.py RUN_DIR [--persistent] [--epochs N] [--sleep SECONDS]
+    python tests/worker_training.py RUN_DIR [--persistent] [--epochs N] [--sleep SECONDS] [--every N]
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ def make_loader(persistent: bool = False, workers: int = WORKERS, **options: Any
 
 
 def train(run_dir: str, persistent: bool = False, epochs: int = 2, callbacks: tuple = (),
-          resume: str = "auto", **settings: Any) -> engine.FitResult:
-    """Train into ``run_dir`` with a checkpoint after every batch."""
+          resume: str = "auto", every: int = 1, **settings: Any) -> engine.FitResult:
+    """Train into ``run_dir`` with a checkpoint every ``every`` batches."""
     seed_all(0)
     model = Regressor()
     loader = make_loader(persistent)
     config = dict(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
-                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+                  checkpoint=engine.CheckpointConfig(every_n_splits=every, keep_last=None))
     config.update(settings)
     return engine.Trainer(engine.TrainerConfig(**config), callbacks=list(callbacks)).fit(model, loader, resume=resume)
 
@@ -100,8 +100,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--persistent", action="store_true")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--every", type=int, default=1, help="checkpoint every N batches")
     args = parser.parse_args(argv)
-    result = train(args.run_dir, args.persistent, args.epochs, callbacks=(AnnounceAndSlowDown(args.sleep),))
+    result = train(args.run_dir, args.persistent, args.epochs, callbacks=(AnnounceAndSlowDown(args.sleep),),
+                   every=args.every)
     print(f"done {result.cursor}", flush=True)
     return 0
 

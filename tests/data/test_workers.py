@@ -20,6 +20,7 @@ import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.data.position import EpochData
+from engine.data.workers import preemption_signals_blocked
 from resume_helpers import assert_same_run, copy_run_until
 from worker_training import AugmentedDataset, make_loader, seed_all, train
 
@@ -219,3 +220,19 @@ def test_iterable_dataset_with_fresh_workers_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         EpochData(loader).close()
+
+
+def test_a_signal_while_workers_start_is_delivered_after_they_started():
+    """The preemption signals are blocked while workers are started (a worker inherits the
+    block until its init function ignores them); the main process gets the signal after."""
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
+    try:
+        with preemption_signals_blocked((signal.SIGUSR1,)):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert signal.SIGUSR1 in signal.sigpending()
+            assert received == []
+        assert received == [signal.SIGUSR1]
+        assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

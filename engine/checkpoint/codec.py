@@ -27,7 +27,7 @@ import re
 import sys
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import torch
 
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
@@ -93,7 +93,7 @@ def encode_state(tree: Any) -> EncodedState:
     tensors: list[torch.Tensor] = []
     plain = _to_plain(tree, "state", tensors, 0)
     devices = [str(tensor.device) for tensor in tensors]
-    table = []
+    table: list[dict[str, Any]] = []
     layout = []
     offset = 0
     for tensor in tensors:
@@ -221,7 +221,7 @@ def _check_nesting(tree: Any) -> None:
 @functools.lru_cache(maxsize=64)
 def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
     # rename=True accepts the "_0"-style names that namedtuple(..., rename=True) produced.
-    cls = collections.namedtuple(name, fields, rename=True)
+    cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
     if cls._fields != fields:
         raise ValueError(f"field names {list(fields)} are not valid")
     return cls

@@ -56,13 +56,14 @@ class _SkippingIterator:
 
     def __next__(self) -> Any:
         self.prime()
+        assert self._iterator is not None  # prime() opened it
         return next(self._iterator)
 
 
 class _SkippingSampler:
     """A (batch) sampler that yields ``inner``'s items from index ``skip`` on."""
 
-    def __init__(self, inner: Iterable[Any], skip: int) -> None:
+    def __init__(self, inner: Any, skip: int) -> None:
         self.inner = inner
         self.skip = skip
         self.last_iterator: _SkippingIterator | None = None
@@ -115,7 +116,7 @@ def _generators_of(loader: Any) -> list[torch.Generator]:
 
 
 def _samplers_with_epoch(loader: Any) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
                     getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if callable(getattr(sampler, "set_epoch", None)) and not any(sampler is s for s in found):
@@ -145,7 +146,7 @@ class EpochData:
         if has_workers(loader):
             self._workers = WorkerLoader(loader, self._worker_signals, self._stateful)  # type: ignore[arg-type]
             loader = self._workers.loader
-        self.loader = loader
+        self.loader: Any = loader
         self._worker_iterators: list[Iterator[Any]] = []
         self._warned_fast_forward = False
         self.batches_consumed = 0
@@ -164,6 +165,8 @@ class EpochData:
             self._seed_samples(epoch)
             with preemption_signals_blocked(self._signals_to_block()):
                 return self._track_workers(iter(self.loader))
+        if self._epoch_start_rng is None:
+            raise DataError(f"cannot resume inside epoch {epoch}: the data position holds no random state of the epoch start")
         now = capture_global_rng()
         restore_global_rng(self._epoch_start_rng)
         for generator, state in zip(self._generators, self._epoch_start_generators):

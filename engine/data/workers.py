@@ -173,7 +173,8 @@ class WorkerLoader:
         self.sampler: SampleKeySampler | None = None
         if not isinstance(loader.dataset, IterableDataset) and not stateful:
             batched = loader.batch_sampler is not None
-            self.sampler = SampleKeySampler(loader.batch_sampler if batched else loader.sampler, batched)
+            inner: Iterable[Any] = loader.batch_sampler if batched else loader.sampler  # type: ignore[assignment]
+            self.sampler = SampleKeySampler(inner, batched)
             # DataLoader forbids re-assigning these after construction; this copy is private.
             object.__setattr__(private, "batch_sampler" if batched else "sampler", self.sampler)
             object.__setattr__(private, "dataset", SampleSeededDataset(loader.dataset))

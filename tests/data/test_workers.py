@@ -236,3 +236,25 @@ def test_a_signal_while_workers_start_is_delivered_after_they_started():
         assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_iterable_dataset_with_fresh_workers_resumes_exactly_by_replaying_them():
+    """Without persistent workers each epoch starts workers seeded from the epoch's random
+    state; resuming replays the epoch's opening, so the fast-forward redraws the same stream."""
+    def run(run_dir):
+        torch.manual_seed(0)
+        loader = DataLoader(RandomStream(), batch_size=2, num_workers=2)
+        config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, progress_bar="off",
+                                      checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="resuming .* by drawing and dropping")
+            return engine.Trainer(config).fit(StreamModel(), loader)
+
+    reference = memory_url()
+    run(reference)
+    names = CheckpointStore(Storage(reference)).names()
+    for name in names[:-1]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        assert run(resumed).resumed_from == name
+        assert_same_run(reference, resumed)

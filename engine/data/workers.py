@@ -156,8 +156,9 @@ def _show_user_dataset_in_worker_info() -> None:
     commonly opens per-worker files through it)."""
     from torch.utils.data._utils import worker as torch_worker
 
-    info = torch_worker._worker_info
-    if info is not None and isinstance(info.dataset, SampleSeededDataset):
+    # A private torch attribute: if a torch release renames it, the wrapper stays visible.
+    info = getattr(torch_worker, "_worker_info", None)
+    if info is not None and isinstance(getattr(info, "dataset", None), SampleSeededDataset):
         torch_worker._worker_info = torch_worker.WorkerInfo(
             id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset.dataset)
 

@@ -51,7 +51,7 @@ class FitRun:
         bind_run(module, self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
-        self.data = EpochData(train_data)
+        self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.logger, val_data)
         self.parts = run_state.RunParts(module, self.setup, self.tree, self.callbacks, config)
@@ -90,6 +90,7 @@ class FitRun:
             finally:
                 self.display.close()
                 self.tree.close()
+                self.data.close()
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)

@@ -1,0 +1,76 @@
+"""The package runs on a fresh machine: every third-party module that engine/ and progress/
+import is a declared dependency, and nothing needs NumPy (an optional extra) at run time."""
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OWN_PACKAGES = {"engine", "progress"}
+OPTIONAL = {"numpy"}  # imported inside try/except ImportError, used only where installed
+
+
+def _imported_top_level_modules(package: str) -> set[str]:
+    found = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def _declared_distributions() -> set[str]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower() for requirement in project["dependencies"]}
+
+
+def test_every_third_party_import_is_a_declared_dependency():
+    third_party = set()
+    for package in OWN_PACKAGES:
+        third_party |= _imported_top_level_modules(package)
+    third_party -= set(sys.stdlib_module_names) | OWN_PACKAGES | OPTIONAL
+    distributions = importlib.metadata.packages_distributions()
+    declared = _declared_distributions()
+    missing = {module: distributions.get(module, [module]) for module in third_party
+               if not any(name.lower() in declared for name in distributions.get(module, [module]))}
+    assert not missing, f"imported but not in pyproject [project].dependencies: {missing}"
+    assert "tqdm" in declared
+
+
+def test_checkpoints_and_fingerprints_need_no_numpy(tmp_path, monkeypatch):
+    def numpy_is_not_available(self, *args, **kwargs):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", numpy_is_not_available)
+    model = torch.nn.Linear(3, 1)
+
+    class Regression(engine.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch):
+            return (self.net(batch) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batches = [torch.randn(2, 3) for _ in range(3)]
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path), progress_bar="off")
+    result = engine.Trainer(config).fit(Regression(), batches)
+    assert result.last_checkpoint is not None
+    loaded = CheckpointStore(Storage(str(tmp_path), create=False), create=False).load(result.last_checkpoint)
+    assert torch.equal(loaded.state["module"]["net.weight"], model.weight.detach())
+    assert len(engine.fingerprint(model.state_dict(), [])) == 64

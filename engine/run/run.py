@@ -58,7 +58,7 @@ class FitRun:
         self.checkpoints = RunCheckpointer(storage, config.checkpoint, self.metrics) if storage is not None and config.checkpoint else None
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.view = RunView(self.stop.request)
-        self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length)
+        self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
@@ -87,6 +87,7 @@ class FitRun:
             finally:
                 self.display.close()
                 self.tree.close()
+        self.display.finish(self.tree.fit.progress.total.completed, self.tree.step_counter.total, self.stop.reason)
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
@@ -123,6 +124,7 @@ class FitRun:
                 self.stop.request(reason)
         if self.checkpoints is not None:
             self.checkpoints.start(self.tree.step_counter.total)
+        self.display.start(self.config.run_dir, loaded)
 
     def _elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self._started
@@ -160,6 +162,7 @@ class FitRun:
         return loop.progress.total.completed
 
     def _epoch_boundary(self, epoch: int) -> None:
+        self.display.end_epoch(epoch)
         self.view._epochs_completed = self.tree.fit.progress.total.completed
         self._saved_current_state = False
         for callback in self.callbacks:
@@ -175,6 +178,7 @@ class FitRun:
         saved = self.checkpoints.save(self._state_tree, encode_tree(self.tree.progress_tree(self.cursor)),
                                       self.cursor, steps, force)
         self._saved_current_state = saved
+        self.display.note_checkpoint(saved)
 
     def _state_tree(self, metrics_bytes: int) -> dict[str, Any]:
         return {

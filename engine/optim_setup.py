@@ -83,9 +83,8 @@ def _split_returned(returned: object) -> tuple[object, object]:
                 f"'schedulers' (or Lightning's 'optimizer' and 'lr_scheduler'), got {sorted(returned)}"
             )
         return returned["optimizers"], returned.get("schedulers", [])
-    if _is_two_lists(returned):
-        optimizers, schedulers = returned  # type: ignore[misc]
-        return optimizers, schedulers
+    if isinstance(returned, tuple) and _is_two_lists(returned):
+        return returned[0], returned[1]
     if isinstance(returned, (list, tuple)) and returned and all(isinstance(item, dict) for item in returned):
         pairs = [_read_lightning_dict(item) for item in returned]
         return [optimizer for optimizer, _ in pairs], [s for _, schedules in pairs for s in _as_list(schedules)]

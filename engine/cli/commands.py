@@ -96,13 +96,14 @@ def run_chaos(args: argparse.Namespace) -> int:
     fault_list = chaos_faults(args.trials, args.seed)
     check_work_dir(args.dir, "chaos --dir")
     print(f"chaos: a reference run, then {len(fault_list)} trials; one row per trial as it finishes", flush=True)
-    header_printed = []
+    rows_printed = 0
 
     def print_row(trial: Trial) -> None:
-        if not header_printed:
+        nonlocal rows_printed
+        if rows_printed == 0:
             print(FaultReport.header())
-            header_printed.append(True)
         print(FaultReport.row(trial), flush=True)
+        rows_printed += 1
 
     report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir, args=[str(args.epochs)],
                                    on_trial=print_row)

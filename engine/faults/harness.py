@@ -105,20 +105,25 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
     check_work_dir(work_dir)
     if callable(train) and any(fault.kind == "sigkill" for fault in parsed):
         raise ConfigError("faults of kind 'sigkill' need train given as 'module:function' (a subprocess)")
-    attempt = _subprocess_attempt if isinstance(train, str) else _in_process_attempt
+
+    def attempt(run_dir: str, fault: Fault | None) -> tuple[str, dict | None]:
+        if isinstance(train, str):
+            return _subprocess_attempt(train, run_dir, fault, args, timeout)
+        return _in_process_attempt(train, run_dir, fault, args, timeout)
+
     reference = os.path.join(work_dir, "reference")
-    outcome, _ = attempt(train, reference, None, args, timeout)
+    outcome, _ = attempt(reference, None)
     if outcome != "completed":
         raise EngineError(f"the reference run did not complete: {outcome}")
     trials = []
     for index, fault in enumerate(parsed):
         run_dir = os.path.join(work_dir, f"trial-{index:03d}")
-        outcome, first = attempt(train, run_dir, fault, args, timeout)
+        outcome, first = attempt(run_dir, fault)
         resumed: dict | None = None
         attempts = 1
         last = outcome
         while last != "completed" and attempts < max_attempts:
-            last, result = attempt(train, run_dir, None, args, timeout)
+            last, result = attempt(run_dir, None)
             resumed = resumed or result
             attempts += 1
         if outcome == "completed":
@@ -158,10 +163,10 @@ def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None,
     try:
         result = train(run_dir, *args)
         outcome = "preempted" if getattr(result, "preempted", False) else "completed"
+        cursor = getattr(result, "resumed_cursor", None)
         return outcome, {"fired": [f.encode() for f in faults.fired()],
                          "resumed_from": getattr(result, "resumed_from", None),
-                         "resumed_cursor": None if getattr(result, "resumed_cursor", None) is None
-                         else list(result.resumed_cursor.as_tuple())}
+                         "resumed_cursor": None if cursor is None else list(cursor.as_tuple())}
     except SystemExit as exit_info:
         return f"exit {exit_info.code}", None
     except (EngineError, OSError) as error:

@@ -1,5 +1,6 @@
 """The package runs on a fresh machine: every third-party module that engine/ and progress/
-import is a declared dependency, and nothing needs NumPy (an optional extra) at run time."""
+import is a declared dependency, and checkpoints do not need NumPy (torch can be built or
+installed without it)."""
 
 import ast
 import importlib.metadata
@@ -11,12 +12,12 @@ import pytest
 import torch
 
 import engine
+from engine.checkpoint.codec import tensor_bytes_view
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OWN_PACKAGES = {"engine", "progress"}
-OPTIONAL = {"numpy"}  # imported inside try/except ImportError, used only where installed
 
 
 def _imported_top_level_modules(package: str) -> set[str]:
@@ -40,7 +41,7 @@ def test_every_third_party_import_is_a_declared_dependency():
     third_party = set()
     for package in OWN_PACKAGES:
         third_party |= _imported_top_level_modules(package)
-    third_party -= set(sys.stdlib_module_names) | OWN_PACKAGES | OPTIONAL
+    third_party -= set(sys.stdlib_module_names) | OWN_PACKAGES
     distributions = importlib.metadata.packages_distributions()
     declared = _declared_distributions()
     missing = {module: distributions.get(module, [module]) for module in third_party
@@ -74,3 +75,10 @@ def test_checkpoints_and_fingerprints_need_no_numpy(tmp_path, monkeypatch):
     loaded = CheckpointStore(Storage(str(tmp_path), create=False), create=False).load(result.last_checkpoint)
     assert torch.equal(loaded.state["module"]["net.weight"], model.weight.detach())
     assert len(engine.fingerprint(model.state_dict(), [])) == 64
+
+
+def test_tensor_bytes_are_the_tensors_memory_in_order():
+    for tensor in [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor(7, dtype=torch.int64),
+                   torch.tensor([True, False]), torch.tensor([1 + 2j], dtype=torch.complex64), torch.empty(0)]:
+        expected = b"".join(bytes(element.reshape(1).view(torch.uint8).tolist()) for element in tensor.reshape(-1))
+        assert bytes(tensor_bytes_view(tensor)) == expected

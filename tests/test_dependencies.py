@@ -20,34 +20,63 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OWN_PACKAGES = {"engine", "progress"}
 
 
-def _imported_top_level_modules(package: str) -> set[str]:
-    found = set()
+def _top_level(node):
+    if isinstance(node, ast.Import):
+        return {alias.name.split(".")[0] for alias in node.names}
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return {node.module.split(".")[0]}
+    return set()
+
+
+def _catches_import_error(handler):
+    names = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return any(isinstance(name, ast.Name) and name.id in ("ImportError", "ModuleNotFoundError") for name in names)
+
+
+def _imports(package: str) -> tuple[set[str], set[str]]:
+    """(modules imported unconditionally, modules imported only under try/except ImportError)."""
+    plain, guarded = set(), set()
     for path in (ROOT / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(alias.name.split(".")[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-    return found
+        tree = ast.parse(path.read_text(), str(path))
+        guarded_nodes = {id(inner) for node in ast.walk(tree) if isinstance(node, ast.Try)
+                         and any(_catches_import_error(handler) for handler in node.handlers)
+                         for statement in node.body for inner in ast.walk(statement)}
+        for node in ast.walk(tree):
+            (guarded if id(node) in guarded_nodes else plain).update(_top_level(node))
+    return plain, guarded - plain
 
 
-def _declared_distributions() -> set[str]:
+def _requirement_names(requirements) -> set[str]:
+    return {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def _declared() -> tuple[set[str], set[str]]:
+    """(distributions in [project].dependencies, distributions in any extra)."""
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower() for requirement in project["dependencies"]}
+    extras = set().union(*(_requirement_names(group) for group in project.get("optional-dependencies", {}).values()))
+    return _requirement_names(project["dependencies"]), extras
+
+
+def _undeclared(modules: set[str], declared: set[str], distributions) -> dict[str, list[str]]:
+    modules = modules - set(sys.stdlib_module_names) - OWN_PACKAGES
+    return {module: distributions.get(module, [module]) for module in modules
+            if not any(name.lower() in declared for name in distributions.get(module, [module]))}
 
 
 def test_every_third_party_import_is_a_declared_dependency():
-    third_party = set()
+    required, optional = _declared()
+    plain, guarded = set(), set()
     for package in OWN_PACKAGES:
-        third_party |= _imported_top_level_modules(package)
-    third_party -= set(sys.stdlib_module_names) | OWN_PACKAGES
+        package_plain, package_guarded = _imports(package)
+        plain |= package_plain
+        guarded |= package_guarded
     distributions = importlib.metadata.packages_distributions()
-    declared = _declared_distributions()
-    missing = {module: distributions.get(module, [module]) for module in third_party
-               if not any(name.lower() in declared for name in distributions.get(module, [module]))}
+    missing = _undeclared(plain, required, distributions)
     assert not missing, f"imported but not in pyproject [project].dependencies: {missing}"
-    assert "tqdm" in declared
+    missing_optional = _undeclared(guarded, required | optional, distributions)
+    assert not missing_optional, f"imported under try/except ImportError but in no extra: {missing_optional}"
+    assert "tqdm" in required
 
 
 def test_checkpoints_and_fingerprints_need_no_numpy(tmp_path, monkeypatch):

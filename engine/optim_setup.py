@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -133,7 +133,7 @@ def _read_schedule(item: object) -> LRSchedule:
                 "('step' or 'epoch'); frequency, monitor, name and strict are not supported"
             )
         return LRSchedule(item["scheduler"], item.get("interval", "epoch"))
-    return LRSchedule(item)
+    return LRSchedule(cast(Scheduler, item))  # LRSchedule checks the methods at run time
 
 
 def _as_list(value: object) -> list:

@@ -68,6 +68,9 @@ class CheckpointConfig:
     max_in_flight: int = 1
     when_behind: Literal["wait", "skip"] = "wait"
     on_io_error: Literal["raise", "warn"] = "raise"
+    # True only for the policy TrainerConfig creates by default, so that a policy the user
+    # passed explicitly can be told apart (it needs a run_dir).
+    _implied_by_default: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         owner = "CheckpointConfig"
@@ -80,6 +83,12 @@ class CheckpointConfig:
             raise ConfigError(f"{owner}.max_in_flight: expected a positive int, got None")
         _one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
         _one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
+
+
+def _default_checkpoint_policy() -> CheckpointConfig:
+    policy = CheckpointConfig()
+    policy._implied_by_default = True
+    return policy
 
 
 @dataclasses.dataclass
@@ -99,7 +108,9 @@ class TrainerConfig:
         gradient_clip_algorithm: ``"norm"`` (``clip_grad_norm_``) or ``"value"``.
         run_dir: where metrics.jsonl and checkpoints go; a path or any fsspec URL. None keeps
             nothing on disk (no checkpoints, no metrics file).
-        checkpoint: checkpoint policy; None disables checkpoints.
+        checkpoint: checkpoint policy; None disables checkpoints. The default policy applies
+            when ``run_dir`` is set; a policy given explicitly without ``run_dir`` is a
+            ConfigError (it could write nothing).
         progress_bar: "auto" (a bar on a terminal, log lines otherwise), "bar", "log" or "off".
         log_every_seconds: interval of the plain log lines.
         preemption_signals: signals that request a graceful stop (finish the split, checkpoint, exit).
@@ -121,7 +132,7 @@ class TrainerConfig:
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: ClipAlgorithm = "norm"
     run_dir: str | None = None
-    checkpoint: CheckpointConfig | None = dataclasses.field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig | None = dataclasses.field(default_factory=_default_checkpoint_policy)
     progress_bar: Literal["auto", "bar", "log", "off"] = "auto"
     log_every_seconds: float = 10.0
     preemption_signals: tuple[int, ...] = (int(signal.SIGTERM), int(signal.SIGUSR1))
@@ -155,9 +166,15 @@ class TrainerConfig:
             raise ConfigError(f"{owner}.run_dir: expected a non-empty path or URL string, got {self.run_dir!r}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(f"{owner}.checkpoint: expected a CheckpointConfig or None, got {self.checkpoint!r}")
+        if self.checkpoint is not None and self.run_dir is None and not self.checkpoint._implied_by_default:
+            raise ConfigError(
+                f"{owner}.checkpoint: {self.checkpoint!r} was given but run_dir is None, so no checkpoint "
+                "would be written; set run_dir to a directory path or fsspec URL (or leave checkpoint out)"
+            )
         if isinstance(self.preemption_exit_code, bool) or not isinstance(self.preemption_exit_code, int) or not 0 <= self.preemption_exit_code <= 255:
             raise ConfigError(f"{owner}.preemption_exit_code: expected an int in 0..255, got {self.preemption_exit_code!r}")
         valid_signals = {int(s) for s in signal.valid_signals()}
         for number in self.preemption_signals:
             if int(number) not in valid_signals or int(number) in (int(signal.SIGKILL), int(signal.SIGSTOP)):
                 raise ConfigError(f"{owner}.preemption_signals: {number!r} is not a catchable signal")
+

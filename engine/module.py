@@ -20,8 +20,10 @@ Minimal example::
 
 The engine calls ``training_step(batch, **kwargs)`` where ``kwargs`` holds only what applies:
 ``hidden=`` (the previous split's hidden state, None at the first split) when TBPTT is on, and
-``optimizer_index=`` when ``configure_optimizers`` returns several optimizers. With TBPTT the
-step returns ``(loss, hidden)``; without, it returns ``loss``.
+``optimizer_index=`` when ``configure_optimizers`` returns several optimizers, and, as in
+Lightning, ``batch_idx=`` / ``split_idx=`` (0-based, as in the cursor) when the step declares
+parameters of those names. With TBPTT the step returns ``(loss, hidden)``; without, it returns
+``loss``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -57,26 +57,23 @@ class OptimizerSetup:
 
 
 def read_optimizer_setup(returned: object) -> OptimizerSetup:
-    """Normalize ``configure_optimizers()``'s result; raise ModuleContractError if unusable."""
-    schedules_in: object = []
-    if isinstance(returned, dict):
-        unknown = set(returned) - {"optimizers", "schedulers"}
-        if unknown or "optimizers" not in returned:
-            raise ModuleContractError(
-                "configure_optimizers returned a dict; expected keys 'optimizers' and optionally "
-                f"'schedulers', got {sorted(returned)}"
-            )
-        optimizers_in = returned["optimizers"]
-        schedules_in = returned.get("schedulers", [])
-    else:
-        optimizers_in = returned
+    """Normalize ``configure_optimizers()``'s result; raise ModuleContractError if unusable.
+
+    Accepted: an optimizer; a list or tuple of optimizers; ``{"optimizers": ..., "schedulers":
+    [...]}``; and Lightning's forms: ``{"optimizer": opt, "lr_scheduler": sched}`` (a list of
+    such dicts for several optimizers) and ``([optimizers], [schedulers])``. A scheduler is a
+    bare LR scheduler (stepped per epoch), an :class:`LRSchedule`, or Lightning's
+    ``{"scheduler": sched, "interval": "step" | "epoch"}``.
+    """
+    optimizers_in, schedules_in = _split_returned(returned)
     optimizers = _as_list(optimizers_in)
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise ModuleContractError(
             "configure_optimizers must return a torch.optim.Optimizer, a non-empty list of them, "
-            f"or a dict with 'optimizers'; got {returned!r}"
+            "a dict with 'optimizers' (and 'schedulers'), or Lightning's {'optimizer': ..., 'lr_scheduler': ...} "
+            f"or ([optimizers], [schedulers]); got {returned!r}"
         )
-    schedules = [s if isinstance(s, LRSchedule) else LRSchedule(s) for s in _as_list(schedules_in)]
+    schedules = [_read_schedule(item) for item in _as_list(schedules_in)]
     for schedule in schedules:
         owner = getattr(schedule.scheduler, "optimizer", None)
         if not any(owner is o for o in optimizers):
@@ -84,6 +81,59 @@ def read_optimizer_setup(returned: object) -> OptimizerSetup:
                 f"scheduler {type(schedule.scheduler).__name__} does not belong to any returned optimizer"
             )
     return OptimizerSetup(optimizers, schedules)
+
+
+def _split_returned(returned: object) -> tuple[object, object]:
+    """(optimizers, schedulers) from any accepted form."""
+    if isinstance(returned, dict):
+        if "optimizer" in returned:
+            return _read_lightning_dict(returned)
+        unknown = set(returned) - {"optimizers", "schedulers"}
+        if unknown or "optimizers" not in returned:
+            raise ModuleContractError(
+                "configure_optimizers returned a dict; expected keys 'optimizers' and optionally "
+                f"'schedulers' (or Lightning's 'optimizer' and 'lr_scheduler'), got {sorted(returned)}"
+            )
+        return returned["optimizers"], returned.get("schedulers", [])
+    if isinstance(returned, tuple) and _is_two_lists(returned):
+        return returned[0], returned[1]
+    if isinstance(returned, (list, tuple)) and returned and all(isinstance(item, dict) for item in returned):
+        pairs = [_read_lightning_dict(item) for item in returned]
+        return [optimizer for optimizer, _ in pairs], [s for _, schedules in pairs for s in _as_list(schedules)]
+    return returned, []
+
+
+def _is_two_lists(returned: object) -> bool:
+    """Lightning's ``([optimizers], [schedulers])``: a tuple of two lists, the first of optimizers."""
+    return (isinstance(returned, tuple) and len(returned) == 2
+            and all(isinstance(part, (list, tuple)) for part in returned)
+            and bool(returned[0]) and all(isinstance(o, torch.optim.Optimizer) for o in returned[0]))
+
+
+def _read_lightning_dict(entry: dict) -> tuple[object, object]:
+    unknown = set(entry) - {"optimizer", "lr_scheduler"}
+    if unknown or "optimizer" not in entry:
+        raise ModuleContractError(
+            f"configure_optimizers returned a Lightning-style dict with keys {sorted(entry)}; expected 'optimizer' "
+            "and optionally 'lr_scheduler' (frequency and monitor are not supported)"
+        )
+    if not isinstance(entry["optimizer"], torch.optim.Optimizer):
+        raise ModuleContractError(f"configure_optimizers: 'optimizer' must be a torch.optim.Optimizer, got {entry['optimizer']!r}")
+    return entry["optimizer"], [] if entry.get("lr_scheduler") is None else [entry["lr_scheduler"]]
+
+
+def _read_schedule(item: object) -> LRSchedule:
+    if isinstance(item, LRSchedule):
+        return item
+    if isinstance(item, dict):
+        unknown = set(item) - {"scheduler", "interval"}
+        if unknown or "scheduler" not in item:
+            raise ModuleContractError(
+                f"an lr_scheduler dict has keys {sorted(item)}; expected 'scheduler' and optionally 'interval' "
+                "('step' or 'epoch'); frequency, monitor, name and strict are not supported"
+            )
+        return LRSchedule(item["scheduler"], item.get("interval", "epoch"))
+    return LRSchedule(cast(Scheduler, item))  # LRSchedule checks the methods at run time
 
 
 def _as_list(value: object) -> list:

@@ -11,9 +11,11 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
+from engine.data.checks import check_reiterable
 from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.run import FitRun
+from engine.run.run_dir import check_run_dir
 from engine.result import FitResult
 from engine.checkpoint.storage import Storage
 
@@ -74,8 +76,10 @@ class Trainer:
             raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
                             "pass a DataLoader or a list")
         faults.arm_from_environment()
+        check_reiterable(train_data, self.config.max_epochs)
         storage = None
         if self.config.run_dir is not None:
+            check_run_dir(self.config.run_dir)
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:

@@ -137,7 +137,7 @@ def test_tbptt_loss_that_is_not_a_scalar_tensor():
     "returned",
     [lambda module: "sgd", lambda module: None, lambda module: [], lambda module: module,
      lambda module: [torch.optim.SGD(module.parameters(), lr=0.1), "adam"],
-     lambda module: {"optimizer": torch.optim.SGD(module.parameters(), lr=0.1)}],
+     lambda module: {"optimisers": torch.optim.SGD(module.parameters(), lr=0.1)}],
     ids=["string", "none", "empty-list", "a-module", "list-with-string", "dict-wrong-key"],
 )
 def test_configure_optimizers_returning_something_else(returned):

@@ -21,6 +21,7 @@ C-contiguous, little-endian as in memory.
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import math
 import re
@@ -82,10 +83,15 @@ class EncodedState:
         return chunks
 
 
-def tensor_bytes_view(tensor: torch.Tensor) -> Any:
-    """A uint8 NumPy view of a contiguous CPU tensor's bytes."""
-    flat = tensor.reshape(-1) if tensor.dim() != 1 else tensor
-    return flat.view(torch.uint8).numpy()
+def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A byte memoryview of a contiguous CPU tensor's memory, without a copy and without NumPy
+    (which is optional). The view keeps the tensor alive."""
+    flat = (tensor.reshape(-1) if tensor.dim() != 1 else tensor).view(torch.uint8)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    buffer = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    buffer._tensor = flat  # type: ignore[attr-defined]  # the memory must outlive the view
+    return memoryview(buffer).cast("B")
 
 
 def encode_state(tree: Any) -> EncodedState:

@@ -9,9 +9,9 @@ import sys
 from engine import faults
 from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
-from engine.errors import EngineError
 from engine.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
+from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
 from engine.trainer import Trainer
 
@@ -29,11 +29,7 @@ def run_demo(args: argparse.Namespace) -> int:
         checkpoint=CheckpointConfig(every_n_splits=args.checkpoint_every, asynchronous=args.async_checkpoints),
         progress_bar=args.progress,
     )
-    try:
-        result = Trainer(config).fit(module, loader, resume="off" if args.fresh else "auto")
-    except EngineError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    result = Trainer(config).fit(module, loader, resume="off" if args.fresh else "auto")
     if result.resumed_from:
         print(f"resumed from {result.resumed_from}")
     print(f"finished: {result.epochs_completed} epochs, {result.optimizer_steps} optimizer steps, last split {result.cursor}")
@@ -45,6 +41,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def inspect_run(url: str) -> dict:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
+    check_existing_run_dir(url)
     store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect(run_state.validate)
     latest = next((entry for entry in reversed(entries) if entry.valid), None)
@@ -64,11 +61,7 @@ def inspect_run(url: str) -> dict:
 
 
 def run_inspect(url: str, as_json: bool) -> int:
-    try:
-        report = inspect_run(url)
-    except EngineError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    report = inspect_run(url)
     if as_json:
         print(json.dumps(report))
         return 0
@@ -96,13 +89,24 @@ def run_list_faults() -> int:
 
 def run_chaos(args: argparse.Namespace) -> int:
     from engine.faults.chaos import chaos_faults
-    from engine.faults.harness import check_fault_tolerance
+    from engine.faults.harness import FaultReport, Trial, check_fault_tolerance, check_work_dir
 
     if (args.trials is not None and args.trials <= 0) or args.epochs <= 0:
         print("error: --trials and --epochs must be positive", file=sys.stderr)
         return 2
     fault_list = chaos_faults(args.trials, args.seed)
-    report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir, args=[str(args.epochs)])
-    print(report.table())
+    check_work_dir(args.dir, "chaos --dir")
+    print(f"chaos: a reference run, then {len(fault_list)} trials; one row per trial as it finishes", flush=True)
+    rows_printed = 0
+
+    def print_row(trial: Trial) -> None:
+        nonlocal rows_printed
+        if rows_printed == 0:
+            print(FaultReport.header())
+        print(FaultReport.row(trial), flush=True)
+        rows_printed += 1
+
+    report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir, args=[str(args.epochs)],
+                                   on_trial=print_row)
     print(report.summary())
     return 0 if report.all_exact else 1

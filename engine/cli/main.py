@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults
+from engine.errors import EngineError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What to do after Ctrl-C, per command.
+_AFTER_INTERRUPT = {
+    "demo": "committed checkpoints are kept: run the same command again to resume",
+    "chaos": "the trials in --dir are incomplete: start again with a new --dir",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; an engine error, an OS error or Ctrl-C prints one ``error: ...`` line
+    on stderr (exit status 1, or 130 for Ctrl-C) instead of a traceback."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"error: interrupted (Ctrl-C); {_AFTER_INTERRUPT.get(args.command, 'nothing was changed')}",
+              file=sys.stderr)
+        return 130
+    except (EngineError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return run_demo(args)
     if args.command == "inspect":

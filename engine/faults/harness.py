@@ -72,12 +72,19 @@ class FaultReport:
         return all(trial.exact for trial in self.trials)
 
     def table(self) -> str:
-        rows = [f"{'fault':<44} {'outcome':<28} {'resumed at':<26} exact"]
-        for trial in self.trials:
-            where = "-" if trial.resumed_cursor is None else "epoch {} batch {} split {}".format(*trial.resumed_cursor[:3])
-            verdict = "yes" if trial.exact else "NO: " + "; ".join(trial.differences[:3] or [trial.outcome])
-            rows.append(f"{trial.fault.encode():<44} {trial.outcome:<28} {where:<26} {verdict}")
-        return "\n".join(rows)
+        """A header line and one :meth:`row` per trial."""
+        return "\n".join([self.header(), *(self.row(trial) for trial in self.trials)])
+
+    @staticmethod
+    def header() -> str:
+        return f"{'fault':<44} {'outcome':<28} {'resumed at':<26} exact"
+
+    @staticmethod
+    def row(trial: Trial) -> str:
+        """One line of :meth:`table`: fault, outcome, where the run resumed, exact or the differences."""
+        where = "-" if trial.resumed_cursor is None else "epoch {} batch {} split {}".format(*trial.resumed_cursor[:3])
+        verdict = "yes" if trial.exact else "NO: " + "; ".join(trial.differences[:3] or [trial.outcome])
+        return f"{trial.fault.encode():<44} {trial.outcome:<28} {where:<26} {verdict}"
 
     def summary(self) -> str:
         exact = sum(trial.exact for trial in self.trials)
@@ -85,31 +92,39 @@ class FaultReport:
 
 
 def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault | str], work_dir: str,
-                          args: Sequence[str] = (), max_attempts: int = 20, timeout: float = 600.0) -> FaultReport:
+                          args: Sequence[str] = (), max_attempts: int = 20, timeout: float = 600.0,
+                          on_trial: Callable[[Trial], None] | None = None) -> FaultReport:
     """Run ``train`` once without faults (the reference), then once per fault: with the fault
     armed, then again without it until it finishes; compare each final state with the
-    reference (:func:`compare_runs`)."""
+    reference (:func:`compare_runs`).
+
+    ``on_trial`` is called with each :class:`Trial` as soon as it is finished (to report
+    progress: a full matrix takes a long time); the returned report holds them all."""
     parsed = [f for item in fault_list for f in ([item] if isinstance(item, Fault) else faults.parse_faults(item))]
     if not parsed:
         raise ConfigError("check_fault_tolerance: no fault given")
-    if os.path.isdir(work_dir) and os.listdir(work_dir):
-        raise ConfigError(f"check_fault_tolerance: work_dir {work_dir!r} is not empty; runs in it would resume old ones")
+    check_work_dir(work_dir)
     if callable(train) and any(fault.kind == "sigkill" for fault in parsed):
         raise ConfigError("faults of kind 'sigkill' need train given as 'module:function' (a subprocess)")
-    attempt = _subprocess_attempt if isinstance(train, str) else _in_process_attempt
+
+    def attempt(run_dir: str, fault: Fault | None) -> tuple[str, dict | None]:
+        if isinstance(train, str):
+            return _subprocess_attempt(train, run_dir, fault, args, timeout)
+        return _in_process_attempt(train, run_dir, fault, args, timeout)
+
     reference = os.path.join(work_dir, "reference")
-    outcome, _ = attempt(train, reference, None, args, timeout)
+    outcome, _ = attempt(reference, None)
     if outcome != "completed":
         raise EngineError(f"the reference run did not complete: {outcome}")
     trials = []
     for index, fault in enumerate(parsed):
         run_dir = os.path.join(work_dir, f"trial-{index:03d}")
-        outcome, first = attempt(train, run_dir, fault, args, timeout)
+        outcome, first = attempt(run_dir, fault)
         resumed: dict | None = None
         attempts = 1
         last = outcome
         while last != "completed" and attempts < max_attempts:
-            last, result = attempt(train, run_dir, None, args, timeout)
+            last, result = attempt(run_dir, None)
             resumed = resumed or result
             attempts += 1
         if outcome == "completed":
@@ -117,7 +132,18 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
         differences = compare_runs(reference, run_dir) if last == "completed" else [f"did not finish: {last}"]
         resumed_from, cursor = _resume_point(resumed)
         trials.append(Trial(fault, outcome, resumed_from, cursor, attempts, differences))
+        if on_trial is not None:
+            on_trial(trials[-1])
     return FaultReport(reference, trials)
+
+
+def check_work_dir(work_dir: str, field: str = "check_fault_tolerance: work_dir") -> None:
+    """Refuse a ``work_dir`` that is a file or not empty (runs in it would resume old ones)."""
+    if os.path.exists(work_dir) and not os.path.isdir(work_dir):
+        raise ConfigError(f"{field} {work_dir!r} is a file; pass a new or empty directory")
+    if os.path.isdir(work_dir) and os.listdir(work_dir):
+        raise ConfigError(f"{field} {work_dir!r} is not empty (runs in it would resume "
+                          "old ones); pass a new or empty directory")
 
 
 def _fired(result: dict | None) -> bool:
@@ -138,10 +164,10 @@ def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None,
     try:
         result = train(run_dir, *args)
         outcome = "preempted" if getattr(result, "preempted", False) else "completed"
+        cursor = getattr(result, "resumed_cursor", None)
         return outcome, {"fired": [f.encode() for f in faults.fired()],
                          "resumed_from": getattr(result, "resumed_from", None),
-                         "resumed_cursor": None if getattr(result, "resumed_cursor", None) is None
-                         else list(result.resumed_cursor.as_tuple())}
+                         "resumed_cursor": None if cursor is None else list(cursor.as_tuple())}
     except SystemExit as exit_info:
         return f"exit {exit_info.code}", None
     except (EngineError, OSError) as error:

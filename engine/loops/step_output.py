@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
 
 from engine.errors import ModuleContractError
+from engine.loops.context import Position
 
 Hidden = Any  # a tensor, or tuples / lists / dicts of tensors, or None
 StepCall = Callable[[Any, Hidden, int], Any]
 
 
-def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool) -> StepCall:
-    """Bind once per run which keyword arguments the step receives."""
+INDEX_PARAMETERS = ("batch_idx", "split_idx")
+
+
+def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
+                   position: Position | None = None) -> StepCall:
+    """Bind once per run which keyword arguments the step receives: ``hidden`` (TBPTT),
+    ``optimizer_index`` (several optimizers, automatic optimization), and ``batch_idx`` /
+    ``split_idx`` when the step's signature declares them (read from ``position``, 0-based like
+    the cursor; ``split_idx`` is 0 without TBPTT)."""
+    wanted = declared_index_parameters(training_step)
+    if wanted:
+        if position is None:
+            raise ModuleContractError(f"training_step declares {list(wanted)} but the loop gives no position")
+        return _step_call_with_indices(training_step, tbptt, several_optimizers, position, wanted)
     if tbptt and several_optimizers:
         return lambda batch, hidden, index: training_step(batch, hidden=hidden, optimizer_index=index)
     if tbptt:
@@ -21,6 +35,35 @@ def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optim
     if several_optimizers:
         return lambda batch, hidden, index: training_step(batch, optimizer_index=index)
     return lambda batch, hidden, index: training_step(batch)
+
+
+def declared_index_parameters(training_step: Callable[..., Any]) -> tuple[str, ...]:
+    """Which of ``batch_idx`` / ``split_idx`` the step names as parameters (read once per run)."""
+    try:
+        parameters = inspect.signature(training_step).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return ()
+    return tuple(name for name in INDEX_PARAMETERS if name in parameters
+                 and parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def _step_call_with_indices(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
+                            position: Position, wanted: tuple[str, ...]) -> StepCall:
+    wants_batch, wants_split = "batch_idx" in wanted, "split_idx" in wanted
+
+    def call(batch: Any, hidden: Hidden, index: int) -> Any:
+        arguments: dict[str, Any] = {}
+        if tbptt:
+            arguments["hidden"] = hidden
+        if several_optimizers:
+            arguments["optimizer_index"] = index
+        if wants_batch:
+            arguments["batch_idx"] = position.batch
+        if wants_split:
+            arguments["split_idx"] = position.split
+        return training_step(batch, **arguments)
+
+    return call
 
 
 def read_tbptt_output(output: Any) -> tuple[torch.Tensor, Hidden]:

@@ -138,7 +138,7 @@ def build_loops(
         )
     automatic = bool(getattr(module, "automatic_optimization", True))
     several = automatic and len(setup.optimizers) > 1
-    call_step = make_step_call(getattr(module, "training_step"), tbptt, several)
+    call_step = make_step_call(getattr(module, "training_step"), tbptt, several, position)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
     if automatic:

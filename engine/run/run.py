@@ -5,7 +5,7 @@ The order at each boundary, in one place:
 - split (:meth:`FitRun._split_boundary`): metrics row -> display -> ``on_split_end`` ->
   validation if due (row, ``on_validation_end``) -> stop checks -> checkpoint (if the policy
   asks, after a validation, or to stop);
-- epoch (:meth:`FitRun._epoch_boundary`): the epoch's aggregate row -> validation (row,
+- epoch (:meth:`FitRun._epoch_boundary`): display -> the epoch's aggregate row -> validation (row,
   ``on_validation_end``) -> ``on_epoch_end`` -> stop checks -> checkpoint.
 """
 
@@ -62,7 +62,7 @@ class FitRun:
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self.stop.request)
-        self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length)
+        self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
@@ -91,6 +91,7 @@ class FitRun:
                 self.display.close()
                 self.tree.close()
                 self.data.close()
+        self.display.finish(self.tree.fit.progress.total.completed, self.tree.step_counter.total, self.stop.reason)
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
@@ -127,6 +128,7 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
+            self.display.start(self.config.run_dir, loaded)
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -136,6 +138,7 @@ class FitRun:
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
 
     def _start_fresh(self) -> None:
+        self.display.start(self.config.run_dir, None)
         self.metrics.start_fresh()
         if self.tree.evaluation is not None:
             self.tree.evaluation.choose_seed()
@@ -200,6 +203,7 @@ class FitRun:
             callback.on_validation_end(self.view)
 
     def _epoch_boundary(self, epoch: int) -> None:
+        self.display.end_epoch(epoch)
         steps = self.tree.step_counter.total
         aggregates = self.logger.end_epoch()
         if aggregates:
@@ -220,7 +224,8 @@ class FitRun:
         snapshot = run_state.capture(self.parts, self.tree.progress_tree(self.cursor),
                                      self.metrics.length_after_flush(), self._elapsed())
         assert self.checkpoints is not None
-        self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
+        saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
+        self.display.note_checkpoint(saved)
 
 
 def _check_module(module: Any) -> None:

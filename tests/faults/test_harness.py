@@ -125,7 +125,8 @@ def test_chaos_command_prints_table_and_summary(tmp_path):
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.strip().splitlines()
     assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"
-    assert lines[0].split()[:2] == ["fault", "outcome"] and len(lines) == 4
+    assert lines[0] == "chaos: a reference run, then 2 trials; one row per trial as it finishes"
+    assert lines[1].split()[:2] == ["fault", "outcome"] and len(lines) == 5
 
 
 def first_retention_delete_arrival(run_dir, monkeypatch):

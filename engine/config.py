@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import signal
 from typing import Literal, Sequence
 
 from engine.errors import ConfigError
+
+Precision = Literal["32", "bf16-mixed", "16-mixed"]
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
 
 AccumulateOver = Literal["batches", "splits"]
 ClipAlgorithm = Literal["norm", "value"]
@@ -108,6 +113,11 @@ class TrainerConfig:
         exit_on_preemption: after a preemption checkpoint, end the process with
             ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
             ``FitResult.preempted`` set instead.
+        device: where the module and every batch go: ``"auto"`` (CUDA when available, else
+            the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Under torchrun (``LOCAL_RANK``
+            set), ``"auto"`` and ``"cuda"`` mean ``cuda:LOCAL_RANK``. See docs/devices.md.
+        precision: ``"32"`` (no autocast), ``"bf16-mixed"`` (autocast to bfloat16) or
+            ``"16-mixed"`` (autocast to float16 with a gradient scaler).
     """
 
     max_epochs: int | None = 1
@@ -125,9 +135,14 @@ class TrainerConfig:
     preemption_exit_code: int = 75
     requeue_command: str | None = None
     exit_on_preemption: bool = True
+    device: str = "auto"
+    precision: Precision = "32"
 
     def __post_init__(self) -> None:
         owner = "TrainerConfig"
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"{owner}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _one_of(owner, "precision", self.precision, PRECISIONS)
         _positive_int_or_none(owner, "max_epochs", self.max_epochs)
         _positive_int_or_none(owner, "max_steps", self.max_steps)
         _positive_number_or_none(owner, "max_time", self.max_time)

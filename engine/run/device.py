@@ -51,8 +51,8 @@ def _local_rank(environ: Mapping[str, str]) -> int:
 
 
 def prepare_device(module: torch.nn.Module, device: torch.device) -> None:
-    """Make ``device`` current (CUDA) and move the module's parameters and buffers there.
-    Parameters stay the same objects, so optimizers built before or after see them."""
+    """Make ``device`` current (CUDA) and move the module's parameters and buffers there (the
+    run does it before ``configure_optimizers``, so the optimizers hold the moved parameters)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     module.to(device)

@@ -34,12 +34,12 @@ export PYTHONPATH="$ROOT:$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}"
 LOG=$(mktemp -d)/gpu_check
 mkdir -p "$LOG"
 
-timeout 170 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests > "$LOG/pytest.txt" 2>&1
+timeout 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider -m gpu tests > "$LOG/pytest.txt" 2>&1
 TESTS_RC=$?
 TESTS_SUMMARY=$(tail -n 1 "$LOG/pytest.txt")
 
 # Kill / resume on CUDA: the scenarios run with TrainerConfig(device="auto"), i.e. CUDA here.
-timeout 110 "$PY" - > "$LOG/kill.txt" 2>&1 <<'EOF'
+timeout 130 "$PY" - > "$LOG/kill.txt" 2>&1 <<'EOF'
 import sys
 import tempfile
 

@@ -94,7 +94,8 @@ class TrainerConfig:
     Args:
         max_epochs: stop after this many epochs.
         max_steps: stop at the first split boundary where the optimizer-step count (all
-            optimizers together) reaches this.
+            optimizers together; applied steps: a step the "16-mixed" gradient scaler skips is
+            not counted) reaches this.
         max_time: stop at the first split boundary after this many seconds of training
             (summed over resumed runs).
         accumulate_grad: optimizer step every N units (see ``accumulate_over``); the loss is

@@ -113,7 +113,7 @@ class Module(torch.nn.Module):
         self._engine_precision.update()
 
     @property
-    def scaler(self) -> torch.amp.GradScaler | None:
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
         """The run's gradient scaler under "16-mixed", None otherwise (for full control; the
         engine saves its state in every checkpoint)."""
         return self._engine_precision.scaler

@@ -93,7 +93,7 @@ def test_precision_and_device_are_validated():
 def test_the_step_runs_under_the_configured_autocast(precision, dtype, manual):
     model, _ = fit(precision=precision, manual=manual, poisoned=None, max_epochs=1)
     assert model.autocast_dtypes == [dtype] * BATCHES
-    assert (model.scaler is not None) == (precision == "16-mixed")
+    assert (model.grad_scaler is not None) == (precision == "16-mixed")
 
 
 @pytest.mark.parametrize("manual", [False, True])
@@ -106,7 +106,7 @@ def test_an_inf_gradient_skips_the_step_and_is_not_counted(manual):
     assert result.optimizer_steps == applied
     scheduler_steps = BATCHES if manual else applied  # the manual step steps its scheduler itself
     assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.1 * 0.9 ** scheduler_steps, rel=1e-12)
-    assert model.scaler.get_scale() == INIT_SCALE * BACKOFF
+    assert model.grad_scaler.get_scale() == INIT_SCALE * BACKOFF
     assert all(torch.isfinite(p).all() for p in model.parameters())
     flow = latest_state(run_dir)["loops"]["flow"]
     assert flow["precision"]["scaler"]["scale"] == INIT_SCALE * BACKOFF

@@ -16,6 +16,7 @@ class RunStatus:
     losses: list[float] = dataclasses.field(default_factory=list)
     optimizer_steps: int = 0
     epochs_completed: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RunView:
@@ -45,6 +46,12 @@ class RunView:
         """Epochs completed so far (resumed runs included)."""
         return self._status.epochs_completed
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The newest value of every logged metric (``val_loss`` and friends after a
+        validation; a training name's epoch aggregate after its epoch ended)."""
+        return dict(self._status.metrics)
+
     def request_stop(self, reason: str = "stop requested by a callback") -> None:
         """Stop at the end of the current split (a checkpoint is written if enabled)."""
         self._request_stop(reason)
@@ -59,6 +66,9 @@ class Callback:
 
     def on_split_end(self, view: RunView) -> None:
         """After each completed split (each batch without TBPTT)."""
+
+    def on_validation_end(self, view: RunView) -> None:
+        """After each validation pass (``view.metrics`` holds its results)."""
 
     def on_epoch_end(self, view: RunView) -> None:
         """After each completed epoch."""

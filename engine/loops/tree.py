@@ -16,15 +16,16 @@ to the run's device; the flow runs the step inside the run's
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
+from engine.loops.evaluation import EvaluationLoop
 from engine.loops.fit import FitLoop
 from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
@@ -35,6 +36,7 @@ from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
 from engine.run.compiled import training_step_of
 from engine.run.device import OnDevice, move_to_device
+from engine.run.logged import MetricLogger
 from progress import ProgressTree
 
 
@@ -57,6 +59,8 @@ class LoopTree:
     data: EpochData
     device: torch.device
     precision: Precision
+    logger: MetricLogger
+    evaluation: EvaluationLoop | None = None
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -68,6 +72,9 @@ class LoopTree:
             records["split.splits"] = self.split.progress
         if self.optimizer is not None:
             records["optimizer.optimizers"] = self.optimizer.progress
+        if self.evaluation is not None:
+            records["evaluation.validations"] = self.evaluation.progress
+            records["evaluation.batches"] = self.evaluation.batches
         return ProgressTree(records=records, cursor=cursor)
 
     def units_completed(self) -> int:
@@ -90,6 +97,8 @@ class LoopTree:
             "flow": self.flow.state_dict(),
             "split": None if self.split is None else self.split.state_dict(),
             "data": self.data.state_dict(),
+            "logged": self.logger.state_dict(),
+            "evaluation": None if self.evaluation is None else self.evaluation.state_dict(),
         }
 
     def load_loop_states(self, states: dict[str, Any]) -> None:
@@ -98,6 +107,11 @@ class LoopTree:
             # Hidden state goes to this run's device, whichever device wrote it.
             self.split.load_state_dict(move_to_device(states["split"], self.device))
         self.data.load_state_dict(states["data"])
+        self.logger.load_state_dict(states["logged"])
+        if self.evaluation is not None:
+            if states["evaluation"] is None:
+                raise ValueError("the checkpoint was written by a run without validation data")
+            self.evaluation.load_state_dict(states["evaluation"])
 
     def close(self) -> None:
         self.step_counter.close()
@@ -122,6 +136,8 @@ def build_loops(
     stop: StopState,
     boundaries: Boundaries,
     device: torch.device,
+    logger: MetricLogger,
+    val_data: Iterable[Any] | None = None,
 ) -> LoopTree:
     """Compose the loops; ``module`` is the user's module (possibly ``torch.compile``d) and
     already on ``device``."""
@@ -162,7 +178,31 @@ def build_loops(
         epoch_loop = EpochLoop(data, OnDevice(WholeBatch(runner), device), position, stop,
                                batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
-    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision)
+    evaluation = (None if val_data is None
+                  else _evaluation_loop(module, val_data, split_length, carry, logger, device, precision))
+    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
+                    logger, evaluation)
+
+
+def _evaluation_loop(module: torch.nn.Module, val_data: Iterable[Any], split_length: int | None, carry: bool,
+                     logger: MetricLogger, device: torch.device, precision: Precision) -> EvaluationLoop:
+    step = getattr(module, "validation_step", None)
+    if not callable(step):
+        raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
+    if split_length is None:
+        call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
+        return EvaluationLoop(module, val_data, call, None, None, carry, logger)
+    return EvaluationLoop(module, val_data, _on_device(lambda batch, hidden: step(batch, hidden=hidden), device, precision),
+                          _splitter(module), split_length, carry, logger)
+
+
+def _on_device(call: Callable[[Any, Any], Any], device: torch.device, precision: Precision) -> Callable[[Any, Any], Any]:
+    """The validation step on the run's device (each batch or split moved there) and under its
+    autocast."""
+    def run(batch: Any, hidden: Any) -> Any:
+        with precision.autocast():
+            return call(move_to_device(batch, device), hidden)
+    return run
 
 
 def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:

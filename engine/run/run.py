@@ -1,7 +1,12 @@
 """One call of ``Trainer.fit``: build the loops, restore a checkpoint, run, save at boundaries.
 
-The order at each split boundary, in one place (:meth:`FitRun._split_boundary`):
-metrics row -> display -> callbacks -> stop checks -> checkpoint (if the policy asks).
+The order at each boundary, in one place:
+
+- split (:meth:`FitRun._split_boundary`): metrics row -> display -> ``on_split_end`` ->
+  validation if due (row, ``on_validation_end``) -> stop checks -> checkpoint (if the policy
+  asks, after a validation, or to stop);
+- epoch (:meth:`FitRun._epoch_boundary`): the epoch's aggregate row -> validation (row,
+  ``on_validation_end``) -> ``on_epoch_end`` -> stop checks -> checkpoint.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from engine.errors import CheckpointNotFound, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
-from engine.module import bind_optimizers, bind_precision
+from engine.module import bind_precision, bind_run
 from engine.optim_setup import read_optimizer_setup
 from engine.result import FitResult
 from engine.run import state as run_state
 from engine.run.compiled import original_module
 from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
+from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from progress import Cursor
@@ -37,7 +43,7 @@ class FitRun:
     """Everything one ``fit`` call needs; see :meth:`engine.Trainer.fit`."""
 
     def __init__(self, config: TrainerConfig, callbacks: Sequence[Callback], module: torch.nn.Module,
-                 train_data: Iterable[Any], storage: Storage | None) -> None:
+                 train_data: Iterable[Any], storage: Storage | None, val_data: Iterable[Any] | None = None) -> None:
         _check_module(module)
         self.config = config
         self.callbacks = list(callbacks)
@@ -45,12 +51,14 @@ class FitRun:
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
-        bind_optimizers(original_module(module), self.setup)
+        self.logger = MetricLogger()
+        bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
-        self.data = EpochData(train_data)
+        self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
-                                          Boundaries(self._split_boundary, self._epoch_boundary), self.device)
+                                          Boundaries(self._split_boundary, self._epoch_boundary), self.device,
+                                          self.logger, val_data)
         bind_precision(original_module(module), self.tree.precision)
         self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config)
         self.storage = storage
@@ -88,6 +96,7 @@ class FitRun:
             finally:
                 self.display.close()
                 self.tree.close()
+                self.data.close()
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
@@ -104,24 +113,26 @@ class FitRun:
             progress=self.tree.progress_tree(self.cursor),
             preempted=preempted,
             resumed_cursor=self.resumed_cursor,
+            metrics=dict(self.logger.latest),
         )
 
     def _start(self, resume: str) -> None:
         if self.checkpoints is None:
             if resume not in ("auto", "off"):
                 raise CheckpointNotFound(f"resume={resume!r} needs TrainerConfig.run_dir and a checkpoint policy")
-            self.metrics.start_fresh()
+            self._start_fresh()
             return
         self.checkpoints.acquire()
         loaded = self.checkpoints.select(resume, run_state.validate)
         if loaded is None:
-            self.metrics.start_fresh()
+            self._start_fresh()
         else:
             restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
             self.metrics.resume_at(restored.metrics_bytes)
             self._elapsed_before = restored.elapsed_seconds
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
+            self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -129,6 +140,11 @@ class FitRun:
             if reason is not None:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _start_fresh(self) -> None:
+        self.metrics.start_fresh()
+        if self.tree.evaluation is not None:
+            self.tree.evaluation.choose_seed()
 
     def _elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self._started
@@ -143,6 +159,7 @@ class FitRun:
         status.cursor = self.cursor
         status.optimizer_steps = self.tree.step_counter.total
         status.epochs_completed = self.tree.fit.progress.total.completed
+        status.metrics = dict(self.logger.latest)
         if losses is not None:
             status.losses = losses
 
@@ -152,16 +169,17 @@ class FitRun:
         cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values = [loss.item() for loss in losses]
         steps = self.tree.step_counter.total
-        self.metrics.append(cursor, values, steps)
+        self.metrics.append(cursor, values, steps, self.logger.end_split())
         self.display.update(cursor, values[0], steps)
         self._update_status(values)
         for callback in self.callbacks:
             callback.on_split_end(self.view)
+        validated = self._validate_if_due(steps)
         faults.reach("split_end")
         self._check_stop(steps)
         if self.checkpoints is not None:
             self.checkpoints.check()
-            if self.stop.requested or self.checkpoints.due_at_split(self.tree.units_completed(), steps):
+            if self.stop.requested or validated or self.checkpoints.due_at_split(self.tree.units_completed(), steps):
                 self._save(force=self.stop.requested)
         faults.reach("split_end_after_checkpoint")
 
@@ -172,7 +190,29 @@ class FitRun:
         if reason is not None:
             self.stop.request(reason)
 
+    def _validate_if_due(self, steps: int) -> bool:
+        evaluation, every = self.tree.evaluation, self.config.val_every_n_steps
+        if evaluation is None or every is None or not evaluation.due_after_steps(steps, every):
+            return False
+        self._validate(steps)
+        return True
+
+    def _validate(self, steps: int) -> None:
+        assert self.tree.evaluation is not None
+        values = self.tree.evaluation.run(steps)
+        self.metrics.append_aggregate("val", self.cursor, steps, values)
+        self._update_status()
+        for callback in self.callbacks:
+            callback.on_validation_end(self.view)
+
     def _epoch_boundary(self, epoch: int) -> None:
+        steps = self.tree.step_counter.total
+        aggregates = self.logger.end_epoch()
+        if aggregates:
+            self.metrics.append_aggregate("train_epoch", self.cursor, steps, aggregates)
+        evaluation = self.tree.evaluation
+        if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
+            self._validate(steps)
         self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)

@@ -6,7 +6,7 @@ and restore. This is the one place that knows the tree::
       "module":          the model's state_dict (keys without torch.compile's "_orig_mod.")
       "optimizers":      [optimizer.state_dict(), ...]
       "schedulers":      [scheduler.state_dict(), ...]
-      "loops":           {"flow": ..., "split": ..., "data": ...}   (LoopTree.loop_states)
+      "loops":           {"flow", "split", "data", "logged", "evaluation"}  (LoopTree.loop_states)
       "rng":             every global random stream (engine.rng)
       "envelope":        the settings that change numerics (engine.run.envelope); a resume
                          under other settings warns, naming each difference
@@ -51,6 +51,7 @@ ENVELOPE = "envelope"
 
 STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS,
                         ENVELOPE})
+LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
 # set up, elapsed_seconds is wall time and the envelope describes the machine: none is compared).
 COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
@@ -79,6 +80,7 @@ class RunParts:
             "accumulate_grad": config.accumulate_grad,
             "accumulate_over": config.accumulate_over,
             "precision": config.precision,
+            "validation": self.tree.evaluation is not None,
         }
 
     def callbacks_by_key(self) -> dict[str, Callback]:
@@ -146,8 +148,8 @@ def validate(name: str, state: Any) -> None:
         if not all(isinstance(item, dict) for item in state[key]):
             raise CheckpointCorrupt(f"{name}: {key} holds an entry that is not a state dict")
     _expect(name, LOOPS, state[LOOPS], dict)
-    if set(state[LOOPS]) != {"flow", "split", "data"}:
-        raise CheckpointCorrupt(f"{name}: loop states have keys {sorted(map(str, state[LOOPS]))}, expected ['data', 'flow', 'split']")
+    if set(state[LOOPS]) != LOOP_KEYS:
+        raise CheckpointCorrupt(f"{name}: loop states have keys {sorted(map(str, state[LOOPS]))}, expected {sorted(LOOP_KEYS)}")
     _expect(name, CALLBACKS, state[CALLBACKS], dict)
     metrics_bytes = state[METRICS_BYTES]
     if isinstance(metrics_bytes, bool) or not isinstance(metrics_bytes, int) or metrics_bytes < 0:
@@ -177,8 +179,18 @@ def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> No
                    for key, value in current.items() if saved.get(key) != value]
     if differences:
         raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
-    module_state = plain_state(parts.module.state_dict())
-    saved_module = state[MODULE]
+    check_module_state(name, parts.module, state[MODULE])
+
+
+def load_module_state(module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's model state (plain keys) into ``module``, compiled or not."""
+    keys = live_keys(module)
+    module.load_state_dict({keys[key]: value for key, value in saved_module.items()}, strict=True)
+
+
+def check_module_state(name: str, module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
+    """Refuse model weights whose keys, shapes or dtypes differ from ``module``'s, naming them."""
+    module_state = plain_state(module.state_dict())
     missing = sorted(set(module_state) - set(saved_module))
     unexpected = sorted(set(saved_module) - set(module_state))
     if missing or unexpected:
@@ -196,8 +208,7 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     validate(name, state)
     check_compatible(name, state, parts)
     try:
-        keys = live_keys(parts.module)
-        parts.module.load_state_dict({keys[key]: value for key, value in state[MODULE].items()}, strict=True)
+        load_module_state(parts.module, state[MODULE])
         for optimizer, optimizer_state in zip(parts.setup.optimizers, state[OPTIMIZERS], strict=True):
             optimizer.load_state_dict(optimizer_state)
         for schedule, scheduler_state in zip(parts.setup.schedules, state[SCHEDULERS], strict=True):

@@ -27,8 +27,8 @@ def test_rows_are_buffered_until_flush_and_the_length_is_known_before(storage):
     expected = log.length_after_flush()
     assert log.flush() == expected == storage.size(METRICS_FILE)
     assert rows(storage) == [
-        {"epoch": 0, "batch": 0, "split": 0, "loss": 1.5, "step": 1},
-        {"epoch": 0, "batch": 0, "split": 1, "loss": 0.75, "step": 2, "losses": [0.5, 0.25]},
+        {"stage": "train", "epoch": 0, "batch": 0, "split": 0, "loss": 1.5, "step": 1},
+        {"stage": "train", "epoch": 0, "batch": 0, "split": 1, "loss": 0.75, "step": 2, "losses": [0.5, 0.25]},
     ]
 
 

@@ -75,7 +75,7 @@ def test_engine_exports_the_documented_api():
         "Trainer", "TrainerConfig", "CheckpointConfig", "FitResult", "Module", "LRSchedule", "split_along_time",
         "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
         "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
-        "CheckpointWriteError", "WriterConflict", "InjectedFault",
+        "CheckpointWriteError", "WriterConflict", "InjectedFault", "EarlyStopping", "load_weights", "export_weights",
     }
     assert set(engine.__all__) == documented
 

@@ -120,6 +120,26 @@ def test_max_steps_counts_applied_steps():
     assert result.cursor.batch == 3  # batches 0, 1, 3 stepped; batch 2 was skipped
 
 
+class ValidatedRegressor(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.validation_dtypes = []
+
+    def validation_step(self, batch):
+        x, y = batch
+        enabled = torch.is_autocast_enabled("cpu")
+        self.validation_dtypes.append(torch.get_autocast_dtype("cpu") if enabled else None)
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+
+@pytest.mark.parametrize("precision, dtype", [("32", None), ("bf16-mixed", torch.bfloat16)])
+def test_validation_runs_under_the_same_autocast(precision, dtype):
+    model = ValidatedRegressor()
+    config = engine.TrainerConfig(max_epochs=1, run_dir=None, checkpoint=None, progress_bar="off", precision=precision)
+    engine.Trainer(config).fit(model, make_batches(None), make_batches(None)[:2])
+    assert model.validation_dtypes == [dtype] * 2
+
+
 def test_grad_scaler_state_round_trip():
     source = ScaledMixedPrecision("cpu")
     parameter = torch.nn.Parameter(torch.ones(2))

@@ -14,9 +14,10 @@ VENV=${VENV:-$ROOT/.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 if [ ! -x "$VENV/bin/python" ]; then
-    echo "creating $VENV (torch==$TORCH_VERSION)" >&2
-    python3 -m venv "$VENV" \
-        && "$VENV/bin/pip" install -q "torch==$TORCH_VERSION" \
+    # System packages stay visible: a machine with a CUDA torch installed uses it as it is.
+    echo "creating $VENV" >&2
+    python3 -m venv --system-site-packages "$VENV" \
+        && { "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"; } \
         && "$VENV/bin/pip" install -q -e . pytest pytest-timeout numpy \
         || { echo "gpu check: FAIL could not create the virtual environment $VENV"; exit 1; }
 fi

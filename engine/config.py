@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import signal
 from typing import Literal, Sequence
 
 from engine.errors import ConfigError
+
+Precision = Literal["32", "bf16-mixed", "16-mixed"]
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
 
 AccumulateOver = Literal["batches", "splits"]
 ClipAlgorithm = Literal["norm", "value"]
@@ -98,7 +103,8 @@ class TrainerConfig:
     Args:
         max_epochs: stop after this many epochs.
         max_steps: stop at the first split boundary where the optimizer-step count (all
-            optimizers together) reaches this.
+            optimizers together; applied steps: a step the "16-mixed" gradient scaler skips is
+            not counted) reaches this.
         max_time: stop at the first split boundary after this many seconds of training
             (summed over resumed runs).
         accumulate_grad: optimizer step every N units (see ``accumulate_over``); the loss is
@@ -119,6 +125,11 @@ class TrainerConfig:
         exit_on_preemption: after a preemption checkpoint, end the process with
             ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
             ``FitResult.preempted`` set instead.
+        device: where the module and every batch go: ``"auto"`` (CUDA when available, else
+            the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Under torchrun (``LOCAL_RANK``
+            set), ``"auto"`` and ``"cuda"`` mean ``cuda:LOCAL_RANK``. See docs/devices.md.
+        precision: ``"32"`` (no autocast), ``"bf16-mixed"`` (autocast to bfloat16) or
+            ``"16-mixed"`` (autocast to float16 with a gradient scaler).
         val_every_n_steps: with ``val_data``, validate whenever the optimizer-step count
             crosses a multiple of N (mid-epoch); None validates only at epoch ends.
         val_at_epoch_end: with ``val_data``, validate after each epoch.
@@ -139,11 +150,16 @@ class TrainerConfig:
     preemption_exit_code: int = 75
     requeue_command: str | None = None
     exit_on_preemption: bool = True
+    device: str = "auto"
+    precision: Precision = "32"
     val_every_n_steps: int | None = None
     val_at_epoch_end: bool = True
 
     def __post_init__(self) -> None:
         owner = "TrainerConfig"
+        if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"{owner}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        _one_of(owner, "precision", self.precision, PRECISIONS)
         _positive_int_or_none(owner, "max_epochs", self.max_epochs)
         _positive_int_or_none(owner, "max_steps", self.max_steps)
         _positive_number_or_none(owner, "max_time", self.max_time)

@@ -24,6 +24,21 @@ The engine calls ``training_step(batch, **kwargs)`` where ``kwargs`` holds only 
 Lightning, ``batch_idx=`` / ``split_idx=`` (0-based, as in the cursor) when the step declares
 parameters of those names. With TBPTT the step returns ``(loss, hidden)``; without, it returns
 ``loss``.
+
+Manual optimization under any ``TrainerConfig.precision``: call ``self.manual_backward(loss)``
+and ``self.manual_step(optimizer)`` instead of ``loss.backward()`` / ``optimizer.step()``; with
+"16-mixed" they scale the loss and step through the run's gradient scaler (saved in every
+checkpoint), otherwise they are the plain calls::
+
+    def training_step(self, batch, hidden):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss, hidden = self.compute(batch, hidden)
+        self.manual_backward(loss)
+        self.manual_unscale(optimizer)     # only needed before clipping
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+        self.manual_step(optimizer)
+        return loss, hidden
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from typing import Sequence
 import torch
 
 from engine.data.splitting import Batch, split_along_time
+from engine.loops.precision import Precision
 from engine.errors import ModuleContractError
 from engine.optim_setup import OptimizerSetup
 from engine.run.logged import MetricLogger, Reduce
@@ -60,6 +76,7 @@ class Module(torch.nn.Module):
         super().__init__()
         self._engine_optimizers: list[torch.optim.Optimizer] = []
         self._engine_schedulers: list[object] = []
+        self._engine_precision: Precision = Precision()
         self._engine_logger: MetricLogger | None = None
 
     def training_step(self, batch: Batch, **kwargs: object) -> object:  # pragma: no cover - abstract
@@ -102,6 +119,27 @@ class Module(torch.nn.Module):
         """The LR schedulers of the running fit (for manual optimization, which steps them)."""
         return list(self._engine_schedulers)
 
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``, scaled by the run's gradient scaler under "16-mixed"."""
+        self._engine_precision.backward(loss)
+
+    def manual_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale (before clipping them); a no-op
+        without a gradient scaler."""
+        self._engine_precision.unscale(optimizer)
+
+    def manual_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` through the gradient scaler under "16-mixed" (skipped when a
+        gradient is inf/nan; a skipped step is not counted), then the scale's update."""
+        self._engine_precision.step(optimizer)
+        self._engine_precision.update()
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The run's gradient scaler under "16-mixed", None otherwise (for full control; the
+        engine saves its state in every checkpoint)."""
+        return self._engine_precision.scaler
+
 
 def bind_run(module: torch.nn.Module, setup: OptimizerSetup, logger: MetricLogger) -> None:
     """Make the running fit's optimizers, schedulers and metric logger available to
@@ -111,3 +149,10 @@ def bind_run(module: torch.nn.Module, setup: OptimizerSetup, logger: MetricLogge
         module._engine_optimizers = list(setup.optimizers)
         module._engine_schedulers = [schedule.scheduler for schedule in setup.schedules]
         module._engine_logger = logger
+
+
+def bind_precision(module: torch.nn.Module, precision: Precision) -> None:
+    """Make the running fit's precision (autocast, gradient scaler) reach
+    ``module.manual_backward`` / ``manual_step`` / ``grad_scaler`` (engine modules only)."""
+    if isinstance(module, Module):
+        module._engine_precision = precision

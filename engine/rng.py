@@ -1,7 +1,12 @@
 """Capture and restore every global random stream a run may draw from.
 
-torch CPU, torch CUDA (when initialized), Python ``random`` and NumPy's legacy global state
-(when NumPy is installed). The engine itself never draws from them.
+torch CPU, torch CUDA (when initialized: the generator of the *current* device, which the run
+makes its own device, see ``engine.run.device``), Python ``random`` and NumPy's legacy global
+state (when NumPy is installed). The engine itself never draws from them.
+
+One CUDA generator is saved, not one per visible device: a checkpoint written on ``cuda:1``
+restores onto the device of the run that resumes it (``cuda:0``, or none on a CPU-only run),
+whatever the number of devices there.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class RngSnapshot:
     def check(self) -> None:
         """Raise ValueError unless every stream has the type and size its generator accepts."""
         _check_byte_state("torch_cpu", self.torch_cpu)
+        if len(self.torch_cuda) > 1:
+            raise ValueError(f"torch_cuda: expected the generator of at most one device, got {len(self.torch_cuda)}")
         for index, state in enumerate(self.torch_cuda):
             _check_byte_state(f"torch_cuda[{index}]", state)
         version, internal, gauss = self.python
@@ -93,7 +100,7 @@ def capture_global_rng() -> RngSnapshot:
     """Copy the state of every global random stream."""
     cuda = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = [state.clone() for state in torch.cuda.get_rng_state_all()]
+        cuda = [torch.cuda.get_rng_state(torch.cuda.current_device()).clone()]
     return RngSnapshot(
         torch_cpu=torch.get_rng_state(),
         torch_cuda=cuda,
@@ -103,10 +110,11 @@ def capture_global_rng() -> RngSnapshot:
 
 
 def restore_global_rng(snapshot: RngSnapshot) -> None:
-    """Put every global random stream back to ``snapshot``."""
-    torch.set_rng_state(snapshot.torch_cpu)
-    if snapshot.torch_cuda:
-        torch.cuda.set_rng_state_all(snapshot.torch_cuda)
+    """Put every global random stream back to ``snapshot`` (its CUDA generator onto the current
+    device; ignored where CUDA is not available)."""
+    torch.set_rng_state(snapshot.torch_cpu.cpu())
+    if snapshot.torch_cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state(snapshot.torch_cuda[0].cpu(), torch.cuda.current_device())
     random.setstate(snapshot.python)
     if snapshot.numpy is not None and numpy is not None:
         numpy.random.set_state(snapshot.numpy)

@@ -37,7 +37,7 @@ def load_weights(module: torch.nn.Module, source: str, checkpoint: str = "latest
     loaded = read_checkpoint(source, checkpoint)
     weights = loaded.state[run_state.MODULE]
     run_state.check_module_state(loaded.name, module, weights)
-    module.load_state_dict(weights, strict=True)
+    run_state.load_module_state(module, weights)
     return loaded.name
 
 

@@ -20,3 +20,14 @@ def empty_memory_filesystem():
     yield
     MemoryFileSystem.store.clear()
     MemoryFileSystem.pseudo_dirs[:] = [""]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device; without one they are skipped, saying so
+    (benchmarks/gpu_check.sh runs them on a GPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

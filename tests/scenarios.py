@@ -13,6 +13,7 @@ Run as a script to train one scenario into a run directory (used by the subproce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import sys
@@ -63,9 +64,11 @@ class Scenario:
     step_scheduler: bool = False
     epoch_scheduler: bool = False
     shuffle: bool = True
+    precision: str = "32"
 
     def config_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"accumulate_grad": self.accumulate, "accumulate_over": self.accumulate_over}
+        kwargs: dict[str, Any] = {"accumulate_grad": self.accumulate, "accumulate_over": self.accumulate_over,
+                                  "precision": self.precision}
         if self.clip is not None:
             kwargs["gradient_clip_val"] = self.clip
         return kwargs
@@ -80,6 +83,8 @@ SCENARIOS = {s.name: s for s in [
     Scenario("accumulate_splits", accumulate=5, accumulate_over="splits"),
     Scenario("accumulate_batches", accumulate=2, accumulate_over="batches", epoch_scheduler=True),
     Scenario("carried_hidden", carry=True),
+    Scenario("bf16", precision="bf16-mixed", clip=0.5, step_scheduler=True),
+    Scenario("fp16_accumulate", precision="16-mixed", accumulate=3, clip=0.5, step_scheduler=True),
 ]}
 
 
@@ -99,12 +104,19 @@ class SeqModel(engine.Module):
 
     def forward_loss(self, batch: Any, hidden: Any, optimizer_index: int) -> tuple[torch.Tensor, Any]:
         x, y = batch
-        out, hidden = self.rnn(x, hidden)
+        with self.recurrent_precision():
+            out, hidden = self.rnn(x, hidden)
         if optimizer_index == 0:
             loss = torch.nn.functional.mse_loss(self.head(self.dropout(out)), y)
         else:
             loss = torch.nn.functional.mse_loss(self.aux(self.dropout(out.detach())), y)
         return loss, hidden
+
+    def recurrent_precision(self) -> Any:
+        """oneDNN has no float16 LSTM on the CPU: under "16-mixed" the LSTM runs in float32."""
+        if self.scenario.precision == "16-mixed":
+            return torch.autocast("cpu", enabled=False)
+        return contextlib.nullcontext()
 
     def training_step(self, batch: Any, hidden: Any = None, optimizer_index: int = 0) -> Any:
         if self.scenario.manual:
@@ -172,6 +184,9 @@ def run_by_hand(name: str, epochs: int = 2) -> tuple[SeqModel, list[list[float]]
     step_schedulers = [s.scheduler for s in setup["schedulers"] if s.interval == "step"]
     epoch_schedulers = [s.scheduler for s in setup["schedulers"] if s.interval == "epoch"]
     model._engine_optimizers = optimizers  # what self.optimizers() returns in manual mode
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(scenario.precision)
+    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler("cpu", enabled=scenario.precision == "16-mixed")
     losses: list[list[float]] = []
     n = scenario.accumulate
     for _ in range(epochs):
@@ -193,14 +208,17 @@ def run_by_hand(name: str, epochs: int = 2) -> tuple[SeqModel, list[list[float]]
                         output = model.training_step(split, hidden) if scenario.tbptt else model.training_step(split)
                         loss, new_hidden = output if scenario.tbptt else (output, None)
                     else:
-                        loss, new_hidden = model.forward_loss(split, hidden, k)
-                        (loss / n if n > 1 else loss).backward()
+                        with autocast():
+                            loss, new_hidden = model.forward_loss(split, hidden, k)
+                        scaler.scale(loss / n if n > 1 else loss).backward()
                         pending = True
                     split_losses.append(loss.item())
                     unit_ends = scenario.accumulate_over == "splits" or index == len(splits) - 1
                     if not scenario.manual and unit_ends and units + 1 >= n:
-                        step(optimizer, scenario, step_schedulers if k == 0 else [])
+                        step(optimizer, scenario, step_schedulers if k == 0 else [], scaler)
                         optimizer.zero_grad()
+                        if k == len(optimizers) - 1:
+                            scaler.update()
                 if not scenario.manual:
                     unit_ends = scenario.accumulate_over == "splits" or index == len(splits) - 1
                     if unit_ends:
@@ -211,20 +229,29 @@ def run_by_hand(name: str, epochs: int = 2) -> tuple[SeqModel, list[list[float]]
                 losses.append(split_losses)
         if pending:
             for k, optimizer in enumerate(optimizers):
-                step(optimizer, scenario, step_schedulers if k == 0 else [])
+                step(optimizer, scenario, step_schedulers if k == 0 else [], scaler)
                 optimizer.zero_grad()
+            scaler.update()
         for scheduler in epoch_schedulers:
             scheduler.step()
     return model, losses
 
 
-def step(optimizer: torch.optim.Optimizer, scenario: Scenario, schedulers: list[Any]) -> None:
+def step(optimizer: torch.optim.Optimizer, scenario: Scenario, schedulers: list[Any],
+         scaler: torch.amp.GradScaler) -> None:
+    """Clip, step, then the step-interval schedulers unless the scaler skipped the step."""
     if scenario.clip is not None:
+        if scaler.is_enabled():
+            scaler.unscale_(optimizer)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(parameters, scenario.clip)
-    optimizer.step()
-    for scheduler in schedulers:
-        scheduler.step()
+    finite = not scaler.is_enabled() or all(
+        bool(torch.isfinite(p.grad).all()) for group in optimizer.param_groups for p in group["params"]
+        if p.grad is not None)
+    scaler.step(optimizer)
+    if finite:
+        for scheduler in schedulers:
+            scheduler.step()
 
 
 class AnnounceStart(engine.Callback):

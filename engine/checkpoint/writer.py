@@ -32,25 +32,54 @@ class PendingCheckpoint:
 
 class SnapshotBuffers:
     """CPU tensors reused from one snapshot to the next (reallocated only when a tensor's
-    shape or dtype changes, e.g. a hidden state appearing after the first split)."""
+    shape or dtype changes, e.g. a hidden state appearing after the first split).
+
+    A CUDA tensor is copied into a *pinned* buffer with a non-blocking copy, and a CUDA event is
+    recorded after the copies on the stream that runs them: the training thread only launches
+    the copies, and the next optimizer step, queued behind them on the same stream, cannot
+    change a tensor before it is copied. The writer thread calls :meth:`wait_until_copied`
+    before it reads the buffers. CPU tensors are copied synchronously, as before."""
 
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event] = []
 
     def capture(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         copies = []
+        devices: set[torch.device] = set()
         for index, tensor in enumerate(tensors):
-            if index < len(self._buffers) and self._buffers[index].shape == tensor.shape and self._buffers[index].dtype == tensor.dtype:
-                buffer = self._buffers[index]
-            else:
-                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                if index < len(self._buffers):
-                    self._buffers[index] = buffer
-                else:
-                    self._buffers.append(buffer)
-            buffer.copy_(tensor)
+            from_cuda = tensor.device.type == "cuda"
+            buffer = self._buffer(index, tensor, pinned=from_cuda)
+            buffer.copy_(tensor, non_blocking=from_cuda)
+            if from_cuda:
+                devices.add(tensor.device)
             copies.append(buffer)
+        self._copied = [self._record_event(device) for device in devices]
         return copies
+
+    def _buffer(self, index: int, tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
+        if index < len(self._buffers):
+            buffer = self._buffers[index]
+            if buffer.shape == tensor.shape and buffer.dtype == tensor.dtype and (not pinned or buffer.is_pinned()):
+                return buffer
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+        if index < len(self._buffers):
+            self._buffers[index] = buffer
+        else:
+            self._buffers.append(buffer)
+        return buffer
+
+    @staticmethod
+    def _record_event(device: torch.device) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def wait_until_copied(self) -> None:
+        """Block until the device-to-host copies of the last :meth:`capture` are done."""
+        for event in self._copied:
+            event.synchronize()
+        self._copied = []
 
 
 class _Committer:
@@ -163,6 +192,8 @@ class BackgroundWriter(_Committer):
                 pending = self._queue.popleft()
                 self._busy = True
             try:
+                if pending.buffers is not None:
+                    pending.buffers.wait_until_copied()
                 self.commit(pending)
             except BaseException as error:  # reaches the training thread at its next boundary
                 with self._condition:

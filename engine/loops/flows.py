@@ -7,6 +7,13 @@ step-interval LR schedulers. ``ManualFlow``: the step does its own backward and 
 Both count optimizer steps through ``Optimizer.register_step_pre_hook`` /
 ``register_step_post_hook``, so manual optimization keeps exact progress with no bookkeeping
 in the user's code.
+
+Both run the step inside the run's :class:`~engine.loops.precision.Precision` (autocast). With
+"16-mixed", a step whose gradients hold inf/nan is skipped by the gradient scaler: it does not
+call ``optimizer.step()``, so it is not counted. ``optimizer_steps`` (and ``max_steps``,
+``every_n_steps``) count *applied* steps; step-interval LR schedulers step only after an applied
+step (the schedule follows the parameters' updates); skipped steps are counted apart
+(``AutomaticFlow.skipped_steps``, saved in the flow state).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from engine import faults
+from engine.loops.precision import Precision
 from engine.loops.step_output import Hidden, StepCall
 from engine.optim_setup import OptimizerSetup
 from progress import Progress
@@ -75,8 +83,12 @@ class AutomaticFlow:
         accumulate: int,
         accumulate_over_splits: bool,
         clip: Callable[[list[torch.nn.Parameter]], object] | None,
+        precision: Precision,
+        step_counter: StepCounter,
     ) -> None:
         self._call_step = call_step
+        self._precision = precision
+        self._step_counter = step_counter
         self._read_output = read_output
         self._optimizers = setup.optimizers
         self._last_index = len(setup.optimizers) - 1
@@ -96,6 +108,7 @@ class AutomaticFlow:
         self.needs_zero_grad = [True] * len(setup.optimizers)
         self.pending_backward = [False] * len(setup.optimizers)
         self.units_since_step = 0
+        self.skipped_steps = 0
 
     def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
         optimizer = self._optimizers[optimizer_index]
@@ -103,8 +116,9 @@ class AutomaticFlow:
             optimizer.zero_grad()
             self.needs_zero_grad[optimizer_index] = False
         faults.reach("step_start")
-        loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
-        (loss / self._accumulate if self._accumulate > 1 else loss).backward()
+        with self._precision.autocast():
+            loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
+        self._precision.backward(loss / self._accumulate if self._accumulate > 1 else loss)
         faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True
         unit_ends = last_split or self._per_split
@@ -113,22 +127,36 @@ class AutomaticFlow:
             self._step(optimizer_index)
         if unit_ends and optimizer_index == self._last_index:
             self.units_since_step = 0 if window_full else self.units_since_step + 1
+            if window_full:
+                # Once every optimizer of the window has stepped: the scale the next window's
+                # gradients are scaled by changes only here.
+                self._precision.update()
         return loss.detach(), new_hidden
 
     def _step(self, index: int) -> None:
+        optimizer = self._optimizers[index]
         if self._clip is not None:
+            self._precision.unscale(optimizer)
             self._clip(self._optimizer_parameters[index])
-        self._optimizers[index].step()
-        for scheduler in self._step_schedulers[index]:
-            scheduler.step()
+        applied_before = self._step_counter.total
+        self._precision.step(optimizer)
+        if self._step_counter.total != applied_before:
+            for scheduler in self._step_schedulers[index]:
+                scheduler.step()
+        else:
+            self.skipped_steps += 1
         self.needs_zero_grad[index] = True
         self.pending_backward[index] = False
 
     def end_epoch(self) -> None:
         """Step a window left open by the end of the data, then epoch-interval schedulers."""
+        stepped = False
         for index, pending in enumerate(self.pending_backward):
             if pending:
                 self._step(index)
+                stepped = True
+        if stepped:
+            self._precision.update()
         self.units_since_step = 0
         with warnings.catch_warnings():
             # After a resume at the very end of an epoch, no optimizer.step() has run in this
@@ -143,37 +171,48 @@ class AutomaticFlow:
             "needs_zero_grad": list(self.needs_zero_grad),
             "pending_backward": list(self.pending_backward),
             "units_since_step": self.units_since_step,
-            # Gradients matter only inside an open accumulation window.
+            "skipped_steps": self.skipped_steps,
+            # Gradients matter only inside an open accumulation window. With "16-mixed" they
+            # are scaled by the scaler's current scale, saved beside them in "precision".
             "gradients": _gradients_state(self._parameters) if pending else {},
+            "precision": self._precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.needs_zero_grad = list(state["needs_zero_grad"])
         self.pending_backward = list(state["pending_backward"])
         self.units_since_step = int(state["units_since_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self._precision.load_state_dict(state["precision"])
         if any(self.pending_backward):
             _load_gradients(self._parameters, state["gradients"])
 
 
 class ManualFlow:
-    """Calls the step, which runs backward and ``optimizer.step()`` itself."""
+    """Calls the step, which runs backward and ``optimizer.step()`` itself (through
+    ``Module.manual_backward`` / ``manual_step`` when a gradient scaler is active)."""
 
-    def __init__(self, call_step: StepCall, read_output: ReadOutput, parameters: list[torch.nn.Parameter]) -> None:
+    def __init__(self, call_step: StepCall, read_output: ReadOutput, parameters: list[torch.nn.Parameter],
+                 precision: Precision) -> None:
         self._call_step = call_step
         self._read_output = read_output
         self._parameters = parameters
+        self._precision = precision
 
     def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
         faults.reach("step_start")
-        loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
+        with self._precision.autocast():
+            loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
         return loss.detach(), new_hidden
 
     def end_epoch(self) -> None:
         """Manual optimization steps its own schedulers."""
 
     def state_dict(self) -> dict[str, Any]:
-        # The user may accumulate gradients across splits: keep whatever is there.
-        return {"gradients": _gradients_state(self._parameters)}
+        # The user may accumulate gradients across splits: keep whatever is there (with the
+        # scale they were scaled by, under "16-mixed").
+        return {"gradients": _gradients_state(self._parameters), "precision": self._precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._precision.load_state_dict(state["precision"])
         _load_gradients(self._parameters, state["gradients"])

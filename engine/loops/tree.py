@@ -1,12 +1,16 @@
 """Compose the loop tree from the module's and the trainer's configuration.
 
 This is the one place that reads feature flags (TBPTT, several optimizers, manual
-optimization, accumulation, clipping)::
+optimization, accumulation, clipping, precision, device)::
 
     tbptt, several optimizers, automatic:  Fit -> Epoch -> Split -> Optimizer -> AutomaticFlow
     no tbptt, several optimizers:          Fit -> Epoch -> Optimizer -> AutomaticFlow
     no tbptt, one optimizer:               Fit -> Epoch -> AutomaticFlow
     manual optimization:                   Fit -> Epoch [-> Split] -> ManualFlow
+
+Between the epoch loop and the level below, :class:`~engine.run.device.OnDevice` moves each batch
+to the run's device; the flow runs the step inside the run's
+:class:`~engine.loops.precision.Precision`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from engine.loops.evaluation import EvaluationLoop
 from engine.loops.fit import FitLoop
 from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
+from engine.loops.precision import Precision, make_precision
 from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
 from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
+from engine.run.compiled import training_step_of
+from engine.run.device import OnDevice, move_to_device
 from engine.run.logged import MetricLogger
 from progress import ProgressTree
 
@@ -50,6 +57,8 @@ class LoopTree:
     flow: AutomaticFlow | ManualFlow
     step_counter: StepCounter
     data: EpochData
+    device: torch.device
+    precision: Precision
     logger: MetricLogger
     evaluation: EvaluationLoop | None = None
 
@@ -95,7 +104,8 @@ class LoopTree:
     def load_loop_states(self, states: dict[str, Any]) -> None:
         self.flow.load_state_dict(states["flow"])
         if self.split is not None:
-            self.split.load_state_dict(states["split"])
+            # Hidden state goes to this run's device, whichever device wrote it.
+            self.split.load_state_dict(move_to_device(states["split"], self.device))
         self.data.load_state_dict(states["data"])
         self.logger.load_state_dict(states["logged"])
         if self.evaluation is not None:
@@ -125,9 +135,12 @@ def build_loops(
     position: Position,
     stop: StopState,
     boundaries: Boundaries,
+    device: torch.device,
     logger: MetricLogger,
     val_data: Iterable[Any] | None = None,
 ) -> LoopTree:
+    """Compose the loops; ``module`` is the user's module (possibly ``torch.compile``d) and
+    already on ``device``."""
     split_length = tbptt_split_length(module)
     tbptt = split_length is not None
     carry = bool(getattr(module, "carry_hidden_across_batches", False))
@@ -138,13 +151,15 @@ def build_loops(
         )
     automatic = bool(getattr(module, "automatic_optimization", True))
     several = automatic and len(setup.optimizers) > 1
-    call_step = make_step_call(getattr(module, "training_step"), tbptt, several, position)
+    call_step = make_step_call(training_step_of(module), tbptt, several, position)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
+    precision = make_precision(config.precision, device)
+    step_counter = StepCounter(setup.optimizers)
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,
-            config.accumulate_over == "splits", _clipper(config),
+            config.accumulate_over == "splits", _clipper(config), precision, step_counter,
         )
     else:
         if config.accumulate_grad != 1 or config.gradient_clip_val is not None:
@@ -152,31 +167,42 @@ def build_loops(
                 "TrainerConfig.accumulate_grad / gradient_clip_val apply to automatic optimization only; "
                 "with automatic_optimization = False the step accumulates and clips itself"
             )
-        flow = ManualFlow(call_step, read_output, parameters)
+        flow = ManualFlow(call_step, read_output, parameters, precision)
     optimizer_loop = OptimizerLoop(flow, len(setup.optimizers)) if several else None
     runner = optimizer_loop if optimizer_loop is not None else SingleOptimizer(flow)
     if split_length is not None:
         split_loop = SplitLoop(_splitter(module), split_length, carry, runner, position, stop, boundaries.split)
-        epoch_loop = EpochLoop(data, split_loop, position, stop, batch_boundary=None)
+        epoch_loop = EpochLoop(data, OnDevice(split_loop, device), position, stop, batch_boundary=None)
     else:
         split_loop = None
-        epoch_loop = EpochLoop(data, WholeBatch(runner), position, stop, batch_boundary=boundaries.split)
+        epoch_loop = EpochLoop(data, OnDevice(WholeBatch(runner), device), position, stop,
+                               batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
-    evaluation = None if val_data is None else _evaluation_loop(module, val_data, split_length, carry, logger)
-    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data,
+    evaluation = (None if val_data is None
+                  else _evaluation_loop(module, val_data, split_length, carry, logger, device, precision))
+    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)
 
 
 def _evaluation_loop(module: torch.nn.Module, val_data: Iterable[Any], split_length: int | None, carry: bool,
-                     logger: MetricLogger) -> EvaluationLoop:
+                     logger: MetricLogger, device: torch.device, precision: Precision) -> EvaluationLoop:
     step = getattr(module, "validation_step", None)
     if not callable(step):
         raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
     if split_length is None:
-        call: Callable[[Any, Any], Any] = lambda batch, hidden: step(batch)
+        call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
         return EvaluationLoop(module, val_data, call, None, None, carry, logger)
-    return EvaluationLoop(module, val_data, lambda batch, hidden: step(batch, hidden=hidden), _splitter(module),
-                          split_length, carry, logger)
+    return EvaluationLoop(module, val_data, _on_device(lambda batch, hidden: step(batch, hidden=hidden), device, precision),
+                          _splitter(module), split_length, carry, logger)
+
+
+def _on_device(call: Callable[[Any, Any], Any], device: torch.device, precision: Precision) -> Callable[[Any, Any], Any]:
+    """The validation step on the run's device (each batch or split moved there) and under its
+    autocast."""
+    def run(batch: Any, hidden: Any) -> Any:
+        with precision.autocast():
+            return call(move_to_device(batch, device), hidden)
+    return run
 
 
 def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:

@@ -26,10 +26,12 @@ from engine.errors import CheckpointNotFound, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
-from engine.module import bind_run
+from engine.module import bind_precision, bind_run
 from engine.optim_setup import read_optimizer_setup
 from engine.result import FitResult
 from engine.run import state as run_state
+from engine.run.compiled import original_module
+from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
@@ -45,16 +47,20 @@ class FitRun:
         _check_module(module)
         self.config = config
         self.callbacks = list(callbacks)
+        self.device = resolve_device(config.device)
+        prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
         self.logger = MetricLogger()
-        bind_run(module, self.setup, self.logger)
+        bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
         self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
-                                          Boundaries(self._split_boundary, self._epoch_boundary), self.logger, val_data)
-        self.parts = run_state.RunParts(module, self.setup, self.tree, self.callbacks, config)
+                                          Boundaries(self._split_boundary, self._epoch_boundary), self.device,
+                                          self.logger, val_data)
+        bind_precision(original_module(module), self.tree.precision)
+        self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config)
         self.storage = storage
         self.metrics = MetricsLog(storage)
         self.checkpoints = (RunCheckpointer(storage, config.checkpoint, self.metrics)

@@ -3,11 +3,13 @@ and restore. This is the one place that knows the tree::
 
     {
       "signature":       what must match between a checkpoint and the run resuming it
-      "module":          the model's state_dict
+      "module":          the model's state_dict (keys without torch.compile's "_orig_mod.")
       "optimizers":      [optimizer.state_dict(), ...]
       "schedulers":      [scheduler.state_dict(), ...]
       "loops":           {"flow", "split", "data", "logged", "evaluation"}  (LoopTree.loop_states)
       "rng":             every global random stream (engine.rng)
+      "envelope":        the settings that change numerics (engine.run.envelope); a resume
+                         under other settings warns, naming each difference
       "callbacks":       {callback key: callback.state_dict()}      (non-empty states only)
       "metrics_bytes":   length of metrics.jsonl this checkpoint commits
       "elapsed_seconds": training time so far, over every resumed process
@@ -32,6 +34,8 @@ from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompat
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.optim_setup import OptimizerSetup
 from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from engine.run.compiled import live_keys, plain_state
+from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
 from progress import ProgressSchemaError, ProgressTree, encode_tree
 
 SIGNATURE = "signature"
@@ -43,11 +47,13 @@ RNG = "rng"
 CALLBACKS = "callbacks"
 METRICS_BYTES = "metrics_bytes"
 ELAPSED_SECONDS = "elapsed_seconds"
+ENVELOPE = "envelope"
 
-STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS})
+STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS,
+                        ENVELOPE})
 LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
-# set up and elapsed_seconds is wall time: neither is compared).
+# set up, elapsed_seconds is wall time and the envelope describes the machine: none is compared).
 COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
 
 
@@ -73,6 +79,7 @@ class RunParts:
             "data_length": self.tree.data.length,
             "accumulate_grad": config.accumulate_grad,
             "accumulate_over": config.accumulate_over,
+            "precision": config.precision,
             "validation": self.tree.evaluation is not None,
         }
 
@@ -111,7 +118,7 @@ def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed
     callback_states = {key: callback.state_dict() for key, callback in parts.callbacks_by_key().items()}
     state = {
         SIGNATURE: parts.signature(),
-        MODULE: parts.module.state_dict(),
+        MODULE: plain_state(parts.module.state_dict()),
         OPTIMIZERS: [optimizer.state_dict() for optimizer in parts.setup.optimizers],
         SCHEDULERS: [schedule.scheduler.state_dict() for schedule in parts.setup.schedules],
         LOOPS: parts.tree.loop_states(),
@@ -119,6 +126,7 @@ def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed
         CALLBACKS: {key: value for key, value in callback_states.items() if value},
         METRICS_BYTES: metrics_bytes,
         ELAPSED_SECONDS: elapsed_seconds,
+        ENVELOPE: capture_envelope(parts.tree.device),
     }
     return RunSnapshot(state, encode_tree(progress), progress)
 
@@ -153,6 +161,10 @@ def validate(name: str, state: Any) -> None:
         RngSnapshot.from_state(state[RNG]).check()
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as error:
         raise CheckpointCorrupt(f"{name}: the RNG state is malformed: {error}") from error
+    try:
+        check_envelope_shape(state[ENVELOPE])
+    except ValueError as error:
+        raise CheckpointCorrupt(f"{name}: the {ENVELOPE} is malformed: {error}") from error
 
 
 def _expect(name: str, key: str, value: Any, kind: type) -> None:
@@ -170,9 +182,15 @@ def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> No
     check_module_state(name, parts.module, state[MODULE])
 
 
+def load_module_state(module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's model state (plain keys) into ``module``, compiled or not."""
+    keys = live_keys(module)
+    module.load_state_dict({keys[key]: value for key, value in saved_module.items()}, strict=True)
+
+
 def check_module_state(name: str, module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
     """Refuse model weights whose keys, shapes or dtypes differ from ``module``'s, naming them."""
-    module_state = module.state_dict()
+    module_state = plain_state(module.state_dict())
     missing = sorted(set(module_state) - set(saved_module))
     unexpected = sorted(set(saved_module) - set(module_state))
     if missing or unexpected:
@@ -190,7 +208,7 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     validate(name, state)
     check_compatible(name, state, parts)
     try:
-        parts.module.load_state_dict(state[MODULE], strict=True)
+        load_module_state(parts.module, state[MODULE])
         for optimizer, optimizer_state in zip(parts.setup.optimizers, state[OPTIMIZERS], strict=True):
             optimizer.load_state_dict(optimizer_state)
         for schedule, scheduler_state in zip(parts.setup.schedules, state[SCHEDULERS], strict=True):
@@ -204,6 +222,7 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ProgressSchemaError) as error:
         raise CheckpointIncompatible(f"{name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
     restore_global_rng(rng)
+    warn_on_envelope_change(name, state[ENVELOPE], capture_envelope(parts.tree.device))
     return RestoredRun(metrics_bytes=state[METRICS_BYTES], elapsed_seconds=float(state[ELAPSED_SECONDS]))
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from engine import faults
 from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
+from engine.errors import ConfigError
 from engine.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
 from engine.run.run_dir import check_existing_run_dir
@@ -110,3 +112,16 @@ def run_chaos(args: argparse.Namespace) -> int:
                                    on_trial=print_row)
     print(report.summary())
     return 0 if report.all_exact else 1
+
+
+def run_plot(run_dir: str, out: str | None) -> int:
+    """``plot``: draw the run's curves into a PNG file."""
+    from engine.cli.plot import plot_run
+
+    if out is None:
+        if "://" in run_dir:
+            raise ConfigError(f"plot: {run_dir} is not a local directory; name the picture with --out FILE.png")
+        out = os.path.join(run_dir, "metrics.png")
+    drawn = plot_run(run_dir, out)
+    print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)")
+    return 0

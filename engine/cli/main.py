@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults
+from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
 from engine.errors import EngineError
 
 
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     chaos.add_argument("--trials", type=int, default=None, help="number of faults (default: every point x kind pair once)")
     chaos.add_argument("--epochs", type=int, default=2, help="demo epochs per run (default 2)")
     chaos.add_argument("--seed", type=int, default=0, help="seed for the fault order and arrival counts (default 0)")
+
+    plot = commands.add_parser("plot", help="draw training loss and validation metrics of a run as a PNG",
+                               description="Training loss per split and validation metrics over optimizer steps, with a "
+                                           "dashed line where the run resumed. Needs matplotlib: pip install 'splitloop[plot]'.")
+    plot.add_argument("dir", help="run directory (path or fsspec URL)")
+    plot.add_argument("--out", default=None, help="PNG file to write (default: metrics.png in a local run directory)")
     return parser
 
 
@@ -77,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         return run_list_faults()
     if args.command == "chaos":
         return run_chaos(args)
+    if args.command == "plot":
+        return run_plot(args.dir, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

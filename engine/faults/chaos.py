@@ -5,11 +5,7 @@ from __future__ import annotations
 import random
 
 from engine.faults import Fault
-
-LOOP_POINTS = ["step_start", "after_backward", "after_optimizer_step", "split_end",
-               "split_end_after_checkpoint", "batch_end", "epoch_end"]
-CHECKPOINT_POINTS = ["checkpoint_before_file", "checkpoint_after_file", "checkpoint_before_manifest",
-                     "checkpoint_before_rename", "checkpoint_after_rename", "checkpoint_retention"]
+from engine.faults.points import CHECKPOINT_POINTS, IO_POINTS, LOOP_POINTS
 
 # Highest arrival count to draw from, per point, for a demo run of 2 epochs
 # (48 splits, 48 optimizer steps, 12 batches, ~50 checkpoints of 3 data files each).
@@ -26,7 +22,7 @@ def fault_matrix() -> list[tuple[str, str]]:
     """The (point, kind) pairs that make sense for the demo."""
     pairs = [(point, kind) for point in LOOP_POINTS for kind in ("sigkill", "raise", "sigterm")]
     pairs += [(point, kind) for point in CHECKPOINT_POINTS for kind in ("sigkill", "raise", "enospc")]
-    pairs += [("filesystem_write", "enospc"), ("filesystem_write", "eio")]
+    pairs += [(point, kind) for point in IO_POINTS for kind in ("enospc", "eio")]
     return pairs
 
 

@@ -23,7 +23,8 @@ from engine.errors import ConfigError, InjectedFault
 
 ENVIRONMENT_VARIABLE = "SPLITLOOP_FAULTS"
 
-POINTS: dict[str, str] = {
+# The points, by where they are (each group in the order a run reaches them).
+LOOP_POINTS: dict[str, str] = {
     "step_start": "before the user's training step is called",
     "after_backward": "after backward, before the optimizer step (automatic optimization)",
     "after_optimizer_step": "after an optimizer step",
@@ -31,15 +32,22 @@ POINTS: dict[str, str] = {
     "split_end_after_checkpoint": "after a split's boundary work, checkpoint included",
     "batch_end": "after a batch completed",
     "epoch_end": "after an epoch completed, before its checkpoint",
+}
+VALIDATION_POINTS: dict[str, str] = {
     "validation_batch_end": "after each batch of a validation pass",
+}
+CHECKPOINT_POINTS: dict[str, str] = {
     "checkpoint_before_file": "inside a checkpoint write, before each data file",
     "checkpoint_after_file": "inside a checkpoint write, after each data file",
     "checkpoint_before_manifest": "inside a checkpoint write, after the data files, before the manifest",
     "checkpoint_before_rename": "after the manifest, before the atomic rename (local filesystems)",
     "checkpoint_after_rename": "after the rename, before the directory fsync and retention",
     "checkpoint_retention": "while deleting checkpoints beyond keep_last",
+}
+IO_POINTS: dict[str, str] = {
     "filesystem_write": "each write-type call on the run directory's filesystem (needs enospc/eio to mean an I/O error)",
 }
+POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **CHECKPOINT_POINTS, **IO_POINTS}
 
 KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio")
 

@@ -66,3 +66,19 @@ def test_plot_without_matplotlib_says_how_to_install(resumed_run, tmp_path, monk
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(engine.EngineError, match=r"splitloop\[plot\]"):
         plot_run(resumed_run, str(tmp_path / "x.png"))
+
+
+def test_the_plot_command_writes_metrics_png_into_the_run_dir(resumed_run, capsys):
+    from engine.cli import main
+
+    assert main(["plot", resumed_run]) == 0
+    assert "1 resume(s)" in capsys.readouterr().out
+    width, _ = png_size(f"{resumed_run}/metrics.png")
+    assert width > 300
+
+
+def test_the_plot_command_needs_out_for_a_url(capsys):
+    from engine.cli import main
+
+    assert main(["plot", "memory://somewhere"]) == 1
+    assert "--out" in capsys.readouterr().err

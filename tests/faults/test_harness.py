@@ -14,6 +14,7 @@ from engine.faults import Fault
 from engine.faults.harness import check_fault_tolerance
 from scenarios import harness_train, train_with_checkpoints
 
+# Listed here on purpose (not imported): a point added to the engine must get a test here.
 LOOP_POINTS = ["step_start", "after_backward", "after_optimizer_step", "split_end", "split_end_after_checkpoint",
                "batch_end", "epoch_end"]
 CHECKPOINT_POINTS = ["checkpoint_before_file", "checkpoint_after_file", "checkpoint_before_manifest",

@@ -62,6 +62,10 @@ class CheckpointConfig:
             always wait.
         on_io_error: ``"raise"`` stops training with CheckpointWriteError when a write fails;
             ``"warn"`` warns and trains on (earlier checkpoints stay intact either way).
+        lease_expiry_seconds: on filesystems without file locks (object stores), how long a
+            writer lease must stay unchanged, timed by the process that wants it, before that
+            process may take it over (the holder's heartbeat rewrites it every third of that).
+            Local disks use a lock that dies with its process and ignore this.
     """
 
     every_n_splits: int | None = 1
@@ -76,6 +80,7 @@ class CheckpointConfig:
     # True only for the policy TrainerConfig creates by default, so that a policy the user
     # passed explicitly can be told apart (it needs a run_dir).
     _implied_by_default: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+    lease_expiry_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         owner = "CheckpointConfig"
@@ -88,6 +93,9 @@ class CheckpointConfig:
             raise ConfigError(f"{owner}.max_in_flight: expected a positive int, got None")
         _one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
         _one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
+        _positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
+        if self.lease_expiry_seconds is None:
+            raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
 
 
 def _default_checkpoint_policy() -> CheckpointConfig:

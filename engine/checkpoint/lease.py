@@ -1,109 +1,237 @@
 """The writer lease: one process at a time writes checkpoints into a run directory.
 
-``<run dir>/writer.lease`` (JSON) names the holder: a random token, a generation number, the
-pid and host, and a heartbeat time. A new writer takes the lease only when there is none or the
-holder is gone (its pid is dead on this host, or its heartbeat is older than ``stale_after``
-seconds for another host); the generation then goes up by one. Before every commit the writer
-checks that the lease is still its own, so a relaunched job that took over makes the old one
-stop with :class:`WriterConflict` instead of interleaving checkpoints.
+Liveness never depends on process ids (a restarted container is PID 1 again, and a process in
+another PID namespace on the same host has an unrelated PID):
+
+* **local disks**: the holder keeps an ``flock`` on ``<run dir>/writer.lock`` for its whole
+  life. The kernel drops it when the process dies, however it dies, so a restart takes over at
+  once, and a live holder, wherever its PID namespace, is never taken over.
+* **other filesystems** (object stores, ``memory://``): the holder rewrites
+  ``writer.lease`` with a new ``beat`` every ``stale_after / 3`` seconds from a heartbeat
+  thread. A newcomer that finds a lease not marked released watches it with its *own*
+  monotonic clock: if the content changes within ``stale_after`` seconds the holder is alive
+  (:class:`WriterConflict`); if it stays the same that long, the holder is gone and is taken
+  over. No wall-clock time of another host is ever compared with ours.
+
+``<run dir>/writer.lease`` (JSON) names the holder (a random token, the generation, pid and
+host for messages) and survives the run marked ``released``, so generations only grow. Each
+acquisition takes generation ``max(previous lease, newest checkpoint) + 1``; every checkpoint
+records it, and :meth:`WriterLease.verify` (the fence) is checked before a commit's metrics,
+again immediately before its commit point, and before retention.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import re
 import secrets
 import socket
+import threading
 import time
 from typing import Any
 
-from engine.errors import WriterConflict
 from engine.checkpoint.storage import Storage
+from engine.errors import WriterConflict
 
 LEASE_FILE = "writer.lease"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+LOCK_FILE = "writer.lock"
+_LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
 
 
 class WriterLease:
+    """Take, hold (fence) and release a run directory's writer lease; see the module docstring.
+
+    Args:
+        storage: the run directory.
+        stale_after: on filesystems without ``flock``, how many seconds (measured here) a
+            lease must stay unchanged before it counts as abandoned.
+    """
+
     def __init__(self, storage: Storage, stale_after: float = 60.0) -> None:
         self._storage = storage
         self._stale_after = stale_after
         self._token = secrets.token_hex(16)
         self._host = socket.gethostname()
         self.generation = 0
-        self._last_heartbeat = 0.0
+        self._lock_descriptor: int | None = None
+        self._beat = 0
+        self._heartbeat: threading.Thread | None = None
+        self._stop_heartbeat = threading.Event()
+        self._write_lock = threading.Lock()
 
-    def _read(self) -> dict[str, Any] | None:
+    # ---- the lease file -------------------------------------------------------------------
+    def _read_raw(self) -> bytes | None:
         try:
-            data = json.loads(self._storage.read(LEASE_FILE))
+            return self._storage.read(LEASE_FILE)
         except FileNotFoundError:
             return None
-        except (ValueError, OSError):
-            return {}  # unreadable: treat as a lease nobody holds
+        except OSError:
+            return b""  # unreadable: holds nothing
+
+    @staticmethod
+    def _parse(raw: bytes | None) -> dict[str, Any] | None:
+        if raw is None:
+            return None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return {}
         return data if isinstance(data, dict) else {}
 
-    def _holder_alive(self, lease: dict[str, Any]) -> bool:
-        """A malformed lease holds nothing: a writer that crashed mid-write could leave one."""
-        try:
-            if lease.get("host") == self._host:
-                return _pid_alive(int(lease["pid"]))
-            return time.time() - float(lease["heartbeat_unix"]) < self._stale_after
-        except (KeyError, TypeError, ValueError, OverflowError):
-            return False
+    def _read(self) -> dict[str, Any] | None:
+        return self._parse(self._read_raw())
 
-    def _describe(self, lease: dict[str, Any]) -> str:
+    @staticmethod
+    def _describe(lease: dict[str, Any] | None) -> str:
+        if not lease:
+            return "another writer"
         return f"generation {lease.get('generation')} (pid {lease.get('pid')} on {lease.get('host')})"
 
-    def _write(self) -> None:
+    def _record(self, released: bool = False) -> bytes:
         record = {"token": self._token, "generation": self.generation, "pid": os.getpid(),
-                  "host": self._host, "heartbeat_unix": time.time()}
-        self._storage.replace(LEASE_FILE, json.dumps(record).encode())
-        self._last_heartbeat = time.monotonic()
+                  "host": self._host, "beat": self._beat, "released": released}
+        return json.dumps(record).encode()
 
+    def _write(self, released: bool = False) -> None:
+        with self._write_lock:
+            self._beat += 1
+            self._storage.replace(LEASE_FILE, self._record(released))
+
+    def _remove_stale_temporaries(self) -> None:
+        """``writer.lease.<pid>.tmp`` left by a writer killed (or out of space) mid-replace."""
+        try:
+            names = self._storage.list_names("")
+        except OSError:
+            return
+        for name in names:
+            if _LEASE_TEMPORARY.fullmatch(name) and name != f"{LEASE_FILE}.{os.getpid()}.tmp":
+                try:
+                    self._storage.remove_file(name)
+                except OSError:
+                    pass
+
+    # ---- taking the lease -----------------------------------------------------------------
     def acquire(self, minimum_generation: int = 0) -> int:
-        """Take the lease or raise WriterConflict; returns this writer's generation."""
-        current = self._read()
-        if current is not None and self._holder_alive(current):
-            raise WriterConflict(
-                f"{self._storage.url} is being written by {self._describe(current)}; "
-                "two writers would interleave checkpoints. Stop the other job first "
-                f"(or remove {LEASE_FILE} if you are sure it is gone)"
-            )
+        """Take the lease or raise WriterConflict; returns this writer's generation (one above
+        both the previous holder's and ``minimum_generation``)."""
+        if self._storage.is_local:
+            self._lock_locally()
+            current = self._read()
+        else:
+            current = self._wait_until_abandoned()
         previous = current.get("generation", 0) if current else 0
         previous = previous if isinstance(previous, int) and not isinstance(previous, bool) else 0
         self.generation = max(previous, minimum_generation) + 1
-        self._write()
-        self.verify()  # another writer racing us would have replaced the file
+        try:
+            self._write()
+            self.verify()  # on an object store, a writer racing us would have replaced the file
+        except BaseException:
+            self._unlock()
+            raise
+        self._remove_stale_temporaries()
+        if not self._storage.is_local:
+            self._start_heartbeat()
         return self.generation
 
+    def _lock_locally(self) -> None:
+        path = self._storage._writable(LOCK_FILE)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(descriptor)
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise WriterConflict(
+                f"{self._storage.url} is being written by {self._describe(self._read())}, a live "
+                f"process holding {LOCK_FILE}; two writers would interleave checkpoints. Stop the "
+                "other job first (the lock goes away with its process)"
+            ) from None
+        self._lock_descriptor = descriptor
+
+    def _wait_until_abandoned(self) -> dict[str, Any] | None:
+        """Watch a lease that is not released until it stays unchanged for ``stale_after``
+        seconds of our own monotonic clock; WriterConflict as soon as it changes."""
+        raw = self._read_raw()
+        lease = self._parse(raw)
+        if not lease or lease.get("released") is True:
+            return lease
+        started = time.monotonic()
+        poll = min(1.0, self._stale_after / 10)
+        while time.monotonic() - started < self._stale_after:
+            time.sleep(poll)
+            now = self._read_raw()
+            if now != raw:
+                newer = self._parse(now)
+                if newer is None or (newer and newer.get("released") is True):
+                    return newer  # released (or removed) while we watched
+                raise WriterConflict(
+                    f"{self._storage.url} is being written by {self._describe(newer)}: its lease "
+                    "heartbeat moved while this process watched it; two writers would interleave "
+                    "checkpoints. Stop the other job first"
+                )
+        return lease
+
+    # ---- holding it ----------------------------------------------------------------------
     def verify(self) -> None:
-        """Raise WriterConflict unless the lease is still ours; refresh the heartbeat."""
+        """The fence: raise WriterConflict unless the lease is still this writer's."""
         current = self._read()
-        if not current or current.get("token") != self._token:
+        if not current or current.get("token") != self._token or current.get("released") is True:
             holder = self._describe(current) if current else "nobody (the lease file is gone)"
             raise WriterConflict(
                 f"{self._storage.url}: the writer lease now belongs to {holder}; this writer "
                 f"(generation {self.generation}) stops without committing"
             )
-        if time.monotonic() - self._last_heartbeat > self._stale_after / 3:
-            self._write()
+        if self._lock_descriptor is not None and not self._still_locked_file():
+            raise WriterConflict(
+                f"{self._storage.url}: {LOCK_FILE} was removed or replaced while this writer "
+                f"(generation {self.generation}) held it; it stops without committing"
+            )
+
+    def _still_locked_file(self) -> bool:
+        assert self._lock_descriptor is not None
+        try:
+            on_disk = os.stat(self._storage.path(LOCK_FILE), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self._lock_descriptor)
+        return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
 
     def heartbeat_if_due(self) -> None:
-        """Refresh the heartbeat between commits, so that long intervals between checkpoints
-        do not make a live writer look stale to another host."""
-        if time.monotonic() - self._last_heartbeat > self._stale_after / 3:
-            self.verify()
+        """Kept for callers between commits; the heartbeat has its own thread now."""
 
+    def _start_heartbeat(self) -> None:
+        self._stop_heartbeat.clear()
+        self._heartbeat = threading.Thread(target=self._beat_until_stopped, name="splitloop-lease-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stop_heartbeat.wait(self._stale_after / 3):
+            try:
+                self.verify()  # never overwrite a lease that someone else took over
+                self._write()
+            except Exception:  # noqa: BLE001 - a lost or unwritable lease surfaces at the next fence
+                return
+
+    # ---- releasing it --------------------------------------------------------------------
     def release(self) -> None:
-        current = self._read()
-        if current and current.get("token") == self._token:
-            self._storage.remove_file(LEASE_FILE)
+        """Mark the lease released (its generation stays on record) and drop the lock."""
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+            self._heartbeat = None
+        try:
+            current = self._read()
+            if current and current.get("token") == self._token and self.generation:
+                self._write(released=True)
+        finally:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_descriptor is not None:
+            descriptor, self._lock_descriptor = self._lock_descriptor, None
+            os.close(descriptor)  # closing the last descriptor drops the flock

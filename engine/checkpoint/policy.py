@@ -7,6 +7,7 @@ the (a)synchronous writer, and what to do when a write fails. The run hands it s
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
@@ -35,7 +36,7 @@ class RunCheckpointer:
         self.policy = policy
         self._storage = storage
         self._metrics = metrics
-        self._lease = WriterLease(storage)
+        self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds)
         self._writer: SyncWriter | BackgroundWriter | None = None
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
@@ -49,6 +50,7 @@ class RunCheckpointer:
         """Take the writer lease (WriterConflict if another live process holds it) and clean
         up what crashed writers left. Call before reading checkpoints to resume."""
         self._lease.acquire(minimum_generation=self.store.newest_generation())
+        self._metrics.fence = self._lease.verify
         self.store.remove_temporaries()
 
     def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
@@ -104,15 +106,17 @@ class RunCheckpointer:
 
     def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
-        """Flush metrics.jsonl, then commit (or queue) ``snapshot``; False when it was skipped
-        or failed under ``on_io_error="warn"``."""
+        """Commit (or queue) ``snapshot`` with the metrics lines buffered so far (written by the
+        commit, after its fence check); False when it was skipped or failed under
+        ``on_io_error="warn"``."""
         assert self._writer is not None, "start() before save()"
         try:
-            committed_bytes = self._metrics.flush()
-            if committed_bytes != snapshot.state["metrics_bytes"]:
-                raise CheckpointWriteError(f"metrics.jsonl holds {committed_bytes} bytes, the snapshot recorded "
+            metrics_bytes = self._metrics.snapshot()
+            if metrics_bytes != snapshot.state["metrics_bytes"]:
+                raise CheckpointWriteError(f"metrics.jsonl will hold {metrics_bytes} bytes, the snapshot recorded "
                                            f"{snapshot.state['metrics_bytes']}")
-            pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor)
+            pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor,
+                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes))
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise

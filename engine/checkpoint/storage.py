@@ -34,6 +34,14 @@ class Storage:
     def __init__(self, url: str, filesystem: fsspec.AbstractFileSystem | None = None, create: bool = True) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigError(f"run_dir: expected a non-empty path or URL, got {url!r}")
+        if "::" in url:
+            # fsspec reads "a::b" as a chained URL (a cache in front of b, say): two runs could
+            # share one directory, and a caching layer would serve a stale writer lease.
+            raise ConfigError(
+                f"run_dir: {url!r} contains '::', which fsspec reads as a chained URL (such as "
+                "simplecache::s3://...); caches in front of the run directory would hide other "
+                "writers. Use a plain path or a single-protocol URL (rename a directory with '::')"
+            )
         if filesystem is None:
             filesystem, root = fsspec.core.url_to_fs(url)
         else:
@@ -53,6 +61,8 @@ class Storage:
             raise ConfigError(f"run directory {url!r} does not exist")
 
     def path(self, relative: str) -> str:
+        if relative == "":
+            return self.root
         parts = relative.split("/")
         for part in parts:
             check_name(part, "path component")
@@ -62,8 +72,24 @@ class Storage:
         if self._before_write is not None:
             self._before_write()
 
+    def _writable(self, relative: str) -> str:
+        """The path of ``relative`` for a write-type call. On a local disk, refuse a path
+        that a symbolic link leads out of the run directory (a symlinked metrics.jsonl or
+        checkpoints/ would make the engine truncate and write someone else's file)."""
+        path = self.path(relative)
+        if self.is_local:
+            real_root = os.path.realpath(self.root)
+            real = os.path.realpath(path)
+            if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+                raise ConfigError(
+                    f"{path} leads to {real}, outside the run directory {real_root} (a symbolic "
+                    "link); the engine writes only inside its run directory. Replace the link "
+                    "with a plain file or directory"
+                )
+        return path
+
     def makedirs(self, relative: str) -> None:
-        self.fs.makedirs(self.path(relative), exist_ok=True)
+        self.fs.makedirs(self._writable(relative), exist_ok=True)
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True) -> tuple[int, int]:
@@ -71,7 +97,7 @@ class Storage:
         False). ``durable`` fsyncs local files."""
         size = 0
         crc = 0
-        path = self.path(relative)
+        path = self._writable(relative)
         self._check_write()
         opener = open if self.is_local else self.fs.open
         with opener(path, "wb") as handle:
@@ -87,7 +113,7 @@ class Storage:
 
     def append(self, relative: str, data: bytes) -> None:
         """Append to a file (durability is the caller's: see :meth:`sync`)."""
-        path = self.path(relative)
+        path = self._writable(relative)
         self._check_write()
         if self.is_local:
             with open(path, "ab") as handle:
@@ -119,12 +145,21 @@ class Storage:
         """Replace a small file whole: write a temporary sibling, then rename over the target
         (atomic on a local filesystem)."""
         temporary = f"{relative}.{os.getpid()}.tmp"
-        self.write(temporary, [data], durable=True)
-        self._check_write()
-        if self.is_local:
-            os.replace(self.path(temporary), self.path(relative))
-        else:
-            self.fs.mv(self.path(temporary), self.path(relative))
+        target = self._writable(relative)
+        try:
+            self.write(temporary, [data], durable=True)
+            self._check_write()
+            if self.is_local:
+                os.replace(self.path(temporary), target)
+            else:
+                self.fs.mv(self.path(temporary), target)
+        except BaseException:
+            # ENOSPC half-way must not leave the temporary behind (it would outlive the run).
+            try:
+                self.remove_file(temporary)
+            except OSError:
+                pass
+            raise
 
     def read(self, relative: str) -> bytes:
         path = self.path(relative)
@@ -141,7 +176,7 @@ class Storage:
 
     def truncate(self, relative: str, size: int) -> None:
         """Cut a file to its first ``size`` bytes."""
-        path = self.path(relative)
+        path = self._writable(relative)
         self._check_write()
         if self.is_local:
             os.truncate(path, size)
@@ -161,22 +196,23 @@ class Storage:
         return names
 
     def remove_tree(self, relative: str) -> None:
-        path = self.path(relative)
+        path = self._writable(relative)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
     def remove_file(self, relative: str) -> None:
-        path = self.path(relative)
+        path = self._writable(relative)
         if self.fs.exists(path):
             self.fs.rm_file(path)
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
+        source_path, target_path = self._writable(source), self._writable(target)
         self._check_write()
         if self.is_local:
-            os.rename(self.path(source), self.path(target))
+            os.rename(source_path, target_path)
         else:
-            self.fs.mv(self.path(source), self.path(target), recursive=True)
+            self.fs.mv(source_path, target_path, recursive=True)
 
     def sync(self, relatives: Iterable[str]) -> None:
         """fsync files and directories (local filesystems only), concurrently: the kernel

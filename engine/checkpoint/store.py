@@ -11,6 +11,11 @@ Commit protocol (see docs/checkpoint-format.md):
   directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
 * other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
   manifest last. Without a valid manifest the directory is not a checkpoint.
+
+Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
+rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
+checkpoint that a stale writer commits late never outranks one of the writer that took over,
+and retention never deletes a checkpoint of a newer generation than the writer's own.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ from typing import Any, Callable
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError
+from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
 from engine.checkpoint.storage import Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"
 DATA_FILES = ("tensors.bin", "state.msgpack", "progress.msgpack")
-_NAME = re.compile(r"^ckpt-(\d{10})$")
-_TEMPORARY = re.compile(r"^tmp-(\d{10})-\d+$")
+SEQUENCE_DIGITS = 10
+MAX_SEQUENCE = 10 ** SEQUENCE_DIGITS - 1
+# ASCII digits only (``\d`` would also match other scripts' digits), a fixed width, whole name.
+_NAME = re.compile(r"ckpt-([0-9]{10})", re.ASCII)
+_TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 
 
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
@@ -47,7 +55,20 @@ def _crc32(chunks: list) -> int:
 
 
 def checkpoint_name(sequence: int) -> str:
+    """``ckpt-`` and the sequence as exactly ten digits; refuses what does not fit."""
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 <= sequence <= MAX_SEQUENCE:
+        raise CheckpointWriteError(
+            f"checkpoint sequence {sequence!r} does not fit in {SEQUENCE_DIGITS} digits: a name such as "
+            f"ckpt-{MAX_SEQUENCE} in checkpoints/ uses up the numbering. Remove stray ckpt-* entries or "
+            "start the run in a new directory"
+        )
     return f"ckpt-{sequence:010d}"
+
+
+def _sequence(name: str) -> int:
+    match = _NAME.fullmatch(name)
+    assert match is not None, name
+    return int(match.group(1))
 
 
 @dataclasses.dataclass
@@ -75,14 +96,30 @@ StateValidator = Callable[[str, Any], None]
 class CheckpointStore:
     def __init__(self, storage: Storage, create: bool = True) -> None:
         self.storage = storage
+        # name -> whether it verified; names are never reused, so a result stays true.
+        self._verified: dict[str, bool] = {}
         if create:
             storage.makedirs(CHECKPOINT_DIR)
 
     # ---- listing ----------------------------------------------------------------------
     def names(self) -> list[str]:
         """Checkpoint directory names, oldest first (valid or not)."""
-        found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.match(n)]
-        return sorted(found, key=lambda n: int(_NAME.match(n).group(1)))
+        found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.fullmatch(n)]
+        return sorted(found, key=_sequence)
+
+    def newest_first(self) -> list[tuple[str, Manifest | None]]:
+        """Every ``ckpt-*`` name with its manifest (None when it cannot be read or parsed), in
+        the order resume tries them: by (writer generation, sequence), newest first. A name
+        without a readable manifest sits at its sequence within the newest generation, so a torn
+        newest checkpoint is still reported before an older one is used."""
+        entries = [(name, self._manifest_or_none(name)) for name in self.names()]
+        newest = max((m.writer_generation for _, m in entries if m is not None), default=0)
+
+        def order(entry: tuple[str, Manifest | None]) -> tuple[int, int]:
+            name, manifest = entry
+            return (newest if manifest is None else manifest.writer_generation, _sequence(name))
+
+        return sorted(entries, key=order, reverse=True)
 
     def committed_names(self) -> list[str]:
         """Checkpoints whose manifest exists and parses (verified or not): a directory without
@@ -91,16 +128,18 @@ class CheckpointStore:
 
     def next_sequence(self) -> int:
         sequences = [int(m.group(1)) for n in self.storage.list_names(CHECKPOINT_DIR)
-                     for m in [(_NAME.match(n) or _TEMPORARY.match(n))] if m]
+                     for m in [(_NAME.fullmatch(n) or _TEMPORARY.fullmatch(n))] if m]
         return max(sequences, default=0) + 1
 
     # ---- writing ----------------------------------------------------------------------
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
               generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
-              on_data_written: Callable[[], None] | None = None) -> str:
+              on_data_written: Callable[[], None] | None = None,
+              fence: Callable[[], None] | None = None) -> str:
         """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
         ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
-        ``on_data_written`` is called once the tensors' bytes are no longer read."""
+        ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
+        (raising WriterConflict) runs immediately before the commit point."""
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
@@ -133,12 +172,16 @@ class CheckpointStore:
                 pending.wait()
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation)
+            if not atomic_rename and fence is not None:
+                fence()  # the manifest is the commit point here
             self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
             if atomic_rename:
                 # Everything must be durable before the rename makes it visible.
                 unsynced = [] if overlap else data_paths
                 self.storage.sync([*unsynced, f"{directory}/{MANIFEST_FILE}", directory, *also_sync])
                 faults.reach("checkpoint_before_rename")
+                if fence is not None:
+                    fence()
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
                 renamed = True
                 faults.reach("checkpoint_after_rename")
@@ -152,6 +195,7 @@ class CheckpointStore:
             if not renamed:
                 self._discard(directory)
             raise
+        self._verified[name] = True  # just written from memory, checksummed on the way
         return name
 
     def _discard(self, directory: str) -> None:
@@ -163,32 +207,50 @@ class CheckpointStore:
     def remove_temporaries(self) -> None:
         """Delete staging directories left by crashed writers (call while holding the lease)."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
-            if _TEMPORARY.match(entry):
+            if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
 
-    def apply_retention(self, keep_last: int | None) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints; delete older ones (valid or not).
-        Directories newer than the oldest kept one are left alone."""
+    def apply_retention(self, keep_last: int | None, generation: int | None = None) -> None:
+        """Keep the newest ``keep_last`` checkpoints that verify, newest by (writer generation,
+        sequence); delete the older ones (valid or not), but never one of a newer generation
+        than ``generation`` (the caller's). Invalid ones newer than the oldest kept are left
+        alone; a ``ckpt-*`` without a readable manifest is deleted once older than it."""
         if keep_last is None:
             return
-        kept = 0
-        for name in reversed(self.names()):
-            if kept >= keep_last:
-                faults.reach("checkpoint_retention")
-                try:
-                    self.storage.remove_tree(f"{CHECKPOINT_DIR}/{name}")
-                except OSError as error:  # the new checkpoint is committed; an old one lingers
-                    warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
-            elif self._manifest_or_none(name) is not None:
-                kept += 1
+        kept: list[str] = []
+        doomed: list[str] = []
+        for name, manifest in self.newest_first():
+            if manifest is None:
+                continue
+            if len(kept) < keep_last:
+                if self.verifies(name):
+                    kept.append(name)
+            elif generation is None or manifest.writer_generation <= generation:
+                doomed.append(name)
+        if len(kept) < keep_last:
+            return
+        oldest_kept = min(_sequence(name) for name in kept)
+        unreadable = [name for name, manifest in self.newest_first() if manifest is None and _sequence(name) < oldest_kept]
+        for name in doomed + unreadable:
+            faults.reach("checkpoint_retention")
+            try:
+                self.storage.remove_tree(f"{CHECKPOINT_DIR}/{name}")
+            except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
+                warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
+            self._verified.pop(name, None)
+
+    def verifies(self, name: str) -> bool:
+        """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
+        if name not in self._verified:
+            try:
+                self.load(name)
+            except CheckpointError:
+                self._verified[name] = False
+        return self._verified[name]
 
     def newest_generation(self) -> int:
-        """The writer generation recorded by the newest checkpoint whose manifest parses."""
-        for name in reversed(self.names()):
-            manifest = self._manifest_or_none(name)
-            if manifest is not None:
-                return manifest.writer_generation
-        return 0
+        """The highest writer generation recorded by a checkpoint whose manifest parses."""
+        return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
 
     def _manifest_or_none(self, name: str) -> Manifest | None:
         try:
@@ -198,8 +260,23 @@ class CheckpointStore:
 
     # ---- reading ----------------------------------------------------------------------
     def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
-        """Verify every file against the manifest, then decode, then ``validate(name, state)``
-        (the run state's own checks). Raises CheckpointCorrupt."""
+        """Verify every file against the manifest, decode, then ``validate(name, state)`` (the
+        run state's own checks). Raises CheckpointCorrupt (also for an I/O error, or a file
+        where a directory belongs and the reverse)."""
+        try:
+            loaded = self._load(name, validate)
+        except CheckpointCorrupt:
+            self._verified[name] = False
+            raise
+        except CheckpointError:  # before OSError: CheckpointNotFound is a FileNotFoundError
+            raise
+        except OSError as error:
+            self._verified[name] = False
+            raise CheckpointCorrupt(f"{name}: cannot be read: {type(error).__name__}: {error}") from error
+        self._verified.setdefault(name, True)
+        return loaded
+
+    def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
         if set(manifest.files) != set(DATA_FILES):
@@ -230,8 +307,8 @@ class CheckpointStore:
         return LoadedCheckpoint(name, manifest, progress, state)
 
     def _read_manifest(self, name: str) -> Manifest:
-        if not _NAME.match(name):
-            raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN)")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN, ten ASCII digits)")
         path = f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"
         try:
             raw = self.storage.read(path)
@@ -239,15 +316,18 @@ class CheckpointStore:
             if not self.storage.exists(f"{CHECKPOINT_DIR}/{name}"):
                 raise CheckpointNotFound(f"no checkpoint {name} in {self.storage.url}") from error
             raise CheckpointCorrupt(f"{name}: no {MANIFEST_FILE} (the write never committed)") from error
+        except OSError as error:  # ckpt-* is a file, MANIFEST.json a directory, an EIO
+            raise CheckpointCorrupt(f"{name}: cannot read {MANIFEST_FILE}: {type(error).__name__}: {error}") from error
         manifest = Manifest.from_json(raw)
-        if checkpoint_name(manifest.sequence) != name:
+        if manifest.sequence != _sequence(name):
             raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
         return manifest
 
     def latest(self, validate: StateValidator | None = None) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies (and passes ``validate``). Newer ones that do
-        not are reported with a warning and skipped; None when there is none at all."""
-        for name in reversed(self.names()):
+        """The newest checkpoint that verifies (and passes ``validate``), newest by (writer
+        generation, sequence). Newer ones that do not are reported with a warning and skipped;
+        None when there is none at all."""
+        for name, _ in self.newest_first():
             try:
                 return self.load(name, validate)
             except CheckpointError as error:
@@ -255,10 +335,11 @@ class CheckpointStore:
         return None
 
     def inspect(self, validate: StateValidator | None = None) -> list[CheckpointInfo]:
-        """Every checkpoint with whether it verifies (and passes ``validate``) and why not."""
+        """Every ``ckpt-*`` entry with whether it verifies (and passes ``validate``) and why
+        not, in resume order (oldest first: the last valid entry is what resume picks)."""
         infos = []
-        for name in self.names():
-            sequence = int(_NAME.match(name).group(1))
+        for name, _ in reversed(self.newest_first()):
+            sequence = _sequence(name)
             try:
                 loaded = self.load(name, validate)
                 infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None))

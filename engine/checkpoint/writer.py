@@ -1,7 +1,9 @@
 """Checkpoint writers: synchronous, or in a background thread with bounded snapshots.
 
-Both take an :class:`EncodedState` (see codec) and commit it through the store; both check the
-writer lease before committing and apply retention after. The background writer copies the
+Both take an :class:`EncodedState` (see codec) and commit it through the store. Both check
+the writer lease (the fence) before appending the checkpoint's metrics lines, again immediately
+before the commit point, and before retention: a writer that lost the lease appends nothing,
+commits nothing and deletes nothing. The background writer copies the
 tensors into reusable buffers on the training thread (the only blocking part), then writes,
 checksums and commits them in its own thread.
 """
@@ -28,6 +30,8 @@ class PendingCheckpoint:
     progress_bytes: bytes
     cursor: Cursor | None
     buffers: "SnapshotBuffers | None" = None
+    # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
+    publish_metrics: Callable[[], None] | None = None
 
 
 class SnapshotBuffers:
@@ -94,12 +98,18 @@ class _Committer:
         self.last_name: str | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
-        if self.lease is not None:
-            self.lease.verify()
+        fence = self.lease.verify if self.lease is not None else None
+        if fence is not None:
+            fence()
+        if pending.publish_metrics is not None:
+            pending.publish_metrics()
         generation = self.lease.generation if self.lease is not None else 0
         self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
-                                          also_sync=self.also_sync(), on_data_written=lambda: self.release(pending))
-        self.store.apply_retention(self.keep_last)
+                                          also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
+                                          fence=fence)
+        if fence is not None:
+            fence()  # a writer fenced off after its commit point deletes nothing
+        self.store.apply_retention(self.keep_last, generation if self.lease is not None else None)
 
     def release(self, pending: PendingCheckpoint) -> None:
         """The snapshot's tensors are no longer needed (their bytes are written)."""

@@ -3,12 +3,20 @@
 Lines are buffered and written at each checkpoint (and at the end); a checkpoint records the
 file's committed length. On resume the file is cut back to that length, so lines of splits
 that ran after the checkpoint, and will run again, are never duplicated.
+
+With checkpoints on, lines reach the file only inside a commit, after the writer checked that it
+still holds the lease (the fence): the training thread takes a :meth:`MetricsLog.snapshot`
+(the length the file will have), the checkpoint writer calls :meth:`MetricsLog.write_until`
+once its fence check passed. A writer that lost the lease therefore never appends. Bytes found
+beyond this writer's own length (a torn append, or a stale writer's) are cut before appending.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import warnings
+from typing import Callable
 
 from engine.checkpoint.storage import Storage
 from progress import Cursor
@@ -21,11 +29,15 @@ _FLUSH_EVERY_LINES = 256
 
 
 class MetricsLog:
+    """The run's ``metrics.jsonl``; see the module docstring."""
+
     def __init__(self, storage: Storage | None) -> None:
         self._storage = storage
-        self._buffer: list[str] = []
-        self.committed_bytes = 0
-        self._append_failed = False
+        self._lines: list[str] = []          # the training thread's, since the last snapshot
+        self._unwritten = bytearray()        # snapshotted, not yet in the file
+        self.committed_bytes = 0             # the file's length as this writer left it
+        self._lock = threading.Lock()        # snapshot (training thread) vs write (writer thread)
+        self.fence: Callable[[], None] | None = None  # set while a writer lease guards the file
 
     def start_fresh(self) -> None:
         if self._storage is None:
@@ -80,12 +92,38 @@ class MetricsLog:
     def _add(self, record: dict[str, object]) -> None:
         if self._storage is None:
             return
-        self._buffer.append(json.dumps(record))
-        if len(self._buffer) >= _FLUSH_EVERY_LINES:
+        self._lines.append(json.dumps(record))
+        if len(self._lines) >= _FLUSH_EVERY_LINES and self.fence is None:
             try:
                 self.flush()
             except OSError:
-                pass  # the lines stay buffered; the next checkpoint's flush reports the error
+                pass  # the lines stay buffered; the next flush reports the error
+
+    def snapshot(self) -> int:
+        """Seal the buffered lines for the next write; returns the length the file will have
+        once they are written (what a checkpoint records as ``metrics_bytes``)."""
+        with self._lock:
+            if self._lines:
+                self._unwritten += ("\n".join(self._lines) + "\n").encode()
+                self._lines.clear()
+            return self.committed_bytes + len(self._unwritten)
+
+    def write_until(self, length: int) -> None:
+        """Append sealed bytes until the file is ``length`` long (page cache only: a checkpoint
+        commit fsyncs the file in its own batch). Call after the fence check. On an error the
+        bytes stay sealed, and the next call first cuts what a torn append left."""
+        if self._storage is None:
+            return
+        with self._lock:
+            count = length - self.committed_bytes
+            if count <= 0:
+                return
+            size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
+            if size > self.committed_bytes:
+                self._storage.truncate(METRICS_FILE, self.committed_bytes)
+            self._storage.append(METRICS_FILE, bytes(self._unwritten[:count]))
+            del self._unwritten[:count]
+            self.committed_bytes += count
 
     def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
         """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""
@@ -97,20 +135,16 @@ class MetricsLog:
         self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
     def length_after_flush(self) -> int:
-        """The file's committed length once the buffered lines are written."""
-        return self.committed_bytes + sum(len(line.encode()) + 1 for line in self._buffer)
+        """The file's length once every buffered line is written (what :meth:`snapshot`
+        will return, computed without sealing anything)."""
+        with self._lock:
+            pending = sum(len(line.encode()) + 1 for line in self._lines)
+            return self.committed_bytes + len(self._unwritten) + pending
 
     def flush(self) -> int:
-        """Write buffered lines (page cache only: a checkpoint commit fsyncs the file in its
-        own batch); returns the written length in bytes."""
-        if self._buffer and self._storage is not None:
-            data = ("\n".join(self._buffer) + "\n").encode()
-            if self._append_failed:
-                # A failed append (ENOSPC, EIO) may have left part of a line behind.
-                self._storage.truncate(METRICS_FILE, self.committed_bytes)
-            self._append_failed = True
-            self._storage.append(METRICS_FILE, data)
-            self._append_failed = False
-            self.committed_bytes += len(data)
-        self._buffer.clear()
-        return self.committed_bytes
+        """Write every buffered line now (a run without checkpoints); returns the length."""
+        length = self.snapshot()
+        if self.fence is not None:
+            self.fence()
+        self.write_until(length)
+        return length

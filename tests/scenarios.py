@@ -8,6 +8,10 @@ data order and every RNG stream right.
 Run as a script to train one scenario into a run directory (used by the subprocess kill tests)::
 
     python tests/scenarios.py NAME RUN_DIR [--epochs N] [--async]
+
+``objectdir:///abs/path`` run directories are a local directory seen through a filesystem
+without atomic rename or file locks: the object-store code paths (manifest as the commit point,
+heartbeat lease), shared between real processes.
 """
 
 from __future__ import annotations
@@ -15,18 +19,40 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import random
+import signal
 import sys
 import time
 from typing import Any, Callable
 
+import fsspec
 import torch
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
 
 SAMPLES, BATCH, TIME, FEATURES, SPLIT = 12, 4, 16, 3, 4
 SEED = 1234
+
+
+class ObjectDirectory(DirFileSystem):
+    """``objectdir:///abs/path``: a local directory as an object store would look to the
+    engine (not a LocalFileSystem: no atomic rename, no flock), visible to every process."""
+
+    protocol = "objectdir"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(path="/", fs=LocalFileSystem(), **options)
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:  # type: ignore[override]
+        return path[len("objectdir://"):] if path.startswith("objectdir://") else path
+
+
+fsspec.register_implementation("objectdir", ObjectDirectory, clobber=True)
 
 
 def seed_all(seed: int) -> None:
@@ -274,15 +300,37 @@ class SlowDown(engine.Callback):
 
 def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str = "auto",
                            every: int = 1, keep_last: int | None = 3, asynchronous: bool = False,
-                           callbacks: tuple = (), **extra: Any) -> engine.FitResult:
+                           callbacks: tuple = (), lease_expiry: float | None = None, **extra: Any) -> engine.FitResult:
     """Train scenario ``name`` into ``run_dir`` with a checkpoint every ``every`` splits."""
     model, loader = build(name)
+    lease = {} if lease_expiry is None else {"lease_expiry_seconds": lease_expiry}
     checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous,
-                                         on_io_error=extra.pop("on_io_error", "raise"))
+                                         on_io_error=extra.pop("on_io_error", "raise"), **lease)
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())
     settings.update(extra)
     return engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, resume=resume)
+
+
+def stop_after_fence(count: int) -> None:
+    """Make this process SIGSTOP itself right after its ``count``-th fence check at a commit
+    point (a writer frozen between its last check and the commit, as by a long GC pause)."""
+    from engine.checkpoint.store import CheckpointStore
+
+    original = CheckpointStore.write
+    seen = [0]
+
+    def write(self: Any, *args: Any, fence: Any = None, **kwargs: Any) -> str:
+        def fence_then_freeze() -> None:
+            fence()
+            seen[0] += 1
+            if seen[0] == count:
+                print("frozen", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        return original(self, *args, fence=None if fence is None else fence_then_freeze, **kwargs)
+
+    CheckpointStore.write = write  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> int:
@@ -294,10 +342,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each split")
+    parser.add_argument("--keep-last", type=int, default=3, help="0 keeps every checkpoint")
+    parser.add_argument("--lease-expiry", type=float, default=None)
+    parser.add_argument("--stop-after-fence", type=int, default=0, help="SIGSTOP after the N-th commit-point fence check")
     args = parser.parse_args(argv)
+    if args.stop_after_fence:
+        stop_after_fence(args.stop_after_fence)
     callbacks = (AnnounceStart(), SlowDown(args.sleep)) if args.sleep else (AnnounceStart(),)
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
-                                    asynchronous=args.asynchronous, callbacks=callbacks)
+                                    asynchronous=args.asynchronous, callbacks=callbacks,
+                                    keep_last=args.keep_last or None, lease_expiry=args.lease_expiry)
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0
 

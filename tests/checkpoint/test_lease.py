@@ -6,11 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import fsspec
 import pytest
 
 import engine
-from engine.checkpoint.lease import LEASE_FILE
+from engine import faults
+from engine.checkpoint.lease import LEASE_FILE, WriterLease
+from engine.faults.faulty_fs import FaultyFileSystem
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from kill_helpers import SCRIPT, environment
@@ -26,28 +30,122 @@ def write_lease(run_dir, pid, host=None, generation=3, token="someone-else"):
         json.dump(record, handle)
 
 
-def test_live_holder_is_refused(tmp_path):
+def test_a_live_holder_of_the_lock_is_refused(tmp_path):
     run_dir = str(tmp_path / "run")
-    write_lease(run_dir, os.getppid())  # our parent process: alive
-    with pytest.raises(engine.WriterConflict, match=f"pid {os.getppid()}"):
-        train_with_checkpoints("plain", run_dir)
-    assert not os.path.exists(os.path.join(run_dir, "checkpoints")) or not CheckpointStore(Storage(run_dir)).names()
+    holder = WriterLease(Storage(run_dir))
+    holder.acquire()
+    try:
+        with pytest.raises(engine.WriterConflict, match=f"generation 1 \\(pid {os.getpid()}"):
+            train_with_checkpoints("plain", run_dir)
+    finally:
+        holder.release()
+    assert not CheckpointStore(Storage(run_dir)).names()
 
 
-def test_dead_holder_is_taken_over_with_a_new_generation(tmp_path):
+def test_a_lease_naming_a_live_pid_does_not_block_when_nobody_holds_the_lock(tmp_path):
+    """Liveness never trusts a pid: a restarted container's entrypoint often gets the dead
+    holder's pid (here: a pid that is alive on this host, our parent's)."""
+    run_dir = str(tmp_path / "run")
+    write_lease(run_dir, os.getppid(), generation=4)
+    result = train_with_checkpoints("plain", run_dir)
+    assert result.resumed_from is None
+    store = CheckpointStore(Storage(run_dir))
+    assert {store.load(name).manifest.writer_generation for name in store.names()} == {5}
+
+
+def test_a_dead_holder_is_taken_over_with_a_new_generation(tmp_path):
     run_dir = str(tmp_path / "run")
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     write_lease(run_dir, int(finished.stdout), generation=6)
     train_with_checkpoints("plain", run_dir)
     store = CheckpointStore(Storage(run_dir))
     assert {store.load(name).manifest.writer_generation for name in store.names()} == {7}
-    assert not os.path.exists(os.path.join(run_dir, LEASE_FILE))  # released at the end
+    with open(os.path.join(run_dir, LEASE_FILE)) as handle:
+        record = json.load(handle)
+    assert record["released"] is True and record["generation"] == 7  # kept, so generations only grow
+    assert WriterLease(Storage(run_dir)).acquire() == 8
 
 
-def test_other_host_with_an_old_heartbeat_is_stale(tmp_path):
+def test_other_host_with_an_old_heartbeat_is_taken_over_at_once_on_a_local_disk(tmp_path):
     run_dir = str(tmp_path / "run")
     write_lease(run_dir, 1, host="another-host")
     assert train_with_checkpoints("plain", run_dir).resumed_from is None
+
+
+def test_a_lease_temporary_left_by_a_killed_writer_is_removed(tmp_path):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    left_behind = os.path.join(run_dir, f"{LEASE_FILE}.4242.tmp")
+    with open(left_behind, "w") as handle:
+        handle.write("{")
+    lease = WriterLease(Storage(run_dir))
+    lease.acquire()
+    lease.release()
+    assert not os.path.exists(left_behind)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_enospc_while_replacing_the_lease_leaves_no_temporary(tmp_path, where):
+    run_dir = str(tmp_path / "run") if where == "local" else f"memory://enospc-lease-{os.getpid()}"
+    inner, _ = fsspec.core.url_to_fs(run_dir)
+    storage = Storage(run_dir, filesystem=FaultyFileSystem(inner))
+    # Arrival 1 writes writer.lease.<pid>.tmp, arrival 2 renames it over writer.lease.
+    faults.inject([faults.Fault("filesystem_write", 2, "enospc")])
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            WriterLease(storage).acquire()
+    finally:
+        faults.clear()
+    assert [name for name in storage.list_names("") if name.endswith(".tmp")] == []
+    lease = WriterLease(storage)  # the lock was dropped with the failure
+    assert lease.acquire() == 1
+    lease.release()
+
+
+# ---- object stores: a heartbeat timed by the reader -------------------------------------------
+def memory_run(tmp_path):
+    return f"memory://lease-{tmp_path.name}"
+
+
+def write_memory_lease(run_dir, **record):
+    storage = Storage(run_dir)
+    storage.write(LEASE_FILE, [json.dumps(record).encode()], durable=False)
+    return storage
+
+
+def test_a_heartbeat_from_a_clock_running_ahead_does_not_block_takeover(tmp_path):
+    """A dead holder whose host clock ran an hour ahead: its lease stays unchanged, and that is
+    all the newcomer times, with its own clock."""
+    run_dir = memory_run(tmp_path)
+    storage = write_memory_lease(run_dir, token="fast-clock", generation=3, pid=1, host="fast-host",
+                                 heartbeat_unix=time.time() + 3600)
+    lease = WriterLease(storage, stale_after=0.5)
+    assert lease.acquire() == 4
+    lease.release()
+
+
+def test_a_live_heartbeat_is_not_taken_over(tmp_path):
+    run_dir = memory_run(tmp_path)
+    holder = WriterLease(Storage(run_dir), stale_after=3.0)
+    holder.acquire()
+    try:
+        with pytest.raises(engine.WriterConflict, match="heartbeat moved"):
+            WriterLease(Storage(run_dir), stale_after=3.0).acquire()
+        holder.verify()  # still the holder
+    finally:
+        holder.release()
+
+
+def test_a_released_lease_is_taken_at_once_and_a_taken_over_writer_is_fenced(tmp_path):
+    run_dir = memory_run(tmp_path)
+    first = WriterLease(Storage(run_dir), stale_after=3600.0)
+    first.acquire()
+    first.release()
+    second = WriterLease(Storage(run_dir), stale_after=3600.0)  # would wait an hour for a held lease
+    assert second.acquire() == 2
+    write_memory_lease(run_dir, token="newcomer", generation=3, pid=1, host="elsewhere", released=False)
+    with pytest.raises(engine.WriterConflict, match="generation 3"):
+        second.verify()
 
 
 class TakeOver(engine.Callback):
@@ -110,4 +208,76 @@ def test_relaunch_after_the_first_writer_was_killed_takes_over(tmp_path):
     second = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], capture_output=True,
                             text=True, env=environment(None), timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
+    assert_same_run(reference, run_dir)
+
+
+# ---- real PID namespaces: a restarted container is PID 1 again -----------------------------------
+def in_new_pid_namespace(*command, pid_one=True):
+    """``unshare --pid --fork --mount-proc``: the command is PID 1 of a fresh PID namespace, or
+    PID 2 under a shell when ``pid_one`` is False."""
+    if not pid_one:
+        command = ("sh", "-c", '"$@"; exit $?', "sh", *command)  # the shell stays PID 1
+    return ["unshare", "--pid", "--fork", "--mount-proc", *command]
+
+
+def start_in_namespace(run_dir, *args, pid_one=True):
+    return subprocess.Popen(in_new_pid_namespace(sys.executable, SCRIPT, "tbptt", run_dir, *args, pid_one=pid_one),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None),
+                            start_new_session=True)
+
+
+def wait_for_checkpoints(run_dir, count):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if len(CheckpointStore(Storage(run_dir)).committed_names()) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {count} checkpoints in {run_dir}")
+
+
+@pytest.mark.slow
+def test_a_writer_killed_as_pid_1_resumes_when_restarted_as_pid_1(tmp_path):
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference, epochs=4)
+    run_dir = str(tmp_path / "run")
+    first = start_in_namespace(run_dir, "--epochs", "4", "--sleep", "0.1")
+    try:
+        assert first.stdout.readline().startswith("training"), first.stderr.read()[-2000:]
+        wait_for_checkpoints(run_dir, 2)
+        with open(os.path.join(run_dir, LEASE_FILE)) as handle:
+            assert json.load(handle)["pid"] == 1  # what the old pid-based liveness saw as "itself"
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    second = subprocess.run(in_new_pid_namespace(sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"),
+                            capture_output=True, text=True, env=environment(None), timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed_from=ckpt-" in second.stdout
+    assert_same_run(reference, run_dir)
+
+
+@pytest.mark.slow
+def test_a_live_writer_in_another_pid_namespace_is_not_taken_over(tmp_path):
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference, epochs=3)
+    run_dir = str(tmp_path / "run")
+    # The holder is PID 2 of its namespace; the newcomer's namespace has no PID 2 at all.
+    first = start_in_namespace(run_dir, "--epochs", "3", "--sleep", "0.15", pid_one=False)
+    try:
+        assert first.stdout.readline().startswith("training"), first.stderr.read()[-2000:]
+        wait_for_checkpoints(run_dir, 1)
+        second = subprocess.run(in_new_pid_namespace(sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "3"),
+                                capture_output=True, text=True, env=environment(None), timeout=300)
+        first_still_running = first.poll() is None
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate()
+    assert second.returncode == 1 and "WriterConflict" in second.stderr, second.stderr[-2000:]
+    assert first_still_running
+    assert first.returncode == 0, err[-2000:]
     assert_same_run(reference, run_dir)

@@ -16,6 +16,13 @@ heartbeat lease), shared between real processes.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and sys.path and sys.path[0] == __import__("os").path.dirname(__file__):
+    # Run as a script, tests/ is first on sys.path and its tests/progress/ folder (no
+    # __init__.py) would shadow the real ``progress`` package as a namespace package.
+    sys.path.pop(0)
+
 import argparse
 import contextlib
 import dataclasses

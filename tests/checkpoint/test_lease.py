@@ -265,7 +265,7 @@ def test_a_live_writer_in_another_pid_namespace_is_not_taken_over(tmp_path):
     train_with_checkpoints("tbptt", reference, epochs=3)
     run_dir = str(tmp_path / "run")
     # The holder is PID 2 of its namespace; the newcomer's namespace has no PID 2 at all.
-    first = start_in_namespace(run_dir, "--epochs", "3", "--sleep", "0.15", pid_one=False)
+    first = start_in_namespace(run_dir, "--epochs", "3", "--sleep", "0.6", pid_one=False)
     try:
         assert first.stdout.readline().startswith("training"), first.stderr.read()[-2000:]
         wait_for_checkpoints(run_dir, 1)

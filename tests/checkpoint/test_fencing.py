@@ -27,8 +27,9 @@ from scenarios import train_with_checkpoints
 def commit(store, sequence, generation, value=0.0, fence=None):
     encoded = encode_state({"weight": torch.full((3,), float(value))})
     cursor = Cursor(0, 0, sequence, 0)
+    fenced = {} if fence is None else {"fence": fence}
     return store.write(encoded, encode_tree(ProgressTree(cursor=cursor)), cursor, generation, sequence=sequence,
-                       fence=fence)
+                       **fenced)
 
 
 def run_dir_for(tmp_path, where):

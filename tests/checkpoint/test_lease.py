@@ -213,10 +213,12 @@ def test_relaunch_after_the_first_writer_was_killed_takes_over(tmp_path):
 
 # ---- real PID namespaces: a restarted container is PID 1 again -----------------------------------
 def in_new_pid_namespace(*command, pid_one=True):
-    """``unshare --pid --fork --mount-proc``: the command is PID 1 of a fresh PID namespace, or
-    PID 2 under a shell when ``pid_one`` is False."""
+    """``unshare --pid --fork --mount-proc``: the command is PID 1 of a fresh PID namespace, or,
+    when ``pid_one`` is False, a PID above 200 under a shell (the pids before it are spent on
+    short-lived processes), a number no process or thread of a newcomer's namespace has."""
     if not pid_one:
-        command = ("sh", "-c", '"$@"; exit $?', "sh", *command)  # the shell stays PID 1
+        spend = 'i=0; while [ $i -lt 200 ]; do /bin/true; i=$((i+1)); done; "$@"; exit $?'
+        command = ("sh", "-c", spend, "sh", *command)  # the shell stays PID 1
     return ["unshare", "--pid", "--fork", "--mount-proc", *command]
 
 
@@ -264,7 +266,7 @@ def test_a_live_writer_in_another_pid_namespace_is_not_taken_over(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=3)
     run_dir = str(tmp_path / "run")
-    # The holder is PID 2 of its namespace; the newcomer's namespace has no PID 2 at all.
+    # The holder's pid does not exist in the newcomer's namespace: pid-based liveness took it over.
     first = start_in_namespace(run_dir, "--epochs", "3", "--sleep", "0.6", pid_one=False)
     try:
         assert first.stdout.readline().startswith("training"), first.stderr.read()[-2000:]

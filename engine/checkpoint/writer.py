@@ -163,6 +163,7 @@ class BackgroundWriter(_Committer):
                     if not self._queue:
                         return False  # every snapshot is being written: skip this checkpoint
                     superseded = self._queue.popleft()
+                    assert superseded.buffers is not None  # a queued snapshot holds its buffers
                     self._free.append(superseded.buffers)
                     break
                 self._condition.wait()

@@ -137,7 +137,7 @@ class WriterLease:
         return self.generation
 
     def _lock_locally(self) -> None:
-        path = self._storage._writable(LOCK_FILE)
+        path = self._storage.writable_path(LOCK_FILE)
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -199,9 +199,6 @@ class WriterLease:
             return False
         held = os.fstat(self._lock_descriptor)
         return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
-
-    def heartbeat_if_due(self) -> None:
-        """Kept for callers between commits; the heartbeat has its own thread now."""
 
     def _start_heartbeat(self) -> None:
         self._stop_heartbeat.clear()

@@ -133,7 +133,6 @@ class RunCheckpointer:
         """Surface a background write error on the training thread."""
         if self._writer is None:
             return
-        self._lease.heartbeat_if_due()
         try:
             self._writer.check()
         except WriterConflict:

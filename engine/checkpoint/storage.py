@@ -72,7 +72,7 @@ class Storage:
         if self._before_write is not None:
             self._before_write()
 
-    def _writable(self, relative: str) -> str:
+    def writable_path(self, relative: str) -> str:
         """The path of ``relative`` for a write-type call. On a local disk, refuse a path
         that a symbolic link leads out of the run directory (a symlinked metrics.jsonl or
         checkpoints/ would make the engine truncate and write someone else's file)."""
@@ -89,7 +89,7 @@ class Storage:
         return path
 
     def makedirs(self, relative: str) -> None:
-        self.fs.makedirs(self._writable(relative), exist_ok=True)
+        self.fs.makedirs(self.writable_path(relative), exist_ok=True)
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True) -> tuple[int, int]:
@@ -97,7 +97,7 @@ class Storage:
         False). ``durable`` fsyncs local files."""
         size = 0
         crc = 0
-        path = self._writable(relative)
+        path = self.writable_path(relative)
         self._check_write()
         opener = open if self.is_local else self.fs.open
         with opener(path, "wb") as handle:
@@ -113,7 +113,7 @@ class Storage:
 
     def append(self, relative: str, data: bytes) -> None:
         """Append to a file (durability is the caller's: see :meth:`sync`)."""
-        path = self._writable(relative)
+        path = self.writable_path(relative)
         self._check_write()
         if self.is_local:
             with open(path, "ab") as handle:
@@ -145,7 +145,7 @@ class Storage:
         """Replace a small file whole: write a temporary sibling, then rename over the target
         (atomic on a local filesystem)."""
         temporary = f"{relative}.{os.getpid()}.tmp"
-        target = self._writable(relative)
+        target = self.writable_path(relative)
         try:
             self.write(temporary, [data], durable=True)
             self._check_write()
@@ -176,7 +176,7 @@ class Storage:
 
     def truncate(self, relative: str, size: int) -> None:
         """Cut a file to its first ``size`` bytes."""
-        path = self._writable(relative)
+        path = self.writable_path(relative)
         self._check_write()
         if self.is_local:
             os.truncate(path, size)
@@ -196,18 +196,18 @@ class Storage:
         return names
 
     def remove_tree(self, relative: str) -> None:
-        path = self._writable(relative)
+        path = self.writable_path(relative)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
     def remove_file(self, relative: str) -> None:
-        path = self._writable(relative)
+        path = self.writable_path(relative)
         if self.fs.exists(path):
             self.fs.rm_file(path)
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
-        source_path, target_path = self._writable(source), self._writable(target)
+        source_path, target_path = self.writable_path(source), self.writable_path(target)
         self._check_write()
         if self.is_local:
             os.rename(source_path, target_path)

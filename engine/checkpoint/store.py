@@ -219,7 +219,8 @@ class CheckpointStore:
             return
         kept: list[str] = []
         doomed: list[str] = []
-        for name, manifest in self.newest_first():
+        entries = self.newest_first()
+        for name, manifest in entries:
             if manifest is None:
                 continue
             if len(kept) < keep_last:
@@ -230,7 +231,7 @@ class CheckpointStore:
         if len(kept) < keep_last:
             return
         oldest_kept = min(_sequence(name) for name in kept)
-        unreadable = [name for name, manifest in self.newest_first() if manifest is None and _sequence(name) < oldest_kept]
+        unreadable = [name for name, manifest in entries if manifest is None and _sequence(name) < oldest_kept]
         for name in doomed + unreadable:
             faults.reach("checkpoint_retention")
             try:

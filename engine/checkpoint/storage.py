@@ -13,8 +13,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-import fsspec  # type: ignore[import-untyped]
-from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from engine.errors import ConfigError
 

@@ -47,7 +47,7 @@ _TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
 
 
-def _crc32(chunks: list) -> int:
+def _crc32(chunks: list[memoryview | bytes]) -> int:
     crc = 0
     for chunk in chunks:
         crc = zlib.crc32(chunk, crc)
@@ -148,7 +148,7 @@ class CheckpointStore:
         renamed = False
         try:
             self.storage.makedirs(directory)
-            contents = {
+            contents: dict[str, list[memoryview | bytes]] = {
                 "tensors.bin": encoded.tensor_chunks(),
                 "state.msgpack": [encoded.header],
                 "progress.msgpack": [progress_bytes],

@@ -16,3 +16,12 @@ def empty_memory_filesystem():
     yield
     MemoryFileSystem.store.clear()
     MemoryFileSystem.pseudo_dirs[:] = [""]
+
+
+def pytest_collection_finish(session):
+    """Start the fork server (tests/forkserver.py) while the first tests run, if a subprocess
+    test is going to need it: it imports torch once for all of them."""
+    if any(item.get_closest_marker("slow") for item in session.items):
+        import forkserver
+
+        forkserver.start()

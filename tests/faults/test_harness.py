@@ -9,8 +9,10 @@ import pathlib
 import pytest
 
 import engine
+import forkserver
 from engine import faults
 from engine.faults import Fault
+from engine.faults import harness
 from engine.faults.harness import check_fault_tolerance
 from scenarios import harness_train, train_with_checkpoints
 
@@ -57,6 +59,7 @@ SIGKILL_HERE = ["step_start", "after_backward", "after_optimizer_step", "batch_e
 def test_sigkill_in_a_subprocess(tmp_path, monkeypatch):
     tests_dir = str(pathlib.Path(__file__).parent.parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(harness, "subprocess", forkserver.SubprocessShim)  # its children forked, not exec'd
     fault_list = matrix({point: ["sigkill"] for point in SIGKILL_HERE})
     fault_list.append(Fault("filesystem_write", 40, "sigkill"))
     report = check_fault_tolerance("scenarios:harness_train", fault_list, work_dir=str(tmp_path))
@@ -116,11 +119,11 @@ def test_sigkill_needs_a_subprocess(tmp_path):
 
 @pytest.mark.slow
 def test_chaos_command_prints_table_and_summary(tmp_path):
-    import subprocess
     import sys
 
-    process = subprocess.run([sys.executable, "-m", "engine", "chaos", "--dir", str(tmp_path), "--trials", "2"],
-                             capture_output=True, text=True, timeout=600)
+    # the chaos process is forked; the harness inside it starts real `python -m` subprocesses
+    process = forkserver.run([sys.executable, "-m", "engine", "chaos", "--dir", str(tmp_path), "--trials", "2"],
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.strip().splitlines()
     assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"

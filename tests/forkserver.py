@@ -40,8 +40,9 @@ import tempfile
 from typing import IO, Any, Sequence
 
 DISABLE_VARIABLE = "SPLITLOOP_TESTS_FORKSERVER"
-PRELOAD = ("torch", "torch.utils.data", "fsspec", "msgpack", "engine", "engine.cli.main", "engine.demo",
-           "engine.faults.harness", "argparse", "runpy")
+PRELOAD = ("torch", "torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.data", "fsspec",
+           "fsspec.implementations.chained", "msgpack", "engine", "engine.cli.main", "engine.demo",
+           "importlib.resources.readers", "argparse", "runpy")
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
 _START_TIMEOUT = 120.0

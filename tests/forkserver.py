@@ -191,6 +191,8 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
         try:
             os.unlink(self.address)
         except FileNotFoundError:

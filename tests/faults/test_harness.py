@@ -118,12 +118,16 @@ def test_sigkill_needs_a_subprocess(tmp_path):
 
 
 @pytest.mark.slow
-def test_chaos_command_prints_table_and_summary(tmp_path):
-    import sys
+def test_chaos_command_prints_table_and_summary(tmp_path, monkeypatch, capsys):
+    import subprocess
 
-    # the chaos process is forked; the harness inside it starts real `python -m` subprocesses
-    process = forkserver.run([sys.executable, "-m", "engine", "chaos", "--dir", str(tmp_path), "--trials", "2"],
-                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from engine.cli.main import main
+
+    # the command runs here; each of its training attempts is a child forked from the fork server
+    monkeypatch.setattr(harness, "subprocess", forkserver.SubprocessShim)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for those children: a tiny model, threads only contend
+    status = main(["chaos", "--dir", str(tmp_path), "--trials", "2"])
+    process = subprocess.CompletedProcess([], status, *capsys.readouterr())
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.strip().splitlines()
     assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"

@@ -4,8 +4,8 @@ Public API (see docs/quickstart.md)::
 
     Trainer, TrainerConfig, CheckpointConfig, FitResult
     Module, LRSchedule, split_along_time
-    Callback, RunView
-    fingerprint
+    Callback, RunView, EarlyStopping
+    fingerprint, load_weights, export_weights
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
             WriterConflict, InjectedFault
@@ -13,6 +13,7 @@ Public API (see docs/quickstart.md)::
 
 from engine.callbacks import Callback, RunView
 from engine.config import CheckpointConfig, TrainerConfig
+from engine.early_stopping import EarlyStopping
 from engine.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -33,6 +34,7 @@ from engine.optim_setup import LRSchedule
 from engine.result import FitResult
 from engine.data.splitting import split_along_time
 from engine.trainer import Trainer
+from engine.weights import export_weights, load_weights
 
 __all__ = [
     "Callback",
@@ -44,6 +46,7 @@ __all__ = [
     "CheckpointWriteError",
     "ConfigError",
     "DataError",
+    "EarlyStopping",
     "EngineError",
     "FitResult",
     "InjectedFault",
@@ -55,6 +58,8 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "WriterConflict",
+    "export_weights",
     "fingerprint",
+    "load_weights",
     "split_along_time",
 ]

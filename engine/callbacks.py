@@ -2,39 +2,55 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from progress import Cursor
 
 
+@dataclasses.dataclass
+class RunStatus:
+    """Where the run is, as the run updates it at each boundary (read through :class:`RunView`)."""
+
+    cursor: Cursor | None = None
+    losses: list[float] = dataclasses.field(default_factory=list)
+    optimizer_steps: int = 0
+    epochs_completed: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
 class RunView:
     """What a callback may see of the run, and the one thing it may do: ask to stop."""
 
-    def __init__(self, request_stop: Callable[[str], None]) -> None:
+    def __init__(self, status: RunStatus, request_stop: Callable[[str], None]) -> None:
+        self._status = status
         self._request_stop = request_stop
-        self._cursor: Cursor | None = None
-        self._losses: list[float] = []
-        self._optimizer_steps = 0
-        self._epochs_completed = 0
 
     @property
     def cursor(self) -> Cursor | None:
         """Position of the last completed split (None before the first)."""
-        return self._cursor
+        return self._status.cursor
 
     @property
     def losses(self) -> list[float]:
         """Losses of the last split, one per optimizer."""
-        return list(self._losses)
+        return list(self._status.losses)
 
     @property
     def optimizer_steps(self) -> int:
         """Optimizer steps so far, all optimizers together."""
-        return self._optimizer_steps
+        return self._status.optimizer_steps
 
     @property
     def epochs_completed(self) -> int:
-        return self._epochs_completed
+        """Epochs completed so far (resumed runs included)."""
+        return self._status.epochs_completed
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The newest value of every logged metric (``val_loss`` and friends after a
+        validation; a training name's epoch aggregate after its epoch ended)."""
+        return dict(self._status.metrics)
 
     def request_stop(self, reason: str = "stop requested by a callback") -> None:
         """Stop at the end of the current split (a checkpoint is written if enabled)."""
@@ -50,6 +66,9 @@ class Callback:
 
     def on_split_end(self, view: RunView) -> None:
         """After each completed split (each batch without TBPTT)."""
+
+    def on_validation_end(self, view: RunView) -> None:
+        """After each validation pass (``view.metrics`` holds its results)."""
 
     def on_epoch_end(self, view: RunView) -> None:
         """After each completed epoch."""

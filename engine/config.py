@@ -108,6 +108,9 @@ class TrainerConfig:
         exit_on_preemption: after a preemption checkpoint, end the process with
             ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
             ``FitResult.preempted`` set instead.
+        val_every_n_steps: with ``val_data``, validate whenever the optimizer-step count
+            crosses a multiple of N (mid-epoch); None validates only at epoch ends.
+        val_at_epoch_end: with ``val_data``, validate after each epoch.
     """
 
     max_epochs: int | None = 1
@@ -125,6 +128,8 @@ class TrainerConfig:
     preemption_exit_code: int = 75
     requeue_command: str | None = None
     exit_on_preemption: bool = True
+    val_every_n_steps: int | None = None
+    val_at_epoch_end: bool = True
 
     def __post_init__(self) -> None:
         owner = "TrainerConfig"
@@ -143,6 +148,8 @@ class TrainerConfig:
         _positive_number_or_none(owner, "gradient_clip_val", self.gradient_clip_val)
         _one_of(owner, "gradient_clip_algorithm", self.gradient_clip_algorithm, ["norm", "value"])
         _one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
+        _positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
+        _one_of(owner, "val_at_epoch_end", self.val_at_epoch_end, [True, False])
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
             raise ConfigError(f"{owner}.run_dir: expected a non-empty path or URL string, got {self.run_dir!r}")

@@ -31,6 +31,9 @@ from typing import Sequence
 import torch
 
 from engine.data.splitting import Batch, split_along_time
+from engine.errors import ModuleContractError
+from engine.optim_setup import OptimizerSetup
+from engine.run.logged import MetricLogger, Reduce
 
 
 class Module(torch.nn.Module):
@@ -55,6 +58,7 @@ class Module(torch.nn.Module):
         super().__init__()
         self._engine_optimizers: list[torch.optim.Optimizer] = []
         self._engine_schedulers: list[object] = []
+        self._engine_logger: MetricLogger | None = None
 
     def training_step(self, batch: Batch, **kwargs: object) -> object:  # pragma: no cover - abstract
         """Compute the loss of one batch (or TBPTT split). See the module docstring."""
@@ -64,6 +68,23 @@ class Module(torch.nn.Module):
         """Return an optimizer, a list of optimizers, or a dict
         ``{"optimizers": [...], "schedulers": [scheduler or engine.LRSchedule, ...]}``."""
         raise NotImplementedError(f"{type(self).__name__} must implement configure_optimizers")
+
+    # validation_step(batch) -> loss | dict | None, or with TBPTT validation_step(batch, hidden)
+    # -> (loss | dict | None, hidden): define it to use ``val_data`` (see docs/quickstart.md).
+
+    def log(self, name: str, value: torch.Tensor | float, reduce: Reduce = "mean") -> None:
+        """Log a scalar from ``training_step`` or ``validation_step``.
+
+        Training values become the split's row in metrics.jsonl (reduced within the split) and
+        are aggregated over the epoch with ``reduce`` ("mean", "sum", "max", "min", "last");
+        validation values are aggregated over the validation pass. The newest value of each
+        name is in ``FitResult.metrics`` and ``RunView.metrics``, and can be monitored by
+        ``CheckpointConfig(monitor=...)`` and :class:`engine.EarlyStopping`.
+        """
+        logger = self._engine_logger
+        if logger is None:
+            raise ModuleContractError(f"{type(self).__name__}.log({name!r}) is available only while Trainer.fit runs")
+        logger.log(name, value, reduce)
 
     def split_batch(self, batch: Batch, split_length: int) -> Sequence[Batch]:
         """Cut a batch into TBPTT splits. The default cuts every tensor along
@@ -78,3 +99,13 @@ class Module(torch.nn.Module):
     def lr_schedulers(self) -> list[object]:
         """The LR schedulers of the running fit (for manual optimization, which steps them)."""
         return list(self._engine_schedulers)
+
+
+def bind_run(module: torch.nn.Module, setup: OptimizerSetup, logger: MetricLogger) -> None:
+    """Make the running fit's optimizers, schedulers and metric logger available to
+    ``module.optimizers()``, ``module.lr_schedulers()`` and ``module.log()`` (engine modules
+    only; a plain nn.Module is left untouched)."""
+    if isinstance(module, Module):
+        module._engine_optimizers = list(setup.optimizers)
+        module._engine_schedulers = [schedule.scheduler for schedule in setup.schedules]
+        module._engine_logger = logger

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
 from engine.errors import ModuleContractError
+
+
+class Scheduler(Protocol):
+    """What the engine needs of an LR scheduler (every ``torch.optim.lr_scheduler`` class has it)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def step(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -20,7 +32,7 @@ class LRSchedule:
         interval: ``"step"`` steps it after each step of its optimizer; ``"epoch"`` at epoch end.
     """
 
-    scheduler: object
+    scheduler: Scheduler
     interval: Literal["step", "epoch"] = "epoch"
 
     def __post_init__(self) -> None:

@@ -23,6 +23,8 @@ class FitResult:
         resumed_cursor: the cursor of the checkpoint this call resumed from.
         preempted: the run stopped because a preemption signal arrived (a checkpoint of the
             last completed split was committed first).
+        metrics: the newest value of every metric logged with ``Module.log`` or returned by
+            ``validation_step`` (over the whole run, resumes included).
     """
 
     cursor: Cursor | None
@@ -34,3 +36,4 @@ class FitResult:
     progress: ProgressTree
     preempted: bool = False
     resumed_cursor: Cursor | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)

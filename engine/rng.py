@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+numpy: Any
 try:  # NumPy is optional
     import numpy
 except ImportError:  # pragma: no cover - numpy is installed in the test environment
@@ -44,11 +45,12 @@ class RngSnapshot:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RngSnapshot":
-        numpy_state = state["numpy"]
-        if numpy_state is not None:
+        saved_numpy = state["numpy"]
+        numpy_state: tuple | None = None
+        if saved_numpy is not None:
             if numpy is None:
                 raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
-            name, keys, position, has_gauss, cached = numpy_state
+            name, keys, position, has_gauss, cached = saved_numpy
             numpy_state = (name, keys.numpy().astype(numpy.uint32), position, has_gauss, cached)
         return cls(
             torch_cpu=state["torch_cpu"],
@@ -58,8 +60,32 @@ class RngSnapshot:
         )
 
 
+    def check(self) -> None:
+        """Raise ValueError unless every stream has the type and size its generator accepts."""
+        _check_byte_state("torch_cpu", self.torch_cpu)
+        for index, state in enumerate(self.torch_cuda):
+            _check_byte_state(f"torch_cuda[{index}]", state)
+        version, internal, gauss = self.python
+        if not isinstance(version, int) or len(internal) != _MT_WORDS + 1 or not (gauss is None or isinstance(gauss, float)):
+            raise ValueError("python: not a random.getstate() value")
+        if self.numpy is not None:
+            name, keys, position, has_gauss, cached = self.numpy
+            if name != "MT19937" or keys.shape != (_MT_WORDS,) or not isinstance(position, int):
+                raise ValueError("numpy: not a numpy.random.get_state() value")
+
+
+_MT_WORDS = 624
+
+
+def _check_byte_state(label: str, state: object) -> None:
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError(f"{label}: expected a 1-D uint8 tensor, got {state!r:.80}")
+
+
 def _as_random_state(value: Any) -> tuple:
     version, internal, gauss = value
+    if not isinstance(internal, torch.Tensor) or internal.dtype != torch.int64 or internal.dim() != 1:
+        raise ValueError("python: the Mersenne Twister words must be a 1-D int64 tensor")
     return (int(version), tuple(internal.tolist()), gauss)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import sys
 from typing import Any, Iterable, Sequence
 
@@ -10,7 +11,7 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.run import FitRun
 from engine.result import FitResult
@@ -45,13 +46,17 @@ class Trainer:
                 raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
         self.callbacks = list(callbacks)
 
-    def fit(self, module: torch.nn.Module, train_data: Iterable[Any], resume: str = "auto") -> FitResult:
+    def fit(self, module: torch.nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None,
+            resume: str = "auto") -> FitResult:
         """Train ``module`` on ``train_data`` until a stop condition holds.
 
         Args:
             module: an :class:`engine.Module` (or any nn.Module with ``training_step`` and
                 ``configure_optimizers``).
             train_data: a ``torch.utils.data.DataLoader`` or any re-iterable of batches.
+            val_data: optional validation batches (re-iterable), run by the module's
+                ``validation_step`` at epoch ends and/or every ``val_every_n_steps`` steps
+                (see :class:`engine.TrainerConfig`); isolated from training's random streams.
             resume: ``"auto"`` resumes from the newest valid checkpoint in ``run_dir`` when
                 there is one and starts fresh otherwise; ``"latest"`` requires one;
                 ``"off"`` starts fresh; ``"ckpt-NNNNNNNNNN"`` names a checkpoint.
@@ -61,11 +66,18 @@ class Trainer:
         """
         if not isinstance(resume, str):
             raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name, got {resume!r}")
+        if isinstance(val_data, (str, bytes)):
+            raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
+                              "(pass resume= as a keyword)")
+        # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
+        if isinstance(val_data, collections.abc.Iterator):
+            raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
+                            "pass a DataLoader or a list")
         faults.arm_from_environment()
         storage = None
         if self.config.run_dir is not None:
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
-        result = FitRun(self.config, self.callbacks, module, train_data, storage).run(resume)
+        result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:
             print(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "
                   f"{result.cursor}; exiting with {self.config.preemption_exit_code}", file=sys.stderr, flush=True)

@@ -13,8 +13,9 @@ class Cursor:
     """``(epoch, batch, split, optimizer)``, all zero-based.
 
     In a checkpoint the cursor names the last completed split: epoch ``epoch``, batch ``batch``
-    of that epoch, split ``split`` of that batch; ``optimizer`` is the index of the optimizer
-    loop within the split (0 at a split boundary).
+    of that epoch, split ``split`` of that batch; ``optimizer`` is the index of the last
+    optimizer that ran in that split (with several optimizers each split runs all of them,
+    so at a split boundary it is their count minus one; 0 with one optimizer).
     """
 
     epoch: int = 0

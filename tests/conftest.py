@@ -1,4 +1,8 @@
-"""Tiny models run fastest, and least disturbed by other processes, on one thread."""
+"""Tiny models run fastest, and least disturbed by other processes, on one thread.
+
+Test folders mirror the package layout, except that the tests of ``progress/`` live in
+``tests/progress_pkg/``: a folder named ``tests/progress`` would shadow the real ``progress``
+package (as a namespace package) for scripts started from ``tests/``."""
 
 import torch
 

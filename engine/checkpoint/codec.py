@@ -9,7 +9,10 @@
 In the tree, a tensor is msgpack extension type 1 whose payload is the msgpack int index into
 ``tensors``; a tuple is extension type 2 whose payload is a msgpack array; a namedtuple is
 extension type 3 whose payload is ``[type name, [field names], [values]]`` (decoded as a
-namedtuple made on the spot, never imported). Any other extension type is refused.
+namedtuple made on the spot, never imported). Any other extension type is refused. Containers
+(dicts, lists, tuples) nest at most :data:`MAX_NESTING` levels: deeper trees are refused when
+written (CheckpointWriteError) and when read (CheckpointCorrupt), so the engine never writes a
+state it cannot read, and a hostile file cannot exhaust the stack while it is decoded.
 ``device`` is where the tensor lived; a CUDA tensor goes back to its device when CUDA is
 available, and stays on the CPU otherwise. Tensor bytes live in ``tensors.bin`` at ``offset`` (64-byte aligned),
 C-contiguous, little-endian as in memory.
@@ -24,7 +27,7 @@ import re
 import sys
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import torch
 
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
@@ -39,6 +42,8 @@ _MAX_DIMS = 64
 _ENTRY_KEYS = {"dtype", "shape", "offset", "nbytes", "device"}
 _CUDA_DEVICE = re.compile(r"cuda(:\d{1,3})?")
 _MAX_ELEMENTS = 1 << 40
+MAX_NESTING = 100
+"""The deepest nesting of dicts, lists and tuples a state tree may have (the top level is 1)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -86,9 +91,9 @@ def tensor_bytes_view(tensor: torch.Tensor) -> Any:
 def encode_state(tree: Any) -> EncodedState:
     """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
     tensors: list[torch.Tensor] = []
-    plain = _to_plain(tree, "state", tensors)
+    plain = _to_plain(tree, "state", tensors, 0)
     devices = [str(tensor.device) for tensor in tensors]
-    table = []
+    table: list[dict[str, Any]] = []
     layout = []
     offset = 0
     for tensor in tensors:
@@ -105,7 +110,7 @@ def _align(offset: int) -> int:
     return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def _to_plain(value: Any, path: str, tensors: list[torch.Tensor]) -> Any:
+def _to_plain(value: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
     if value is None or isinstance(value, (bool, str, bytes)):
         return value
     if isinstance(value, int):
@@ -116,17 +121,25 @@ def _to_plain(value: Any, path: str, tensors: list[torch.Tensor]) -> Any:
         return float(value)
     if isinstance(value, torch.Tensor):
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(_add_tensor(value, path, tensors)))
+    if isinstance(value, (dict, list, tuple)):
+        depth += 1
+        if depth > MAX_NESTING:
+            where = path if len(path) <= 100 else f"{path[:50]}...{path[-40:]}"
+            raise CheckpointWriteError(
+                f"cannot store {where}: containers nest more than {MAX_NESTING} levels deep "
+                "(a reference cycle, or a structure to flatten before it is checkpointed)"
+            )
     if isinstance(value, dict):
         plain = {}
         for key, item in value.items():
             if not isinstance(key, (str, int, float, bool)) and key is not None:
                 raise CheckpointWriteError(f"cannot store {path}: dict key {key!r} of type {type(key).__name__}")
-            plain[key] = _to_plain(item, f"{path}.{key}", tensors)
+            plain[key] = _to_plain(item, f"{path}.{key}", tensors, depth)
         return plain
     if isinstance(value, list):
-        return [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        return [_to_plain(item, f"{path}[{i}]", tensors, depth) for i, item in enumerate(value)]
     if isinstance(value, tuple):
-        items = [_to_plain(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        items = [_to_plain(item, f"{path}[{i}]", tensors, depth) for i, item in enumerate(value)]
         if hasattr(value, "_fields"):  # a namedtuple: keep its name and field names
             payload = [type(value).__name__, list(value._fields), items]
             return msgpack.ExtType(_EXT_NAMEDTUPLE, msgpack.packb(payload))
@@ -157,29 +170,58 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
     if not isinstance(outer["tensors"], list) or not isinstance(outer["tree"], bytes):
         raise CheckpointCorrupt("state.msgpack: 'tensors' must be a list and 'tree' bytes")
     tensors = [_decode_tensor(entry, index, tensor_data) for index, entry in enumerate(outer["tensors"])]
+    extension_depth = 0
 
     def ext_hook(code: int, payload: bytes) -> Any:
+        nonlocal extension_depth
         if code == _EXT_TENSOR:
             index = _unpack(payload, _refuse_extension, "tensor reference")
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tensors):
                 raise CheckpointCorrupt(f"state.msgpack refers to tensor {index!r}; the table has {len(tensors)}")
             return tensors[index]
-        if code == _EXT_TUPLE:
-            items = _unpack(payload, ext_hook, "tuple")
-            if not isinstance(items, list):
-                raise CheckpointCorrupt("state.msgpack: a tuple payload is not an array")
-            return tuple(items)
-        if code == _EXT_NAMEDTUPLE:
+        if code not in (_EXT_TUPLE, _EXT_NAMEDTUPLE):
+            return _refuse_extension(code, payload)
+        # Each tuple level decodes its payload in a nested call: bound the recursion before
+        # the C stack runs out (a hostile file could otherwise crash the process).
+        extension_depth += 1
+        try:
+            if extension_depth > MAX_NESTING:
+                raise CheckpointCorrupt(f"state.msgpack: tuples nest more than {MAX_NESTING} levels deep")
+            if code == _EXT_TUPLE:
+                items = _unpack(payload, ext_hook, "tuple")
+                if not isinstance(items, list):
+                    raise CheckpointCorrupt("state.msgpack: a tuple payload is not an array")
+                return tuple(items)
             return _decode_namedtuple(_unpack(payload, ext_hook, "namedtuple"))
-        return _refuse_extension(code, payload)
+        finally:
+            extension_depth -= 1
 
-    return _unpack(outer["tree"], ext_hook, "state tree")
+    tree = _unpack(outer["tree"], ext_hook, "state tree")
+    _check_nesting(tree)
+    return tree
+
+
+def _check_nesting(tree: Any) -> None:
+    """Refuse a decoded tree whose containers nest deeper than MAX_NESTING (walked without
+    recursion, so any depth msgpack itself accepts is measured safely)."""
+    pending = [(tree, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, (list, tuple)):
+            children = value
+        else:
+            continue
+        if depth > MAX_NESTING:
+            raise CheckpointCorrupt(f"state.msgpack: containers nest more than {MAX_NESTING} levels deep")
+        pending.extend((child, depth + 1) for child in children)
 
 
 @functools.lru_cache(maxsize=64)
 def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
     # rename=True accepts the "_0"-style names that namedtuple(..., rename=True) produced.
-    cls = collections.namedtuple(name, fields, rename=True)
+    cls = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
     if cls._fields != fields:
         raise ValueError(f"field names {list(fields)} are not valid")
     return cls
@@ -235,6 +277,9 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(d) for d in shape):
         raise CheckpointCorrupt(f"{where}: malformed shape {shape!r}")
     elements = math.prod(shape)
+    # A zero dimension makes the product 0 but torch still computes strides from the others.
+    if math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS:
+        raise CheckpointCorrupt(f"{where}: shape {shape} is larger than any real tensor")
     offset, nbytes = entry["offset"], entry["nbytes"]
     if not _is_count(offset) or not _is_count(nbytes) or elements > _MAX_ELEMENTS:
         raise CheckpointCorrupt(f"{where}: malformed offset/size")
@@ -243,10 +288,14 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
         raise CheckpointCorrupt(f"{where}: declares {nbytes} bytes but shape {shape} of {entry['dtype']} needs {elements * itemsize}")
     if offset + nbytes > len(data):
         raise CheckpointCorrupt(f"{where}: bytes {offset}..{offset + nbytes} lie outside tensors.bin ({len(data)} bytes)")
-    if nbytes == 0:
-        return _to_recorded_device(torch.empty(shape, dtype=dtype), entry.get("device", "cpu"))
-    raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
-    return _to_recorded_device(raw.view(dtype).reshape(shape), entry.get("device", "cpu"))
+    try:
+        if nbytes == 0:
+            tensor = torch.empty(shape, dtype=dtype)
+        else:
+            tensor = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).reshape(shape)
+    except RuntimeError as error:  # checked above; kept so no torch error can escape a bad entry
+        raise CheckpointCorrupt(f"{where}: shape {shape} of {entry['dtype']} cannot be built: {error}") from error
+    return _to_recorded_device(tensor, entry.get("device", "cpu"))
 
 
 def _to_recorded_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zlib
 from typing import Any
 
@@ -50,12 +51,15 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":
+        """Parse and check a manifest; anything malformed raises CheckpointCorrupt."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is {len(raw)} bytes, larger than any real manifest")
         try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is not valid JSON: {error}") from error
+        except RecursionError as error:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} nests too deeply to be a manifest") from error
         expected = {"format", "version", "sequence", "cursor", "files", "created_unix", "writer_generation"}
         if not isinstance(data, dict) or set(data) != expected:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)}")
@@ -63,10 +67,29 @@ class Manifest:
             raise CheckpointCorrupt(f"{MANIFEST_FILE}: format {data['format']!r} version {data['version']!r} is not {FORMAT!r} {VERSION}")
         try:
             cursor = None if data["cursor"] is None else Cursor.from_dict(data["cursor"])
+            if not isinstance(data["files"], dict):
+                raise ValueError(f"'files' must be an object, got {type(data['files']).__name__}")
             files = {check_name(name): _file_record(record) for name, record in data["files"].items()}
-            return cls(int(data["sequence"]), cursor, files, float(data["created_unix"]), int(data["writer_generation"]))
-        except (ValueError, TypeError, AttributeError) as error:
+            return cls(_count(data, "sequence"), cursor, files, _timestamp(data["created_unix"]), _count(data, "writer_generation"))
+        except (ValueError, TypeError, AttributeError, RecursionError) as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest holds")
+
+
+def _count(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << 63):
+        raise ValueError(f"{key!r} must be an int in 0..2**63-1, got {value!r}")
+    return value
+
+
+def _timestamp(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"'created_unix' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _file_record(record: Any) -> FileRecord:

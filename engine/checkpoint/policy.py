@@ -1,21 +1,32 @@
-"""A run's checkpointing: when to save, the writer lease, the (a)synchronous writer, and what
-to do when a write fails."""
+"""A run's checkpointing policy: every "when" and "which" decision about checkpoints.
+
+When to save (split cadence, epoch end), which checkpoint to resume from, the writer lease,
+the (a)synchronous writer, and what to do when a write fails. The run hands it snapshots
+(:class:`engine.run.state.RunSnapshot`); it never calls back into the run.
+"""
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
-from engine.errors import CheckpointWriteError, WriterConflict
+from engine.checkpoint.store import LoadedCheckpoint
+from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.storage import Storage
 from progress import Cursor
+
+if TYPE_CHECKING:
+    from engine.run.state import RunSnapshot
+
+BoundaryMark = tuple[int, int]
+StateValidator = Callable[[str, Any], None]
 
 
 class RunCheckpointer:
@@ -28,6 +39,7 @@ class RunCheckpointer:
         self._writer: SyncWriter | BackgroundWriter | None = None
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
+        self._mark_of_last_save: BoundaryMark | None = None
 
     @property
     def last_name(self) -> str | None:
@@ -39,9 +51,33 @@ class RunCheckpointer:
         self._lease.acquire(minimum_generation=self.store.newest_generation())
         self.store.remove_temporaries()
 
-    def start(self, optimizer_steps: int) -> None:
-        """Start the writer (after any resume)."""
+    def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
+        """The checkpoint to resume from (``resume`` as in ``Trainer.fit``), or None to start
+        fresh. "auto"/"latest" take the newest that verifies and whose state passes
+        ``validate``; a run dir whose every checkpoint is invalid is refused, never restarted
+        silently."""
+        if resume == "off":
+            return None
+        if resume not in ("auto", "latest"):
+            return self.store.load(resume, validate)
+        latest = self.store.latest(validate)
+        if latest is not None:
+            return latest
+        existing = self.store.committed_names()
+        if existing:
+            raise CheckpointCorrupt(
+                f"{len(existing)} checkpoint(s) in {self._storage.url} and none verifies; "
+                "refusing to start over silently (pass resume='off' to start a fresh run)"
+            )
+        if resume == "latest":
+            raise CheckpointNotFound(f"resume='latest' but {self._storage.url} holds no checkpoint")
+        return None
+
+    def start(self, optimizer_steps: int, resumed_mark: BoundaryMark | None) -> None:
+        """Start the writer (after any resume); ``resumed_mark`` is the boundary of the
+        checkpoint resumed from, which therefore needs no new checkpoint."""
         self._steps_at_last_save = optimizer_steps
+        self._mark_of_last_save = resumed_mark
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         if self.policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, self.policy.keep_last, also_sync,
@@ -49,7 +85,15 @@ class RunCheckpointer:
         else:
             self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync)
 
-    def due(self, units_completed: int, optimizer_steps: int) -> bool:
+    def holds(self, mark: BoundaryMark) -> bool:
+        """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
+        return self._mark_of_last_save == mark
+
+    def due_at_epoch_end(self) -> bool:
+        """Whether the policy asks for a checkpoint after each epoch."""
+        return self.policy.at_epoch_end
+
+    def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
         """Whether the policy asks for a checkpoint at this split boundary."""
         policy = self.policy
         if policy.every_n_splits is not None and units_completed % policy.every_n_splits == 0:
@@ -58,14 +102,17 @@ class RunCheckpointer:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
-    def save(self, state_tree_for: Callable[[int], dict[str, Any]], progress_bytes: bytes, cursor: Cursor | None,
-             optimizer_steps: int, force: bool) -> bool:
-        """Flush metrics.jsonl, then commit (or queue) the checkpoint built by
-        ``state_tree_for(committed metrics bytes)``; False when it was skipped or failed under
-        ``on_io_error="warn"``."""
+    def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
+             force: bool) -> bool:
+        """Flush metrics.jsonl, then commit (or queue) ``snapshot``; False when it was skipped
+        or failed under ``on_io_error="warn"``."""
+        assert self._writer is not None, "start() before save()"
         try:
             committed_bytes = self._metrics.flush()
-            pending = PendingCheckpoint(encode_state(state_tree_for(committed_bytes)), progress_bytes, cursor)
+            if committed_bytes != snapshot.state["metrics_bytes"]:
+                raise CheckpointWriteError(f"metrics.jsonl holds {committed_bytes} bytes, the snapshot recorded "
+                                           f"{snapshot.state['metrics_bytes']}")
+            pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise
@@ -75,6 +122,7 @@ class RunCheckpointer:
         if written:
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
+            self._mark_of_last_save = mark
         return written
 
     def check(self) -> None:

@@ -69,6 +69,9 @@ class LoadedCheckpoint:
     state: Any
 
 
+StateValidator = Callable[[str, Any], None]
+
+
 class CheckpointStore:
     def __init__(self, storage: Storage, create: bool = True) -> None:
         self.storage = storage
@@ -194,8 +197,9 @@ class CheckpointStore:
             return None
 
     # ---- reading ----------------------------------------------------------------------
-    def load(self, name: str) -> LoadedCheckpoint:
-        """Verify every file against the manifest, then decode. Raises CheckpointCorrupt."""
+    def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
+        """Verify every file against the manifest, then decode, then ``validate(name, state)``
+        (the run state's own checks). Raises CheckpointCorrupt."""
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
         if set(manifest.files) != set(DATA_FILES):
@@ -221,6 +225,8 @@ class CheckpointStore:
             state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
         except CheckpointCorrupt as error:
             raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
+        if validate is not None:
+            validate(name, state)
         return LoadedCheckpoint(name, manifest, progress, state)
 
     def _read_manifest(self, name: str) -> Manifest:
@@ -238,22 +244,23 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
         return manifest
 
-    def latest(self) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies. Newer ones that do not are reported with a
-        warning and skipped; None when there is none at all."""
+    def latest(self, validate: StateValidator | None = None) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies (and passes ``validate``). Newer ones that do
+        not are reported with a warning and skipped; None when there is none at all."""
         for name in reversed(self.names()):
             try:
-                return self.load(name)
+                return self.load(name, validate)
             except CheckpointError as error:
                 warnings.warn(f"skipping checkpoint {name}: {error}", stacklevel=2)
         return None
 
-    def inspect(self) -> list[CheckpointInfo]:
+    def inspect(self, validate: StateValidator | None = None) -> list[CheckpointInfo]:
+        """Every checkpoint with whether it verifies (and passes ``validate``) and why not."""
         infos = []
         for name in self.names():
             sequence = int(_NAME.match(name).group(1))
             try:
-                loaded = self.load(name)
+                loaded = self.load(name, validate)
                 infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None))
             except CheckpointError as error:
                 manifest = self._manifest_or_none(name)

@@ -12,6 +12,7 @@ from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import EngineError
 from engine.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
+from engine.run import state as run_state
 from engine.trainer import Trainer
 
 
@@ -45,7 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def inspect_run(url: str) -> dict:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
     store = CheckpointStore(Storage(url, create=False), create=False)
-    entries = store.inspect()
+    entries = store.inspect(run_state.validate)
     latest = next((entry for entry in reversed(entries) if entry.valid), None)
     result = {
         "dir": url,
@@ -57,8 +58,8 @@ def inspect_run(url: str) -> dict:
         "fingerprint": None,
     }
     if latest is not None:
-        state = store.load(latest.name).state
-        result["fingerprint"] = fingerprint(state["module"], state["optimizers"])
+        state = store.load(latest.name, run_state.validate).state
+        result["fingerprint"] = fingerprint(state[run_state.MODULE], state[run_state.OPTIMIZERS])
     return result
 
 

@@ -9,18 +9,21 @@ shuffling sampler draws the same permutation), then moves past the batches alrea
 * any other iterable: batches are drawn and dropped (one warning says so).
 
 The batch in flight at a checkpoint is stored in the checkpoint itself, so the interrupted
-batch is re-split exactly as it was, whatever the loader does.
+batch is re-split exactly as it was, whatever the loader does. A DataLoader with worker
+processes is iterated through a private copy that seeds each sample and keeps its workers
+alive through a preemption signal (see :mod:`engine.data.workers`).
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked
 from engine.errors import DataError
 from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
 
@@ -53,13 +56,14 @@ class _SkippingIterator:
 
     def __next__(self) -> Any:
         self.prime()
+        assert self._iterator is not None  # prime() opened it
         return next(self._iterator)
 
 
 class _SkippingSampler:
     """A (batch) sampler that yields ``inner``'s items from index ``skip`` on."""
 
-    def __init__(self, inner: Iterable[Any], skip: int) -> None:
+    def __init__(self, inner: Any, skip: int) -> None:
         self.inner = inner
         self.skip = skip
         self.last_iterator: _SkippingIterator | None = None
@@ -112,7 +116,7 @@ def _generators_of(loader: Any) -> list[torch.Generator]:
 
 
 def _samplers_with_epoch(loader: Any) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
                     getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
         if callable(getattr(sampler, "set_epoch", None)) and not any(sampler is s for s in found):
@@ -121,12 +125,15 @@ def _samplers_with_epoch(loader: Any) -> list[Any]:
 
 
 class EpochData:
-    """Epochs of batches from ``loader`` with a resumable position (see the module docstring)."""
+    """Epochs of batches from ``loader`` with a resumable position (see the module docstring).
 
-    def __init__(self, loader: Iterable[Any]) -> None:
+    ``worker_signals`` are the preemption signals: DataLoader worker processes ignore them, so
+    that only the main process reacts (it finishes the split and commits).
+    """
+
+    def __init__(self, loader: Iterable[Any], worker_signals: Sequence[int] = ()) -> None:
         if not hasattr(loader, "__iter__"):
             raise DataError(f"the training data must be iterable (a DataLoader or any iterable), got {type(loader).__name__}")
-        self.loader = loader
         self.length = _length_or_none(loader)
         if self.length == 0:
             raise DataError("the training data is empty: len(train_data) is 0")
@@ -134,6 +141,13 @@ class EpochData:
         self._map_style = _is_map_style_loader(loader) and not self._stateful
         self._generators = _generators_of(loader)
         self._epoch_samplers = _samplers_with_epoch(loader)
+        self._worker_signals = tuple(worker_signals)
+        self._workers: WorkerLoader | None = None
+        if has_workers(loader):
+            self._workers = WorkerLoader(loader, self._worker_signals, self._stateful)  # type: ignore[arg-type]
+            loader = self._workers.loader
+        self.loader: Any = loader
+        self._worker_iterators: list[Iterator[Any]] = []
         self._warned_fast_forward = False
         self.batches_consumed = 0
         self.pending_batch: Any = _NO_BATCH
@@ -148,15 +162,61 @@ class EpochData:
         if self.batches_consumed == 0:
             self._epoch_start_rng = capture_global_rng()
             self._epoch_start_generators = [g.get_state() for g in self._generators]
-            return iter(self.loader)
+            self._seed_samples(epoch)
+            with preemption_signals_blocked(self._signals_to_block()):
+                return self._track_workers(iter(self.loader))
+        if self._epoch_start_rng is None:
+            raise DataError(f"cannot resume inside epoch {epoch}: the data position holds no random state of the epoch start")
         now = capture_global_rng()
         restore_global_rng(self._epoch_start_rng)
         for generator, state in zip(self._generators, self._epoch_start_generators):
             generator.set_state(state)
+        self._seed_samples(epoch)
         try:
-            return self._open_at(self.batches_consumed)
+            with preemption_signals_blocked(self._signals_to_block()):
+                return self._track_workers(self._open_at(self.batches_consumed))
         finally:
             restore_global_rng(now)
+
+    def _seed_samples(self, epoch: int) -> None:
+        """Give this epoch's samples their seed (loaders with workers over map-style data).
+        Called right before the epoch's ``iter``."""
+        if self._workers is None or self._workers.sampler is None or self._epoch_start_rng is None:
+            return
+        sampler = self._workers.sampler
+        sampler.seed = epoch_seed(epoch, [self._epoch_start_rng.torch_cpu, *self._epoch_start_generators])
+        if self._workers.persistent and epoch > 0:
+            torch_state = torch.get_rng_state()
+            generator_states = [g.get_state() for g in self._generators]
+
+            def rewind() -> None:
+                torch.set_rng_state(torch_state)
+                for generator, state in zip(self._generators, generator_states):
+                    generator.set_state(state)
+
+            sampler.rewind = rewind
+
+    def _track_workers(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """Remember the iterator that runs worker processes, and stop those of earlier epochs
+        (a resumed epoch's persistent workers would otherwise live on beside the next ones)."""
+        if self._workers is not None:
+            for earlier in self._worker_iterators:
+                if earlier is not iterator:
+                    _shut_down_workers(earlier)
+            self._worker_iterators = [iterator]
+        return iterator
+
+    def close(self) -> None:
+        """Stop the worker processes now. Persistent workers would otherwise live until the
+        loader is garbage collected, and a process exiting with them alive waits forever:
+        multiprocessing terminates them with SIGTERM, which they ignore."""
+        for iterator in self._worker_iterators:
+            _shut_down_workers(iterator)
+        self._worker_iterators = []
+
+    def _signals_to_block(self) -> tuple[int, ...]:
+        # Only while worker processes may be started: blocking costs two system calls.
+        return self._worker_signals if self._workers is not None else ()
 
     def _open_at(self, skip: int) -> Iterator[Any]:
         if self._stateful:
@@ -224,6 +284,12 @@ class EpochData:
         self._loader_state = state["loader_state"]
         if self._stateful and self.batches_consumed == 0 and self._loader_state is not None:
             self.loader.load_state_dict(self._loader_state)
+
+
+def _shut_down_workers(iterator: Iterator[Any]) -> None:
+    shut_down = getattr(iterator, "_shutdown_workers", None)  # torch's multiprocessing iterator
+    if callable(shut_down):
+        shut_down()
 
 
 def _length_or_none(loader: Any) -> int | None:

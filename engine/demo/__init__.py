@@ -5,6 +5,7 @@ cut into 4 splits of 16; the hidden state is carried from window to window."""
 from __future__ import annotations
 
 import random
+from typing import Any
 from importlib import resources
 
 import torch
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import engine
 
+numpy: Any
 try:
     import numpy
 except ImportError:  # pragma: no cover

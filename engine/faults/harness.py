@@ -39,6 +39,7 @@ from engine.errors import ConfigError, EngineError
 from engine.faults import Fault
 from engine.run.metrics_log import METRICS_FILE
 from engine.result import FitResult
+from engine.run.state import COMPARED_KEYS
 from engine.checkpoint.storage import Storage
 
 RESULT_PREFIX = "SPLITLOOP_RESULT "
@@ -180,7 +181,7 @@ def compare_runs(reference_dir: str, other_dir: str) -> list[str]:
             return [f"{run_dir} holds no valid checkpoint"]
         loaded.append(latest)
     differences: list[str] = []
-    for key in ("module", "optimizers", "schedulers", "loops", "rng", "callbacks", "metrics_bytes"):
+    for key in COMPARED_KEYS:
         _compare(loaded[0].state[key], loaded[1].state[key], key, differences)
     if loaded[0].progress.to_dict() != loaded[1].progress.to_dict():
         differences.append("progress counters differ")

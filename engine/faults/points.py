@@ -31,6 +31,7 @@ POINTS: dict[str, str] = {
     "split_end_after_checkpoint": "after a split's boundary work, checkpoint included",
     "batch_end": "after a batch completed",
     "epoch_end": "after an epoch completed, before its checkpoint",
+    "validation_batch_end": "after each batch of a validation pass",
     "checkpoint_before_file": "inside a checkpoint write, before each data file",
     "checkpoint_after_file": "inside a checkpoint write, after each data file",
     "checkpoint_before_manifest": "inside a checkpoint write, after the data files, before the manifest",

@@ -16,9 +16,14 @@ class Position:
 
 @dataclasses.dataclass
 class StopState:
-    """Why the run should stop at the next boundary; empty while it should go on."""
+    """Why the run should stop at the next boundary; empty while it should go on.
+
+    The first reason given is kept, except that a preemption always wins: a scheduler that
+    sent the signal must learn that the run stopped for it, whatever else asked to stop in the
+    same split."""
 
     reason: str | None = None
+    preempted: bool = False
 
     @property
     def requested(self) -> bool:
@@ -27,3 +32,7 @@ class StopState:
     def request(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
+
+    def request_preemption(self, reason: str) -> None:
+        self.reason = reason
+        self.preempted = True

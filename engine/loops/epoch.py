@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from engine import faults
 from engine.data.position import EXHAUSTED, EpochData
 from engine.errors import DataError
 from engine.loops.context import Position, StopState
+from engine.loops.contracts import BatchRunner, Losses
 from progress import Progress
 
-BatchBoundary = Callable[[int, list], None]
+BatchBoundary = Callable[[int, Losses], None]
 
 
 class EpochLoop:
@@ -21,7 +22,7 @@ class EpochLoop:
     def __init__(
         self,
         data: EpochData,
-        runner: Any,
+        runner: BatchRunner,
         position: Position,
         stop: StopState,
         batch_boundary: BatchBoundary | None,
@@ -45,7 +46,8 @@ class EpochLoop:
             self._position.batch = index
             progress.increment_ready()
             progress.increment_started()
-            if not self.runner.run_batch(batch, index):
+            losses = self.runner.run_batch(batch, index)
+            if losses is None:
                 return False
             progress.increment_processed()
             progress.increment_completed()
@@ -53,7 +55,7 @@ class EpochLoop:
             faults.reach("batch_end")
             if self._batch_boundary is not None:
                 self._position.split = 0
-                self._batch_boundary(0, self.runner.last_losses)
+                self._batch_boundary(0, losses)
             if self._stop.requested:
                 return False
         if progress.current.completed == 0:
@@ -61,3 +63,7 @@ class EpochLoop:
         progress.reset_current()
         self.data.epoch_done()
         return True
+
+    def end_epoch(self) -> None:
+        """Cascade the end of the epoch to the levels below (after its last batch)."""
+        self.runner.end_epoch()

@@ -11,13 +11,13 @@ from progress import Progress
 
 
 class FitLoop:
-    """Runs epochs; at each epoch end steps what the flow left open, the epoch-interval
-    schedulers, and calls ``epoch_boundary`` (callbacks, stop checks, checkpoint)."""
+    """Runs epochs; at each epoch end cascades ``end_epoch`` down the tree (the flow steps
+    what it left open and the epoch-interval schedulers) and calls ``epoch_boundary``
+    (callbacks, stop checks, checkpoint)."""
 
     def __init__(
         self,
         epoch_loop: EpochLoop,
-        flow: object,
         max_epochs: int | None,
         position: Position,
         stop: StopState,
@@ -25,7 +25,6 @@ class FitLoop:
     ) -> None:
         self.progress = Progress()
         self.epoch_loop = epoch_loop
-        self._flow = flow
         self._max_epochs = max_epochs
         self._position = position
         self._stop = stop
@@ -44,7 +43,6 @@ class FitLoop:
             if not self.epoch_loop.run_epoch(epoch):
                 return
             progress.increment_processed()
-            self._flow.end_epoch()
-            self.epoch_loop.runner.end_epoch()
+            self.epoch_loop.end_epoch()
             progress.increment_completed()
             self._epoch_boundary(epoch)

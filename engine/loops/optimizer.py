@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.loops.contracts import Flow
 from engine.loops.step_output import Hidden
 from progress import Progress
 
@@ -14,14 +15,14 @@ class OptimizerLoop:
     """Runs ``flow.run`` for optimizer 0, 1, ... of one split. Each optimizer's step receives the
     hidden state of the previous split; the state carried on is the last optimizer's."""
 
-    def __init__(self, flow: Any, optimizer_count: int) -> None:
+    def __init__(self, flow: Flow, optimizer_count: int) -> None:
         self.flow = flow
         self.progress = Progress()
         self._indices = range(optimizer_count)
 
     def run_split(self, batch: Any, hidden: Hidden, last_split: bool) -> tuple[list[torch.Tensor], Hidden]:
         losses = []
-        new_hidden = None
+        new_hidden: Hidden = None
         progress = self.progress
         for index in self._indices:
             progress.increment_ready()
@@ -33,13 +34,19 @@ class OptimizerLoop:
         progress.reset_current()
         return losses, new_hidden
 
+    def end_epoch(self) -> None:
+        self.flow.end_epoch()
+
 
 class SingleOptimizer:
     """The one-optimizer case: call the flow directly, no optimizer loop level."""
 
-    def __init__(self, flow: Any) -> None:
+    def __init__(self, flow: Flow) -> None:
         self.flow = flow
 
     def run_split(self, batch: Any, hidden: Hidden, last_split: bool) -> tuple[list[torch.Tensor], Hidden]:
         loss, new_hidden = self.flow.run(batch, hidden, 0, last_split)
         return [loss], new_hidden
+
+    def end_epoch(self) -> None:
+        self.flow.end_epoch()

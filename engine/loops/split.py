@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from engine.loops.context import Position, StopState
+from engine.loops.contracts import Losses, SplitRunner
 from engine.loops.step_output import Hidden, detach_hidden
 from engine.data.splitting import check_splits
 from progress import Progress
@@ -27,7 +28,7 @@ class SplitLoop:
         splitter: Callable[[Any, int], Sequence[Any]],
         split_length: int,
         carry_hidden_across_batches: bool,
-        runner: Any,
+        runner: SplitRunner,
         position: Position,
         stop: StopState,
         boundary: SplitBoundary,
@@ -42,11 +43,13 @@ class SplitLoop:
         self._stop = stop
         self._boundary = boundary
 
-    def run_batch(self, batch: Any, batch_index: int) -> bool:
-        """Run the remaining splits; False if a stop was requested before the batch ended."""
+    def run_batch(self, batch: Any, batch_index: int) -> Losses | None:
+        """Run the remaining splits; their last losses, or None if a stop was requested
+        before the batch ended."""
         splits = check_splits(self._splitter(batch, self._split_length), batch_index)
         last = len(splits) - 1
         progress = self.progress
+        losses: Losses = []  # stays empty when resumed after the batch's last split
         for index in range(progress.current.completed, last + 1):
             self._position.split = index
             progress.increment_ready()
@@ -57,14 +60,15 @@ class SplitLoop:
             progress.increment_completed()
             self._boundary(index, losses)
             if self._stop.requested:
-                return False
+                return None
         progress.reset_current()
         if not self._carry:
             self.hidden = None
-        return True
+        return losses
 
     def end_epoch(self) -> None:
         self.hidden = None
+        self._runner.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         return {"hidden": self.hidden}
@@ -76,16 +80,15 @@ class SplitLoop:
 class WholeBatch:
     """Without TBPTT: a batch is one unit of step work (no split level, no hidden state)."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: SplitRunner) -> None:
         self._runner = runner
-        self.last_losses: list[torch.Tensor] = []
 
-    def run_batch(self, batch: Any, batch_index: int) -> bool:
-        self.last_losses, _ = self._runner.run_split(batch, None, True)
-        return True
+    def run_batch(self, batch: Any, batch_index: int) -> Losses | None:
+        losses, _ = self._runner.run_split(batch, None, True)
+        return losses
 
     def end_epoch(self) -> None:
-        pass
+        self._runner.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -12,22 +12,24 @@ optimization, accumulation, clipping)::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
+from engine.loops.evaluation import EvaluationLoop
 from engine.loops.fit import FitLoop
 from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
 from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
-from engine.module import Module
+from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
+from engine.run.logged import MetricLogger
 from progress import ProgressTree
 
 
@@ -48,6 +50,8 @@ class LoopTree:
     flow: AutomaticFlow | ManualFlow
     step_counter: StepCounter
     data: EpochData
+    logger: MetricLogger
+    evaluation: EvaluationLoop | None = None
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -59,7 +63,15 @@ class LoopTree:
             records["split.splits"] = self.split.progress
         if self.optimizer is not None:
             records["optimizer.optimizers"] = self.optimizer.progress
+        if self.evaluation is not None:
+            records["evaluation.validations"] = self.evaluation.progress
+            records["evaluation.batches"] = self.evaluation.batches
         return ProgressTree(records=records, cursor=cursor)
+
+    def units_completed(self) -> int:
+        """Units of step work completed over the run: splits with TBPTT, batches without."""
+        loop = self.split if self.split is not None else self.epoch
+        return loop.progress.total.completed
 
     def load_progress(self, tree: ProgressTree) -> None:
         """Adopt the counts of ``tree`` (rolled back to what was completed)."""
@@ -76,6 +88,8 @@ class LoopTree:
             "flow": self.flow.state_dict(),
             "split": None if self.split is None else self.split.state_dict(),
             "data": self.data.state_dict(),
+            "logged": self.logger.state_dict(),
+            "evaluation": None if self.evaluation is None else self.evaluation.state_dict(),
         }
 
     def load_loop_states(self, states: dict[str, Any]) -> None:
@@ -83,12 +97,17 @@ class LoopTree:
         if self.split is not None:
             self.split.load_state_dict(states["split"])
         self.data.load_state_dict(states["data"])
+        self.logger.load_state_dict(states["logged"])
+        if self.evaluation is not None:
+            if states["evaluation"] is None:
+                raise ValueError("the checkpoint was written by a run without validation data")
+            self.evaluation.load_state_dict(states["evaluation"])
 
     def close(self) -> None:
         self.step_counter.close()
 
 
-def tbptt_split_length(module: Module) -> int | None:
+def tbptt_split_length(module: torch.nn.Module) -> int | None:
     """The module's split length, validated."""
     length = getattr(module, "tbptt_split_length", None)
     if length is None:
@@ -99,13 +118,15 @@ def tbptt_split_length(module: Module) -> int | None:
 
 
 def build_loops(
-    module: Module,
+    module: torch.nn.Module,
     setup: OptimizerSetup,
     config: TrainerConfig,
     data: EpochData,
     position: Position,
     stop: StopState,
     boundaries: Boundaries,
+    logger: MetricLogger,
+    val_data: Iterable[Any] | None = None,
 ) -> LoopTree:
     split_length = tbptt_split_length(module)
     tbptt = split_length is not None
@@ -117,7 +138,7 @@ def build_loops(
         )
     automatic = bool(getattr(module, "automatic_optimization", True))
     several = automatic and len(setup.optimizers) > 1
-    call_step = make_step_call(module.training_step, tbptt, several)
+    call_step = make_step_call(getattr(module, "training_step"), tbptt, several)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
     if automatic:
@@ -134,14 +155,38 @@ def build_loops(
         flow = ManualFlow(call_step, read_output, parameters)
     optimizer_loop = OptimizerLoop(flow, len(setup.optimizers)) if several else None
     runner = optimizer_loop if optimizer_loop is not None else SingleOptimizer(flow)
-    if tbptt:
-        split_loop = SplitLoop(module.split_batch, split_length, carry, runner, position, stop, boundaries.split)
+    if split_length is not None:
+        split_loop = SplitLoop(_splitter(module), split_length, carry, runner, position, stop, boundaries.split)
         epoch_loop = EpochLoop(data, split_loop, position, stop, batch_boundary=None)
     else:
         split_loop = None
         epoch_loop = EpochLoop(data, WholeBatch(runner), position, stop, batch_boundary=boundaries.split)
-    fit_loop = FitLoop(epoch_loop, flow, config.max_epochs, position, stop, boundaries.epoch)
-    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data)
+    fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
+    evaluation = None if val_data is None else _evaluation_loop(module, val_data, split_length, carry, logger)
+    return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, StepCounter(setup.optimizers), data,
+                    logger, evaluation)
+
+
+def _evaluation_loop(module: torch.nn.Module, val_data: Iterable[Any], split_length: int | None, carry: bool,
+                     logger: MetricLogger) -> EvaluationLoop:
+    step = getattr(module, "validation_step", None)
+    if not callable(step):
+        raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
+    if split_length is None:
+        call: Callable[[Any, Any], Any] = lambda batch, hidden: step(batch)
+        return EvaluationLoop(module, val_data, call, None, None, carry, logger)
+    return EvaluationLoop(module, val_data, lambda batch, hidden: step(batch, hidden=hidden), _splitter(module),
+                          split_length, carry, logger)
+
+
+def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:
+    """The module's ``split_batch``, or the default cut along ``tbptt_time_dim`` for a plain
+    nn.Module that does not subclass engine.Module."""
+    custom = getattr(module, "split_batch", None)
+    if callable(custom):
+        return custom
+    time_dim = getattr(module, "tbptt_time_dim", 1)
+    return lambda batch, length: split_along_time(batch, length, time_dim)
 
 
 def _clipper(config: TrainerConfig) -> Callable[[list[torch.nn.Parameter]], object] | None:

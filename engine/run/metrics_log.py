@@ -14,6 +14,9 @@ from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"
+# Where each resume happened (one JSON row per resumed process). Kept out of metrics.jsonl so that
+# file stays byte-identical to the one of a run that was never interrupted.
+RESUMES_FILE = "resumes.jsonl"
 _FLUSH_EVERY_LINES = 256
 
 
@@ -48,10 +51,11 @@ class MetricsLog:
         elif size > committed_bytes:
             self._storage.truncate(METRICS_FILE, committed_bytes)
 
-    def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int) -> None:
-        if self._storage is None:
-            return
+    def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int,
+               logged: dict[str, float] | None = None) -> None:
+        """The row of a completed training split."""
         record: dict[str, object] = {
+            "stage": "train",
             "epoch": cursor.epoch,
             "batch": cursor.batch,
             "split": cursor.split,
@@ -60,12 +64,41 @@ class MetricsLog:
         }
         if len(losses) > 1:
             record["losses"] = losses
+        if logged:
+            record["metrics"] = logged
+        self._add(record)
+
+    def append_aggregate(self, stage: str, cursor: Cursor | None, optimizer_steps: int, values: dict[str, float]) -> None:
+        """The row of a validation pass (``stage="val"``) or of a training epoch's aggregates
+        (``stage="train_epoch"``), at the training position where it was computed."""
+        record: dict[str, object] = {"stage": stage}
+        if cursor is not None:
+            record.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
+        record.update(step=optimizer_steps, metrics=values)
+        self._add(record)
+
+    def _add(self, record: dict[str, object]) -> None:
+        if self._storage is None:
+            return
         self._buffer.append(json.dumps(record))
         if len(self._buffer) >= _FLUSH_EVERY_LINES:
             try:
                 self.flush()
             except OSError:
                 pass  # the lines stay buffered; the next checkpoint's flush reports the error
+
+    def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
+        """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""
+        if self._storage is None:
+            return
+        row: dict[str, object] = {"checkpoint": checkpoint, "step": optimizer_steps, "time": round(wall_time, 3)}
+        if cursor is not None:
+            row.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
+        self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
+
+    def length_after_flush(self) -> int:
+        """The file's committed length once the buffered lines are written."""
+        return self.committed_bytes + sum(len(line.encode()) + 1 for line in self._buffer)
 
     def flush(self) -> int:
         """Write buffered lines (page cache only: a checkpoint commit fsyncs the file in its

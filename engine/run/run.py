@@ -1,68 +1,71 @@
-"""One call of ``Trainer.fit``: build the loops, restore a checkpoint, run, save at boundaries."""
+"""One call of ``Trainer.fit``: build the loops, restore a checkpoint, run, save at boundaries.
+
+The order at each boundary, in one place:
+
+- split (:meth:`FitRun._split_boundary`): metrics row -> display -> ``on_split_end`` ->
+  validation if due (row, ``on_validation_end``) -> stop checks -> checkpoint (if the policy
+  asks, after a validation, or to stop);
+- epoch (:meth:`FitRun._epoch_boundary`): the epoch's aggregate row -> validation (row,
+  ``on_validation_end``) -> ``on_epoch_end`` -> stop checks -> checkpoint.
+"""
 
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from engine import faults
-from engine.loops.tree import Boundaries, LoopTree, build_loops, tbptt_split_length
-from engine.callbacks import Callback, RunView
-from engine.checkpoint.store import LoadedCheckpoint
+from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.policy import RunCheckpointer
+from engine.checkpoint.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.run.display import Display
-from engine.errors import (
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointIncompatible,
-    CheckpointNotFound,
-    ModuleContractError,
-)
+from engine.errors import CheckpointNotFound, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
-from engine.run.metrics_log import MetricsLog
+from engine.loops.tree import Boundaries, LoopTree, build_loops
+from engine.module import bind_run
 from engine.optim_setup import read_optimizer_setup
-from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from engine.result import FitResult
-from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
-from engine.checkpoint.storage import Storage
-from progress import Cursor, ProgressSchemaError, encode_tree
-
-STATE_KEYS = {"signature", "module", "optimizers", "schedulers", "loops", "rng", "callbacks", "metrics_bytes", "elapsed_seconds"}
+from engine.run import state as run_state
+from engine.run.display import Display
+from engine.run.logged import MetricLogger
+from engine.run.metrics_log import MetricsLog
+from engine.run.preemption import PreemptionWatcher, run_requeue_command
+from progress import Cursor
 
 
 class FitRun:
     """Everything one ``fit`` call needs; see :meth:`engine.Trainer.fit`."""
 
     def __init__(self, config: TrainerConfig, callbacks: Sequence[Callback], module: torch.nn.Module,
-                 train_data: Iterable[Any], storage: Storage | None) -> None:
+                 train_data: Iterable[Any], storage: Storage | None, val_data: Iterable[Any] | None = None) -> None:
         _check_module(module)
         self.config = config
         self.callbacks = list(callbacks)
         self.module = module
-        self.setup = read_optimizer_setup(module.configure_optimizers())
-        module._engine_optimizers = self.setup.optimizers
-        module._engine_schedulers = [s.scheduler for s in self.setup.schedules]
+        self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
+        self.logger = MetricLogger()
+        bind_run(module, self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
-        self.data = EpochData(train_data)
+        self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
-                                          Boundaries(self._split_boundary, self._epoch_boundary))
+                                          Boundaries(self._split_boundary, self._epoch_boundary), self.logger, val_data)
+        self.parts = run_state.RunParts(module, self.setup, self.tree, self.callbacks, config)
         self.storage = storage
         self.metrics = MetricsLog(storage)
-        self.checkpoints = RunCheckpointer(storage, config.checkpoint, self.metrics) if storage is not None and config.checkpoint else None
+        self.checkpoints = (RunCheckpointer(storage, config.checkpoint, self.metrics)
+                            if storage is not None and config.checkpoint else None)
         self.preemption = PreemptionWatcher(config.preemption_signals)
-        self.view = RunView(self.stop.request)
+        self.status = RunStatus()
+        self.view = RunView(self.status, self.stop.request)
         self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
-        self._saved_current_state = False
         self._elapsed_before = 0.0
         self._started = time.monotonic()
 
@@ -75,7 +78,7 @@ class FitRun:
                     callback.on_fit_start(self.view)
                 self.tree.fit.run()
                 if self.checkpoints is not None:
-                    if not self._saved_current_state:
+                    if not self.checkpoints.holds(self._boundary_mark()):
                         self._save(force=True)
                     self.checkpoints.close(failing=False)
                 else:
@@ -87,10 +90,11 @@ class FitRun:
             finally:
                 self.display.close()
                 self.tree.close()
+                self.data.close()
         if not self.stop.requested:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
-        preempted = self.preemption.received is not None and self.stop.reason == self.preemption.reason
+        preempted = self.stop.preempted
         if preempted and self.config.requeue_command:
             run_requeue_command(self.config.requeue_command)
         return FitResult(
@@ -103,182 +107,120 @@ class FitRun:
             progress=self.tree.progress_tree(self.cursor),
             preempted=preempted,
             resumed_cursor=self.resumed_cursor,
+            metrics=dict(self.logger.latest),
         )
 
     def _start(self, resume: str) -> None:
-        if self.checkpoints is not None:
-            self.checkpoints.acquire()
-        loaded = self._find_checkpoint(resume)
+        if self.checkpoints is None:
+            if resume not in ("auto", "off"):
+                raise CheckpointNotFound(f"resume={resume!r} needs TrainerConfig.run_dir and a checkpoint policy")
+            self._start_fresh()
+            return
+        self.checkpoints.acquire()
+        loaded = self.checkpoints.select(resume, run_state.validate)
         if loaded is None:
-            self.metrics.start_fresh()
+            self._start_fresh()
         else:
-            self._restore(loaded)
+            restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
+            self.metrics.resume_at(restored.metrics_bytes)
+            self._elapsed_before = restored.elapsed_seconds
+            self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
-            self.resumed_cursor = loaded.progress.cursor
-            self._saved_current_state = True
+            self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
+            self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
                                                 self._elapsed(), self.config.max_time)
             if reason is not None:
                 self.stop.request(reason)
-        if self.checkpoints is not None:
-            self.checkpoints.start(self.tree.step_counter.total)
+        self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _start_fresh(self) -> None:
+        self.metrics.start_fresh()
+        if self.tree.evaluation is not None:
+            self.tree.evaluation.choose_seed()
 
     def _elapsed(self) -> float:
         return self._elapsed_before + time.monotonic() - self._started
 
+    def _boundary_mark(self) -> tuple[int, int]:
+        """Names the last boundary reached (units of step work and epochs completed): a
+        checkpoint taken at the same mark holds the current state."""
+        return self.tree.units_completed(), self.tree.fit.progress.total.completed
+
+    def _update_status(self, losses: list[float] | None = None) -> None:
+        status = self.status
+        status.cursor = self.cursor
+        status.optimizer_steps = self.tree.step_counter.total
+        status.epochs_completed = self.tree.fit.progress.total.completed
+        status.metrics = dict(self.logger.latest)
+        if losses is not None:
+            status.losses = losses
+
     # ---- boundaries -------------------------------------------------------------------
     def _split_boundary(self, split_index: int, losses: list[torch.Tensor]) -> None:
         position = self.position
-        cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, 0)
+        cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values = [loss.item() for loss in losses]
         steps = self.tree.step_counter.total
-        self.metrics.append(cursor, values, steps)
+        self.metrics.append(cursor, values, steps, self.logger.end_split())
         self.display.update(cursor, values[0], steps)
-        view = self.view
-        view._cursor, view._losses, view._optimizer_steps = cursor, values, steps
+        self._update_status(values)
         for callback in self.callbacks:
-            callback.on_split_end(view)
-        self._saved_current_state = False
+            callback.on_split_end(self.view)
+        validated = self._validate_if_due(steps)
         faults.reach("split_end")
         self._check_stop(steps)
         if self.checkpoints is not None:
             self.checkpoints.check()
-            if self.stop.requested or self.checkpoints.due(self._units_completed(), steps):
+            if self.stop.requested or validated or self.checkpoints.due_at_split(self.tree.units_completed(), steps):
                 self._save(force=self.stop.requested)
         faults.reach("split_end_after_checkpoint")
 
     def _check_stop(self, steps: int) -> None:
         if self.preemption.received is not None:
-            self.stop.request(self.preemption.reason)
+            self.stop.request_preemption(self.preemption.reason)
         reason = split_boundary_stop_reason(steps, self.config.max_steps, self._elapsed(), self.config.max_time)
         if reason is not None:
             self.stop.request(reason)
 
-    def _units_completed(self) -> int:
-        loop = self.tree.split if self.tree.split is not None else self.tree.epoch
-        return loop.progress.total.completed
+    def _validate_if_due(self, steps: int) -> bool:
+        evaluation, every = self.tree.evaluation, self.config.val_every_n_steps
+        if evaluation is None or every is None or not evaluation.due_after_steps(steps, every):
+            return False
+        self._validate(steps)
+        return True
+
+    def _validate(self, steps: int) -> None:
+        assert self.tree.evaluation is not None
+        values = self.tree.evaluation.run(steps)
+        self.metrics.append_aggregate("val", self.cursor, steps, values)
+        self._update_status()
+        for callback in self.callbacks:
+            callback.on_validation_end(self.view)
 
     def _epoch_boundary(self, epoch: int) -> None:
-        self.view._epochs_completed = self.tree.fit.progress.total.completed
-        self._saved_current_state = False
+        steps = self.tree.step_counter.total
+        aggregates = self.logger.end_epoch()
+        if aggregates:
+            self.metrics.append_aggregate("train_epoch", self.cursor, steps, aggregates)
+        evaluation = self.tree.evaluation
+        if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
+            self._validate(steps)
+        self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)
         faults.reach("epoch_end")
         self._check_stop(self.tree.step_counter.total)
-        if self.checkpoints is not None and (self.config.checkpoint.at_epoch_end or self.stop.requested):
+        if self.checkpoints is not None and (self.stop.requested or self.checkpoints.due_at_epoch_end()):
             self._save(force=self.stop.requested)
 
     # ---- saving -----------------------------------------------------------------------
     def _save(self, force: bool = False) -> None:
-        steps = self.tree.step_counter.total
-        saved = self.checkpoints.save(self._state_tree, encode_tree(self.tree.progress_tree(self.cursor)),
-                                      self.cursor, steps, force)
-        self._saved_current_state = saved
-
-    def _state_tree(self, metrics_bytes: int) -> dict[str, Any]:
-        return {
-            "signature": self._signature(),
-            "module": self.module.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in self.setup.optimizers],
-            "schedulers": [schedule.scheduler.state_dict() for schedule in self.setup.schedules],
-            "loops": self.tree.loop_states(),
-            "rng": capture_global_rng().to_state(),
-            "callbacks": self._callback_states(),
-            "metrics_bytes": metrics_bytes,
-            "elapsed_seconds": self._elapsed(),
-        }
-
-    def _signature(self) -> dict[str, Any]:
-        """What must match between a checkpoint and the run that resumes it."""
-        return {
-            "tbptt_split_length": tbptt_split_length(self.module),
-            "carry_hidden_across_batches": bool(getattr(self.module, "carry_hidden_across_batches", False)),
-            "automatic_optimization": bool(getattr(self.module, "automatic_optimization", True)),
-            "optimizers": len(self.setup.optimizers),
-            "schedulers": len(self.setup.schedules),
-            "data_length": self.data.length,
-            "accumulate_grad": self.config.accumulate_grad,
-            "accumulate_over": self.config.accumulate_over,
-        }
-
-    def _callback_states(self) -> dict[str, Any]:
-        states = {key: callback.state_dict() for key, callback in self._callbacks_by_key().items()}
-        return {key: state for key, state in states.items() if state}
-
-    def _callbacks_by_key(self) -> dict[str, Callback]:
-        """Callbacks keyed by class, so their states survive adding or reordering callbacks."""
-        keyed: dict[str, Callback] = {}
-        for callback in self.callbacks:
-            base = f"{type(callback).__module__}.{type(callback).__qualname__}"
-            key, count = base, 1
-            while key in keyed:
-                count += 1
-                key = f"{base}#{count}"
-            keyed[key] = callback
-        return keyed
-
-    # ---- resuming ---------------------------------------------------------------------
-    def _restore_callbacks(self, name: str, saved: Any) -> None:
-        if not isinstance(saved, dict):
-            raise CheckpointCorrupt(f"{name}: the callback states are malformed")
-        current = self._callbacks_by_key()
-        for key, callback in current.items():
-            if key in saved:
-                callback.load_state_dict(saved[key])
-        dropped = [key for key, state in saved.items() if key not in current and state]
-        if dropped:
-            warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used", stacklevel=4)
-
-    def _find_checkpoint(self, resume: str) -> LoadedCheckpoint | None:
-        if resume == "off":
-            return None
-        if self.checkpoints is None:
-            if resume in ("auto", "off"):
-                return None
-            raise CheckpointNotFound(f"resume={resume!r} needs TrainerConfig.run_dir and a checkpoint policy")
-        if resume not in ("auto", "latest"):
-            return self.checkpoints.store.load(resume)
-        loaded = self.checkpoints.store.latest()
-        if loaded is not None:
-            return loaded
-        existing = self.checkpoints.store.committed_names()
-        if existing:
-            raise CheckpointCorrupt(
-                f"{len(existing)} checkpoint(s) in {self.storage.url} and none verifies; "
-                "refusing to start over silently (pass resume='off' to start a fresh run)"
-            )
-        if resume == "latest":
-            raise CheckpointNotFound(f"resume='latest' but {self.storage.url} holds no checkpoint")
-        return None
-
-    def _restore(self, loaded: LoadedCheckpoint) -> None:
-        state = loaded.state
-        if not isinstance(state, dict) or set(state) != STATE_KEYS:
-            raise CheckpointCorrupt(f"{loaded.name}: the state tree does not have the keys {sorted(STATE_KEYS)}")
-        _compare_signature(loaded.name, state["signature"], self._signature())
-        _check_module_state(loaded.name, self.module, state["module"])
-        try:
-            self.module.load_state_dict(state["module"], strict=True)
-            for optimizer, optimizer_state in zip(self.setup.optimizers, state["optimizers"], strict=True):
-                optimizer.load_state_dict(optimizer_state)
-            for schedule, scheduler_state in zip(self.setup.schedules, state["schedulers"], strict=True):
-                schedule.scheduler.load_state_dict(scheduler_state)
-            self.tree.load_progress(loaded.progress)
-            self.tree.load_loop_states(state["loops"])
-            self._restore_callbacks(loaded.name, state["callbacks"])
-            rng = RngSnapshot.from_state(state["rng"])
-        except CheckpointError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ProgressSchemaError) as error:
-            raise CheckpointIncompatible(f"{loaded.name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
-        self.metrics.resume_at(int(state["metrics_bytes"]))
-        self._elapsed_before = float(state["elapsed_seconds"])
-        self.cursor = loaded.progress.cursor
-        self.view._cursor = self.cursor
-        self.view._optimizer_steps = self.tree.step_counter.total
-        self.view._epochs_completed = self.tree.fit.progress.total.completed
-        restore_global_rng(rng)
+        snapshot = run_state.capture(self.parts, self.tree.progress_tree(self.cursor),
+                                     self.metrics.length_after_flush(), self._elapsed())
+        assert self.checkpoints is not None
+        self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
 
 
 def _check_module(module: Any) -> None:
@@ -287,27 +229,3 @@ def _check_module(module: Any) -> None:
     for method in ("training_step", "configure_optimizers"):
         if not callable(getattr(module, method, None)):
             raise ModuleContractError(f"{type(module).__name__} has no {method}() method (subclass engine.Module)")
-
-
-def _compare_signature(name: str, saved: Any, current: dict[str, Any]) -> None:
-    if not isinstance(saved, dict):
-        raise CheckpointCorrupt(f"{name}: the run signature is malformed")
-    differences = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
-                   for key, value in current.items() if saved.get(key) != value]
-    if differences:
-        raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
-
-
-def _check_module_state(name: str, module: torch.nn.Module, saved: Any) -> None:
-    if not isinstance(saved, dict):
-        raise CheckpointCorrupt(f"{name}: the module state is malformed")
-    current = module.state_dict()
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    if missing or unexpected:
-        raise CheckpointIncompatible(f"{name}: model keys differ: missing from checkpoint {missing}, not in model {unexpected}")
-    for key, tensor in current.items():
-        other = saved[key]
-        if not isinstance(other, torch.Tensor) or other.shape != tensor.shape or other.dtype != tensor.dtype:
-            shape = tuple(other.shape) if isinstance(other, torch.Tensor) else type(other).__name__
-            raise CheckpointIncompatible(f"{name}: model entry {key!r} is {shape} in the checkpoint, {tuple(tensor.shape)} {tensor.dtype} in the model")

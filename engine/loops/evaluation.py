@@ -1,0 +1,161 @@
+"""The evaluation loop: one validation pass over the validation data, isolated from training.
+
+A pass runs under ``torch.no_grad()`` with the module in eval mode (its previous mode restored
+after), and under random streams of its own: every global RNG is saved, seeded from the run's
+validation seed and the pass number, and put back afterwards. So a shuffled validation loader or
+dropout left on by the user draws the same numbers in every run and never shifts what training
+draws: training with and without validation is bit-identical.
+
+Passes are not checkpointed halfway: the checkpoint written right after a pass holds its results;
+a kill during a pass resumes from the checkpoint before it and runs the pass again from its
+start, which gives the same numbers (same weights, same seeded streams).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from engine import faults
+from engine.errors import DataError, ModuleContractError
+from engine.loops.step_output import Hidden, detach_hidden
+from engine.rng import capture_global_rng, restore_global_rng
+from engine.run.logged import MetricLogger
+from progress import Progress
+
+ValidationCall = Callable[[Any, Hidden], Any]
+Splitter = Callable[[Any, int], Sequence[Any]]
+
+
+class EvaluationLoop:
+    """Runs validation passes; ``progress`` counts passes, ``batches`` the batches of a pass."""
+
+    def __init__(self, module: torch.nn.Module, data: Iterable[Any], call_step: ValidationCall,
+                 splitter: Splitter | None, split_length: int | None, carry_hidden: bool,
+                 logger: MetricLogger) -> None:
+        self.progress = Progress()
+        self.batches = Progress()
+        self.seed: int | None = None
+        self.validated_at_step: int | None = None
+        self._hidden: Hidden = None
+        self._module = module
+        self._data = data
+        self._call_step = call_step
+        self._splitter = splitter
+        self._split_length = split_length
+        self._carry = carry_hidden
+        self._logger = logger
+
+    def choose_seed(self) -> None:
+        """At a fresh start: derive the validation seed from the global torch RNG *without*
+        drawing from it (a hash of its state), so it follows the user's seed."""
+        if self.seed is None:
+            digest = hashlib.sha256(bytes(torch.get_rng_state().tolist())).digest()
+            self.seed = int.from_bytes(digest[:8], "little") >> 1
+
+    def due_after_steps(self, optimizer_steps: int, every_n_steps: int) -> bool:
+        """Mid-epoch validation: due when the step count crosses a multiple of ``every_n_steps``."""
+        return optimizer_steps // every_n_steps > (self.validated_at_step or 0) // every_n_steps
+
+    def current_at(self, optimizer_steps: int) -> bool:
+        """Whether a pass already ran with the weights of step ``optimizer_steps`` (epoch-end
+        validation is then not repeated)."""
+        return self.validated_at_step == optimizer_steps
+
+    def run(self, optimizer_steps: int) -> dict[str, float]:
+        """One validation pass; returns its aggregated metrics."""
+        progress = self.progress
+        progress.increment_ready()
+        progress.increment_started()
+        assert self.seed is not None, "choose_seed() or load_state_dict() before run()"
+        self._logger.begin_evaluation()
+        try:
+            with _isolated_rng(self.seed + progress.total.started), torch.no_grad(), _eval_mode(self._module):
+                for batch in _batches(self._data):
+                    self._run_batch(batch)
+        except BaseException:
+            self._logger.end_evaluation()
+            raise
+        if self.batches.current.completed == 0:
+            raise DataError("the validation data yielded no batch")
+        self.batches.reset_current()
+        values = self._logger.end_evaluation()
+        self.validated_at_step = optimizer_steps
+        progress.increment_processed()
+        progress.increment_completed()
+        return values
+
+    def _run_batch(self, batch: Any) -> None:
+        batches = self.batches
+        batches.increment_ready()
+        batches.increment_started()
+        if not self._carry or batches.current.completed == 0:
+            self._hidden = None
+        if self._splitter is None or self._split_length is None:
+            self._record(self._call_step(batch, None))
+        else:
+            for split in self._splitter(batch, self._split_length):
+                output = self._call_step(split, self._hidden)
+                if not isinstance(output, (tuple, list)) or len(output) != 2:
+                    raise ModuleContractError("validation_step must return (loss or dict, hidden) when TBPTT is on")
+                result, hidden = output
+                self._hidden = detach_hidden(hidden)
+                self._record(result)
+        batches.increment_processed()
+        batches.increment_completed()
+        faults.reach("validation_batch_end")
+
+    def _record(self, result: Any) -> None:
+        if isinstance(result, dict):
+            for name, value in result.items():
+                self._logger.log(name, value, "mean")
+        elif isinstance(result, torch.Tensor):
+            self._logger.log("val_loss", result, "mean")
+        elif result is not None:
+            raise ModuleContractError(
+                f"validation_step must return a scalar loss, a dict of scalars or None; got {type(result).__name__}"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "validated_at_step": self.validated_at_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seed = int(state["seed"])
+        step = state["validated_at_step"]
+        self.validated_at_step = None if step is None else int(step)
+
+
+def _batches(data: Iterable[Any]) -> Iterator[Any]:
+    return iter(data)
+
+
+@contextlib.contextmanager
+def _isolated_rng(seed: int) -> Iterator[None]:
+    saved = capture_global_rng()
+    try:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        try:
+            import numpy
+
+            numpy.random.seed(seed % 2**32)
+        except ImportError:  # pragma: no cover - numpy is optional
+            pass
+        yield
+    finally:
+        restore_global_rng(saved)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training

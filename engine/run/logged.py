@@ -1,0 +1,134 @@
+"""Metrics logged with ``Module.log(name, value, reduce=...)``: per split, per epoch, per validation.
+
+A :class:`MetricLogger` is bound to the module for one fit. Values logged during a training split
+are reduced within the split (a step may run once per optimizer) and become that split's row; the
+same values also feed the epoch's running aggregate, whose state is checkpointed, so a run killed
+halfway through an epoch resumes with its partial sums. A validation pass aggregates into its own
+:class:`Aggregate`. ``latest`` keeps the newest value of every name (what ``FitResult.metrics``
+and ``RunView.metrics`` show).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from engine.errors import ModuleContractError
+
+Reduce = Literal["mean", "sum", "max", "min", "last"]
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min", "last")
+
+
+class Aggregate:
+    """Running reductions of named values: ``{name: [reduce, accumulated, count]}``."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[Any]] = {}
+
+    def add(self, name: str, value: float, reduce: str) -> None:
+        entry = self.entries.get(name)
+        if entry is None:
+            self.entries[name] = [reduce, value, 1]
+            return
+        if entry[0] != reduce:
+            raise ModuleContractError(f"metric {name!r} was logged with reduce={entry[0]!r} and then reduce={reduce!r}")
+        entry[1] = _combine(reduce, entry[1], value)
+        entry[2] += 1
+
+    def values(self) -> dict[str, float]:
+        """The reduced value of every name (``mean`` divides by the count)."""
+        return {name: accumulated / count if reduce == "mean" else accumulated
+                for name, (reduce, accumulated, count) in self.entries.items()}
+
+    def clear(self) -> None:
+        self.entries = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: list(entry) for name, entry in self.entries.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        entries = {}
+        for name, entry in state.items():
+            reduce, accumulated, count = entry
+            if reduce not in REDUCTIONS or not isinstance(count, int):
+                raise ValueError(f"metric {name!r}: malformed aggregate {entry!r}")
+            entries[str(name)] = [reduce, float(accumulated), count]
+        self.entries = entries
+
+
+def _combine(reduce: str, accumulated: float, value: float) -> float:
+    if reduce in ("mean", "sum"):
+        return accumulated + value
+    if reduce == "max":
+        return max(accumulated, value)
+    if reduce == "min":
+        return min(accumulated, value)
+    return value
+
+
+class MetricLogger:
+    """The sink behind ``Module.log`` for one fit."""
+
+    def __init__(self) -> None:
+        self.split = Aggregate()
+        self.epoch = Aggregate()
+        self.evaluation: Aggregate | None = None
+        self.latest: dict[str, float] = {}
+
+    def log(self, name: str, value: Any, reduce: str) -> None:
+        """Record ``value`` under ``name`` in the pass that is running (training or validation)."""
+        if not isinstance(name, str) or not name:
+            raise ModuleContractError(f"log: the name must be a non-empty string, got {name!r}")
+        if reduce not in REDUCTIONS:
+            raise ModuleContractError(f"log({name!r}): reduce must be one of {list(REDUCTIONS)}, got {reduce!r}")
+        number = _as_float(name, value)
+        if self.evaluation is not None:
+            self.evaluation.add(name, number, reduce)
+        else:
+            self.split.add(name, number, reduce)
+
+    def end_split(self) -> dict[str, float]:
+        """The split's reduced values (they also join the epoch's aggregate)."""
+        if not self.split.entries:
+            return {}
+        values = self.split.values()
+        for name, (reduce, _, _) in self.split.entries.items():
+            self.epoch.add(name, values[name], reduce)
+        self.split.clear()
+        self.latest.update(values)
+        return values
+
+    def end_epoch(self) -> dict[str, float]:
+        """The epoch's aggregates of the training values; the aggregate starts over."""
+        values = self.epoch.values()
+        self.epoch.clear()
+        self.latest.update(values)
+        return values
+
+    def begin_evaluation(self) -> None:
+        self.evaluation = Aggregate()
+
+    def end_evaluation(self) -> dict[str, float]:
+        values = {} if self.evaluation is None else self.evaluation.values()
+        self.evaluation = None
+        self.latest.update(values)
+        return values
+
+    def state_dict(self) -> dict[str, Any]:
+        # Taken at boundaries, where no split or validation is half done.
+        return {"epoch": self.epoch.state_dict(), "latest": dict(self.latest)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch.load_state_dict(state["epoch"])
+        self.latest = {str(name): float(value) for name, value in state["latest"].items()}
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ModuleContractError(f"log({name!r}): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ModuleContractError(f"log({name!r}): expected a number or a scalar tensor, got {type(value).__name__}")
+    return float(value)

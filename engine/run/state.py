@@ -1,0 +1,217 @@
+"""What a checkpoint holds: the run state tree, its keys, the run signature, capture, validation
+and restore. This is the one place that knows the tree::
+
+    {
+      "signature":       what must match between a checkpoint and the run resuming it
+      "module":          the model's state_dict
+      "optimizers":      [optimizer.state_dict(), ...]
+      "schedulers":      [scheduler.state_dict(), ...]
+      "loops":           {"flow", "split", "data", "logged", "evaluation"}  (LoopTree.loop_states)
+      "rng":             every global random stream (engine.rng)
+      "callbacks":       {callback key: callback.state_dict()}      (non-empty states only)
+      "metrics_bytes":   length of metrics.jsonl this checkpoint commits
+      "elapsed_seconds": training time so far, over every resumed process
+    }
+
+The progress tree (counters and cursor) travels beside it in the checkpoint's own file; both are
+produced by :func:`capture` as one :class:`RunSnapshot` and given back to :func:`restore`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from engine.callbacks import Callback
+from engine.config import TrainerConfig
+from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
+from engine.loops.tree import LoopTree, tbptt_split_length
+from engine.optim_setup import OptimizerSetup
+from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from progress import ProgressSchemaError, ProgressTree, encode_tree
+
+SIGNATURE = "signature"
+MODULE = "module"
+OPTIMIZERS = "optimizers"
+SCHEDULERS = "schedulers"
+LOOPS = "loops"
+RNG = "rng"
+CALLBACKS = "callbacks"
+METRICS_BYTES = "metrics_bytes"
+ELAPSED_SECONDS = "elapsed_seconds"
+
+STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS})
+LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
+# What two runs must agree on, bit for bit, to be the same run (the signature says how they were
+# set up and elapsed_seconds is wall time: neither is compared).
+COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
+
+
+@dataclasses.dataclass
+class RunParts:
+    """The live objects of one fit whose state a checkpoint captures."""
+
+    module: torch.nn.Module
+    setup: OptimizerSetup
+    tree: LoopTree
+    callbacks: Sequence[Callback]
+    config: TrainerConfig
+
+    def signature(self) -> dict[str, Any]:
+        """What must match between a checkpoint and the run that resumes it."""
+        module, config = self.module, self.config
+        return {
+            "tbptt_split_length": tbptt_split_length(module),
+            "carry_hidden_across_batches": bool(getattr(module, "carry_hidden_across_batches", False)),
+            "automatic_optimization": bool(getattr(module, "automatic_optimization", True)),
+            "optimizers": len(self.setup.optimizers),
+            "schedulers": len(self.setup.schedules),
+            "data_length": self.tree.data.length,
+            "accumulate_grad": config.accumulate_grad,
+            "accumulate_over": config.accumulate_over,
+            "validation": self.tree.evaluation is not None,
+        }
+
+    def callbacks_by_key(self) -> dict[str, Callback]:
+        """Callbacks keyed by class, so their states survive adding or reordering callbacks."""
+        keyed: dict[str, Callback] = {}
+        for callback in self.callbacks:
+            base = f"{type(callback).__module__}.{type(callback).__qualname__}"
+            key, count = base, 1
+            while key in keyed:
+                count += 1
+                key = f"{base}#{count}"
+            keyed[key] = callback
+        return keyed
+
+
+@dataclasses.dataclass
+class RunSnapshot:
+    """One checkpoint's content before encoding: the state tree and the encoded progress."""
+
+    state: dict[str, Any]
+    progress_bytes: bytes
+    progress: ProgressTree
+
+
+@dataclasses.dataclass
+class RestoredRun:
+    """What the run itself takes back from a checkpoint after :func:`restore`."""
+
+    metrics_bytes: int
+    elapsed_seconds: float
+
+
+def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed_seconds: float) -> RunSnapshot:
+    """The state tree of the run as it is now (tensors are the live ones: encode before training goes on)."""
+    callback_states = {key: callback.state_dict() for key, callback in parts.callbacks_by_key().items()}
+    state = {
+        SIGNATURE: parts.signature(),
+        MODULE: parts.module.state_dict(),
+        OPTIMIZERS: [optimizer.state_dict() for optimizer in parts.setup.optimizers],
+        SCHEDULERS: [schedule.scheduler.state_dict() for schedule in parts.setup.schedules],
+        LOOPS: parts.tree.loop_states(),
+        RNG: capture_global_rng().to_state(),
+        CALLBACKS: {key: value for key, value in callback_states.items() if value},
+        METRICS_BYTES: metrics_bytes,
+        ELAPSED_SECONDS: elapsed_seconds,
+    }
+    return RunSnapshot(state, encode_tree(progress), progress)
+
+
+def validate(name: str, state: Any) -> None:
+    """Check the shape of a decoded state tree without touching any run; CheckpointCorrupt
+    names what is wrong. Resume and ``inspect`` apply the same checks."""
+    if not isinstance(state, dict) or set(state) != STATE_KEYS:
+        keys = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointCorrupt(f"{name}: the state tree has keys {keys}, expected {sorted(STATE_KEYS)}")
+    _expect(name, SIGNATURE, state[SIGNATURE], dict)
+    _expect(name, MODULE, state[MODULE], dict)
+    for key, value in state[MODULE].items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointCorrupt(f"{name}: module entry {key!r} is not a named tensor")
+    _expect(name, OPTIMIZERS, state[OPTIMIZERS], list)
+    _expect(name, SCHEDULERS, state[SCHEDULERS], list)
+    for key in (OPTIMIZERS, SCHEDULERS):
+        if not all(isinstance(item, dict) for item in state[key]):
+            raise CheckpointCorrupt(f"{name}: {key} holds an entry that is not a state dict")
+    _expect(name, LOOPS, state[LOOPS], dict)
+    if set(state[LOOPS]) != LOOP_KEYS:
+        raise CheckpointCorrupt(f"{name}: loop states have keys {sorted(map(str, state[LOOPS]))}, expected {sorted(LOOP_KEYS)}")
+    _expect(name, CALLBACKS, state[CALLBACKS], dict)
+    metrics_bytes = state[METRICS_BYTES]
+    if isinstance(metrics_bytes, bool) or not isinstance(metrics_bytes, int) or metrics_bytes < 0:
+        raise CheckpointCorrupt(f"{name}: {METRICS_BYTES} must be a non-negative int, got {metrics_bytes!r}")
+    elapsed = state[ELAPSED_SECONDS]
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) or elapsed < 0:
+        raise CheckpointCorrupt(f"{name}: {ELAPSED_SECONDS} must be a finite non-negative number, got {elapsed!r}")
+    try:
+        RngSnapshot.from_state(state[RNG]).check()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as error:
+        raise CheckpointCorrupt(f"{name}: the RNG state is malformed: {error}") from error
+
+
+def _expect(name: str, key: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise CheckpointCorrupt(f"{name}: {key} must be a {kind.__name__}, got {type(value).__name__}")
+
+
+def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> None:
+    """Refuse a checkpoint written by another setup or for another model, naming the difference."""
+    saved, current = state[SIGNATURE], parts.signature()
+    differences = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
+                   for key, value in current.items() if saved.get(key) != value]
+    if differences:
+        raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
+    check_module_state(name, parts.module, state[MODULE])
+
+
+def check_module_state(name: str, module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
+    """Refuse model weights whose keys, shapes or dtypes differ from ``module``'s, naming them."""
+    module_state = module.state_dict()
+    missing = sorted(set(module_state) - set(saved_module))
+    unexpected = sorted(set(saved_module) - set(module_state))
+    if missing or unexpected:
+        raise CheckpointIncompatible(f"{name}: model keys differ: missing from checkpoint {missing}, not in model {unexpected}")
+    for key, tensor in module_state.items():
+        other = saved_module[key]
+        if other.shape != tensor.shape or other.dtype != tensor.dtype:
+            raise CheckpointIncompatible(f"{name}: model entry {key!r} is {tuple(other.shape)} {other.dtype} in the "
+                                         f"checkpoint, {tuple(tensor.shape)} {tensor.dtype} in the model")
+
+
+def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> RestoredRun:
+    """Put the run back to the checkpoint: validate, check compatibility, then load every part.
+    A failure raises (never a partial restore downgraded to a warning)."""
+    validate(name, state)
+    check_compatible(name, state, parts)
+    try:
+        parts.module.load_state_dict(state[MODULE], strict=True)
+        for optimizer, optimizer_state in zip(parts.setup.optimizers, state[OPTIMIZERS], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for schedule, scheduler_state in zip(parts.setup.schedules, state[SCHEDULERS], strict=True):
+            schedule.scheduler.load_state_dict(scheduler_state)
+        parts.tree.load_progress(progress)
+        parts.tree.load_loop_states(state[LOOPS])
+        _restore_callbacks(name, state[CALLBACKS], parts)
+        rng = RngSnapshot.from_state(state[RNG])
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ProgressSchemaError) as error:
+        raise CheckpointIncompatible(f"{name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
+    restore_global_rng(rng)
+    return RestoredRun(metrics_bytes=state[METRICS_BYTES], elapsed_seconds=float(state[ELAPSED_SECONDS]))
+
+
+def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> None:
+    current = parts.callbacks_by_key()
+    for key, callback in current.items():
+        if key in saved:
+            callback.load_state_dict(saved[key])
+    dropped = [key for key, state in saved.items() if key not in current and state]
+    if dropped:
+        warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used", stacklevel=5)

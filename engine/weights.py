@@ -1,0 +1,84 @@
+"""Weights out of a run: load a checkpoint's model state into a module, or export it as a plain
+``state_dict`` file.
+
+::
+
+    model = CharLM(vocab=100)
+    engine.load_weights(model, "runs/lm")                       # the newest checkpoint that verifies
+    engine.load_weights(model, "runs/lm", checkpoint="best")    # the best by CheckpointConfig.monitor
+    engine.export_weights("runs/lm", "lm.pt")                   # torch.load("lm.pt", weights_only=True)
+
+Checkpoints are verified as a resume verifies them (sizes, checksums, the state tree); a module
+whose keys, shapes or dtypes differ is refused with the differences named.
+"""
+
+from __future__ import annotations
+
+import os
+import torch
+
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from engine.errors import CheckpointIncompatible, CheckpointNotFound, ConfigError
+from engine.run import state as run_state
+
+
+def load_weights(module: torch.nn.Module, source: str, checkpoint: str = "latest") -> str:
+    """Load the model state of a run's checkpoint into ``module``; returns the checkpoint's name.
+
+    Args:
+        module: the model to fill (same architecture as the one trained).
+        source: the run directory (a path or fsspec URL).
+        checkpoint: ``"latest"`` (the newest that verifies), ``"best"`` (the best kept by
+            ``CheckpointConfig(monitor=...)``) or a checkpoint name ``ckpt-NNNNNNNNNN``.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"load_weights: module must be a torch.nn.Module, got {type(module).__name__}")
+    loaded = read_checkpoint(source, checkpoint)
+    weights = loaded.state[run_state.MODULE]
+    run_state.check_module_state(loaded.name, module, weights)
+    module.load_state_dict(weights, strict=True)
+    return loaded.name
+
+
+def export_weights(source: str, path: str, checkpoint: str = "latest") -> str:
+    """Write the model state of a run's checkpoint to ``path`` as a plain ``state_dict`` file
+    (``torch.save``), readable with ``torch.load(path, weights_only=True)``; returns the
+    checkpoint's name."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"export_weights: path must be a file path, got {path!r}")
+    if os.path.isdir(path):
+        raise ConfigError(f"export_weights: {path} is a directory; give a file name such as model.pt")
+    loaded = read_checkpoint(source, checkpoint)
+    weights = {key: tensor.detach().cpu().contiguous() for key, tensor in loaded.state[run_state.MODULE].items()}
+    temporary = f"{path}.tmp-{os.getpid()}"
+    torch.save(weights, temporary)
+    os.replace(temporary, path)
+    return loaded.name
+
+
+def read_checkpoint(source: str, checkpoint: str) -> LoadedCheckpoint:
+    """The verified checkpoint ``checkpoint`` of the run in ``source``."""
+    if not isinstance(source, str) or not source:
+        raise ConfigError(f"source must be a run directory path or URL, got {source!r}")
+    if not isinstance(checkpoint, str):
+        raise ConfigError(f"checkpoint must be 'latest', 'best' or a checkpoint name, got {checkpoint!r}")
+    try:
+        storage = Storage(source, create=False)
+    except ConfigError as error:
+        raise CheckpointNotFound(f"{source}: no such run directory") from error
+    store = CheckpointStore(storage, create=False)
+    if checkpoint == "best":
+        name = best_checkpoint_name(store)
+        return store.load(name, run_state.validate)
+    if checkpoint == "latest":
+        loaded = store.latest(run_state.validate)
+        if loaded is None:
+            raise CheckpointNotFound(f"{source} holds no checkpoint that verifies")
+        return loaded
+    return store.load(checkpoint, run_state.validate)
+
+
+def best_checkpoint_name(store: CheckpointStore) -> str:
+    """The best checkpoint that verifies, by the monitored metric recorded in its manifest."""
+    raise CheckpointNotFound(f"{store.storage.url}: no best checkpoint (set CheckpointConfig(monitor=...))")

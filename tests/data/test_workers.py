@@ -1,0 +1,260 @@
+"""DataLoader worker processes: random augmentation in ``__getitem__`` is exact after a resume
+(in-process from every checkpoint, and after a real SIGKILL of the process group), workers
+ignore the preemption signals, the user's worker_init_fn still runs, and setups that cannot be
+made exact say so once."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+import engine
+from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.storage import Storage
+from engine.data.position import EpochData
+from engine.data.workers import preemption_signals_blocked
+from resume_helpers import assert_same_run, copy_run_until
+from worker_training import AugmentedDataset, make_loader, seed_all, train
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(TESTS, "worker_training.py")
+# The repository root after tests/ on the path, so that tests/progress/ does not hide the
+# progress package from a script run out of tests/.
+ENVIRONMENT = dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
+
+
+def memory_url():
+    return f"memory://workers-{uuid.uuid4().hex}"
+
+
+def epoch_batches(loader, epoch=0):
+    data = EpochData(loader)
+    try:
+        return list(data.open_epoch(epoch))
+    finally:
+        data.close()
+
+
+def assert_same_batches(first, second):
+    assert len(first) == len(second)
+    for (x1, y1), (x2, y2) in zip(first, second):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+# ---- what a sample draws does not depend on the worker that loads it ----------------------
+
+
+def test_a_sample_draws_the_same_whatever_worker_loads_it():
+    batches = {}
+    for workers, persistent in [(1, False), (2, False), (2, True)]:
+        seed_all(0)
+        batches[workers, persistent] = epoch_batches(make_loader(persistent, workers=workers))
+    assert_same_batches(batches[1, False], batches[2, False])
+    assert_same_batches(batches[1, False], batches[2, True])
+
+
+def test_samples_draw_differently_in_each_epoch():
+    seed_all(0)
+    loader = make_loader(shuffle=False)
+    first, second = epoch_batches(loader, 0), epoch_batches(loader, 1)
+    assert not torch.equal(torch.cat([x for x, _ in first]), torch.cat([x for x, _ in second]))
+
+
+def test_a_loader_without_workers_is_iterated_as_given():
+    """No reseeding without workers: a plain run draws what a hand-written loop draws."""
+    loader = make_loader(workers=0)
+    data = EpochData(loader)
+    assert data.loader is loader
+    seed_all(0)
+    by_hand = list(loader)
+    seed_all(0)
+    assert_same_batches(by_hand, list(data.open_epoch(0)))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+def test_resume_from_every_checkpoint_with_augmenting_workers_is_exact(persistent):
+    reference = memory_url()
+    train(reference, persistent)
+    names = CheckpointStore(Storage(reference)).names()
+    assert len(names) >= 12
+    for name in names[:-1]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        result = train(resumed, persistent)
+        assert result.resumed_from == name
+        assert_same_run(reference, resumed)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_process_group_then_resume_is_exact(tmp_path):
+    reference = str(tmp_path / "reference")
+    final = train(reference).cursor
+    run_dir = str(tmp_path / "run")
+    process = subprocess.Popen([sys.executable, SCRIPT, run_dir, "--sleep", "0.2"], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=ENVIRONMENT)
+    try:
+        assert process.stdout.readline().strip() == "training"
+        while len(CheckpointStore(Storage(run_dir)).committed_names()) < 4:  # mid-epoch 0
+            assert process.poll() is None
+            time.sleep(0.02)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the main process and its workers, as a lost node
+        process.wait(60)
+        process.stdout.close()
+    assert process.returncode == -signal.SIGKILL
+    result = train(run_dir)
+    assert result.resumed_from is not None and result.resumed_cursor != final
+    assert_same_run(reference, run_dir)
+
+
+# ---- the engine's worker_init_fn -----------------------------------------------------------
+
+
+class WorkerReport(Dataset):
+    """Each sample reports what its worker saw: the SIGTERM/SIGUSR1 handlers and the value
+    the user's worker_init_fn stored on the dataset."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        ignored = [signal.getsignal(number) == signal.SIG_IGN for number in (signal.SIGTERM, signal.SIGUSR1)]
+        return torch.tensor(ignored + [getattr(self, "opened_by", -1) + 1])
+
+
+def user_worker_init(worker_id):
+    get_worker_info().dataset.opened_by = worker_id
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+def test_workers_ignore_the_preemption_signals_and_run_the_users_init(persistent):
+    loader = DataLoader(WorkerReport(), batch_size=None, num_workers=2, worker_init_fn=user_worker_init,
+                        persistent_workers=persistent)
+    data = EpochData(loader, worker_signals=(signal.SIGTERM, signal.SIGUSR1))
+    try:
+        reports = list(data.open_epoch(0))
+    finally:
+        data.close()
+    assert [report.tolist() for report in reports] == [[1, 1, 1], [1, 1, 2], [1, 1, 1], [1, 1, 2]]
+    assert loader.worker_init_fn is user_worker_init and isinstance(loader.dataset, WorkerReport)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process is untouched
+
+
+def test_a_batched_getitems_dataset_keeps_its_fast_path():
+    class Batched(AugmentedDataset):
+        calls = 0
+
+        def __getitems__(self, indices):
+            return [self[index] for index in indices]
+
+    seed_all(0)
+    first = epoch_batches(DataLoader(Batched(), batch_size=2, num_workers=1))
+    seed_all(0)
+    second = epoch_batches(DataLoader(Batched(), batch_size=2, num_workers=2))
+    assert_same_batches(first, second)
+
+
+# ---- setups that cannot be made exact warn once --------------------------------------------
+
+
+class RandomStream(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        for index in range(info.id, 8, info.num_workers):
+            yield torch.tensor([index + random.random()])
+
+
+class StreamModel(engine.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class StatefulDataLoader(DataLoader):
+    """A DataLoader subclass with its own state, as torchdata's StatefulDataLoader."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+NOT_EXACT = {
+    "iterable_persistent": (lambda: DataLoader(RandomStream(), batch_size=2, num_workers=2, persistent_workers=True),
+                            "RandomStream with persistent_workers=True"),
+    "stateful": (lambda: StatefulDataLoader(AugmentedDataset(), batch_size=4, num_workers=2),
+                 "StatefulDataLoader has num_workers=2 and its own state_dict()"),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(NOT_EXACT))
+def test_a_setup_that_cannot_be_exact_warns_once_per_fit(setup):
+    make, message = NOT_EXACT[setup]
+    model = StreamModel() if setup == "iterable_persistent" else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if model is not None:
+            engine.Trainer(engine.TrainerConfig(max_epochs=3, progress_bar="off")).fit(model, make())
+        else:
+            EpochData(make()).close()
+    assert sum(message in str(w.message) for w in caught) == 1
+
+
+def test_iterable_dataset_with_fresh_workers_does_not_warn():
+    loader = DataLoader(RandomStream(), batch_size=2, num_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EpochData(loader).close()
+
+
+def test_a_signal_while_workers_start_is_delivered_after_they_started():
+    """The preemption signals are blocked while workers are started (a worker inherits the
+    block until its init function ignores them); the main process gets the signal after."""
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
+    try:
+        with preemption_signals_blocked((signal.SIGUSR1,)):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert signal.SIGUSR1 in signal.sigpending()
+            assert received == []
+        assert received == [signal.SIGUSR1]
+        assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_iterable_dataset_with_fresh_workers_resumes_exactly_by_replaying_them():
+    """Without persistent workers each epoch starts workers seeded from the epoch's random
+    state; resuming replays the epoch's opening, so the fast-forward redraws the same stream."""
+    def run(run_dir):
+        torch.manual_seed(0)
+        loader = DataLoader(RandomStream(), batch_size=2, num_workers=2)
+        config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, progress_bar="off",
+                                      checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="resuming .* by drawing and dropping")
+            return engine.Trainer(config).fit(StreamModel(), loader)
+
+    reference = memory_url()
+    run(reference)
+    names = CheckpointStore(Storage(reference)).names()
+    for name in names[:-1]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        assert run(resumed).resumed_from == name
+        assert_same_run(reference, resumed)

@@ -1,0 +1,77 @@
+"""SIGKILL of real processes inside validation, inside an epoch's aggregation and right after a
+checkpoint that follows a validation: the finished run equals the uninterrupted one bit for bit
+(weights, every row of metrics.jsonl, early-stopping state)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resume_helpers import assert_same_run
+from validation_scenarios import train_validated
+import engine
+
+SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
+TIMEOUT = 120
+
+pytestmark = pytest.mark.slow
+
+
+def start(run_dir, faults=None, *args):
+    env = dict(os.environ)
+    env.pop("SPLITLOOP_FAULTS", None)
+    if faults:
+        env["SPLITLOOP_FAULTS"] = faults
+    return subprocess.Popen([sys.executable, SCRIPT, run_dir, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("reference"))
+    train_validated(run_dir, epochs=3, every_steps=5, callbacks=(engine.EarlyStopping("val_loss", patience=50),))
+    return run_dir
+
+
+def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(reference, tmp_path):
+    run_dir = str(tmp_path / "run")
+    kills = 0
+    for faults in ["validation_batch_end:2:sigkill", "validation_batch_end:5:sigkill",
+                   "checkpoint_after_rename:6:sigkill", "epoch_end:1:sigkill", None]:
+        process = start(run_dir, faults, "--patience", "50")
+        process.communicate(timeout=TIMEOUT)
+        if process.returncode == -signal.SIGKILL:
+            kills += 1
+        else:
+            assert process.returncode == 0
+    assert kills >= 3
+    assert_same_run(reference, run_dir)
+
+
+def test_sigkill_at_random_instants(reference, tmp_path):
+    rng = random.Random(2026)
+    run_dir = str(tmp_path / "run")
+    kills = 0
+    for _ in range(5):
+        process = start(run_dir, None, "--patience", "50", "--sleep", "0.01")
+        line = process.stdout.readline()
+        if not line.startswith("training"):
+            process.wait(TIMEOUT)
+            assert process.returncode == 0
+            break
+        time.sleep(rng.uniform(0.05, 1.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait(TIMEOUT)
+        kills += process.returncode == -signal.SIGKILL
+    process = start(run_dir, None, "--patience", "50")
+    process.communicate(timeout=TIMEOUT)
+    assert process.returncode == 0
+    assert kills >= 3
+    assert_same_run(reference, run_dir)

@@ -240,12 +240,13 @@ def _descriptor(target: Any, opened: list[int]) -> int:
 
 
 def popen(args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-          stdout: Any = None, stderr: Any = None, text: bool = False) -> Any:
+          stdout: Any = None, stderr: Any = None, text: bool = False, start_new_session: bool = False) -> Any:
     """Start ``args`` (``[sys.executable, SCRIPT | -m MODULE, ...]``) as a forked child, or
     with ``subprocess.Popen`` when the server is unavailable or ``args`` is something else."""
     args = [str(a) for a in args]
     if not (_forkable(args) and available()):
-        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+                                start_new_session=start_new_session)
     opened: list[int] = []
     readers: list[IO | None] = []
     handed: list[int] = [os.open(os.devnull, os.O_RDONLY)]
@@ -260,7 +261,8 @@ def popen(args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
             fd = _descriptor(target, opened)
             handed.append(inherited if fd == -1 else fd)
             readers.append(None)
-    request = {"argv": args, "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd()}
+    request = {"argv": args, "env": dict(os.environ if env is None else env), "cwd": cwd or os.getcwd(),
+               "new_session": start_new_session}
     control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         assert _server is not None
@@ -423,6 +425,8 @@ def _receive(control: socket.socket) -> tuple[dict, list[int]]:
 
 def _become_fresh(request: dict, base_path: list[str], dispositions: dict[int, Any]) -> tuple[str, str]:
     """Turn the forked child into what ``python ARGV`` started in ``cwd`` with ``env`` would be."""
+    if request.get("new_session"):
+        os.setsid()
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for signum, handler in dispositions.items():
         if signal.getsignal(signum) != handler:

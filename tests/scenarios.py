@@ -14,16 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import sys
 import time
 from typing import Any, Callable
-
-if __name__ == "__main__" and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
-    # `python tests/scenarios.py` puts tests/ first on sys.path, where the test directory
-    # tests/progress/ would shadow the progress package as a namespace package.
-    del sys.path[0]
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset

@@ -95,6 +95,17 @@ def test_a_signal_kills_the_child_and_the_test_sees_it(probe, signum):
     process.stdout.close()
 
 
+def test_a_new_session_makes_the_child_a_process_group_leader(probe):
+    process = forkserver.popen([sys.executable, probe, "wait"], env=environment(), stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    json.loads(process.stdout.readline())
+    assert process.stdout.readline() == "waiting\n"
+    assert os.getpgid(process.pid) == os.getsid(process.pid) == process.pid
+    os.killpg(process.pid, signal.SIGKILL)
+    assert process.wait(60) == -signal.SIGKILL
+    process.stdout.close()
+
+
 def test_an_uncaught_exception_prints_a_traceback_and_exits_1(probe):
     process = forkserver.popen([sys.executable, probe, "raise"], env=environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

@@ -81,8 +81,18 @@ class ForkedProcess:
                 raise RuntimeError(f"fork server lost child {self.pid} of {self.args}")
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
-        self.returncode = int(json.loads(line)["returncode"])
-        self._control.close()  # tells the server to reap the child: its pid may be reused from now on
+        returncode = int(json.loads(line)["returncode"])
+        # Have the server reap the child before returning, as subprocess does: a test may check
+        # next that its pid is gone. From here on the pid may be reused.
+        self._control.settimeout(None)
+        self._control.sendall(b"reap\n")
+        while not self._buffer.endswith(b"reaped\n"):
+            chunk = self._control.recv(4096)
+            if not chunk:
+                raise RuntimeError(f"fork server did not reap child {self.pid} of {self.args}")
+            self._buffer += chunk
+        self._control.close()
+        self.returncode = returncode
         return self.returncode
 
     def poll(self) -> int | None:
@@ -400,16 +410,21 @@ def _serve(address: str) -> dict:
                     data = child.control.recv(4096)
                 except OSError:
                     data = b""
-                if data:
+                if data and not (data.startswith(b"reap") and child.exited):
                     continue
-                # the test closed: it read the status, or gave up on the child
+                # the test read the status and asks for the reap, or it closed (gave up on the child)
                 selector.unregister(child.control)
-                child.control.close()
                 if not child.exited:
                     os.kill(child.pid, signal.SIGKILL)
                     selector.unregister(child.pidfd)
                 os.waitpid(child.pid, 0)
                 os.close(child.pidfd)
+                if data:
+                    try:
+                        child.control.sendall(b"reaped\n")
+                    except OSError:
+                        pass
+                child.control.close()
                 del children[child.pid]
 
 

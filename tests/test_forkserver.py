@@ -125,6 +125,8 @@ def test_an_exited_child_stays_a_zombie_until_its_status_is_read(probe):
     assert process.returncode is None
     process.send_signal(signal.SIGKILL)  # reaches the zombie: no effect
     assert process.wait(60) == 3
+    with pytest.raises(ProcessLookupError):  # reaped by the time wait returns, as with subprocess
+        os.kill(process.pid, 0)
 
 
 def process_state(pid):

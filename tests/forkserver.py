@@ -7,15 +7,19 @@ process that behaves as a fresh ``python SCRIPT ARGS`` / ``python -m MODULE ARGS
 
 - its own pid, killable at any instant; its exit code, or ``-N`` when killed by signal N, is
   reported to the test (the server holds the exited child as a zombie until the test has read
-  its status, so a pid the test signals is never reused meanwhile);
+  its status, so a pid the test signals is never reused meanwhile, and reaps it before
+  ``wait`` returns, as ``subprocess`` does);
 - the test's argv, environment (``SPLITLOOP_FAULTS`` included, read by the child's own code
   after the fork as in a fresh process), working directory and ``sys.path`` (script directory
   or working directory first, then ``PYTHONPATH``); stdin is /dev/null, stdout and stderr are
   the pipes or files the test gives;
-- the state of a fresh interpreter: the server only imported modules, so torch's RNG,
-  thread settings, the fault registry and ``memory://`` are untouched; ``random`` reseeds at
-  fork, numpy's global RNG is reseeded here; signal dispositions and mask are restored;
-- normal interpreter shutdown (atexit, uncaught exception -> traceback and exit 1).
+- the state of a fresh interpreter: the server only imported modules, so thread settings, the
+  fault registry and ``memory://`` are untouched; torch's and numpy's global RNGs are reseeded
+  from the OS as at a fresh start (``random`` reseeds itself at fork); signal dispositions and
+  mask are restored;
+- the end of a fresh interpreter (non-daemon threads joined, atexit handlers, stdio flushed,
+  an uncaught exception printed with exit code 1), without tearing down every module: in a
+  forked child that teardown would touch every page shared with the server and cost seconds.
 
 What a fork cannot give: a new ``PYTHONHASHSEED``, and environment variables read only at
 import time (the server's environment is the test process's; ``OMP_NUM_THREADS`` given to a
@@ -37,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from typing import IO, Any, Sequence
 
 DISABLE_VARIABLE = "SPLITLOOP_TESTS_FORKSERVER"
@@ -159,8 +164,6 @@ class ForkedProcess:
 
 
 def _now() -> float:
-    import time
-
     return time.monotonic()
 
 

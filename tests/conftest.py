@@ -31,3 +31,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """Start the fork server (tests/forkserver.py) while the first tests run, if a subprocess
+    test is going to need it: it imports torch once for all of them."""
+    if any(item.get_closest_marker("slow") for item in session.items):
+        import forkserver
+
+        forkserver.start()

@@ -1,4 +1,8 @@
-"""Run a scenario in a real subprocess, optionally armed to die at a fault point."""
+"""Run a scenario in a real subprocess, optionally armed to die at a fault point.
+
+The processes are forked from the tests' fork server (tests/forkserver.py: torch imported
+once) when it is available, else started with ``subprocess``; either way each is a real
+process that is SIGKILLed and whose exit status the test observes."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import forkserver
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
 TIMEOUT = 120
@@ -25,7 +31,7 @@ def environment(faults: str | None) -> dict[str, str]:
 
 def run_scenario(name: str, run_dir: str, faults: str | None = None, *args: str) -> subprocess.CompletedProcess:
     """Train in a subprocess; returns the completed process (returncode -9 when SIGKILLed)."""
-    return subprocess.run([sys.executable, SCRIPT, name, run_dir, *args], env=environment(faults),
+    return forkserver.run([sys.executable, SCRIPT, name, run_dir, *args], env=environment(faults),
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -46,7 +52,7 @@ def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_dela
     """Start the scenario, wait until it trains, SIGKILL it after a random delay. Returns
     False if it finished before the kill."""
     with tempfile.TemporaryFile(mode="w+") as stderr:  # a file, so a chatty child never blocks on a pipe
-        process = subprocess.Popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
+        process = forkserver.popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             line = process.stdout.readline()

@@ -12,6 +12,7 @@ import fsspec
 import pytest
 
 import engine
+import forkserver
 from engine import faults
 from engine.checkpoint.lease import LEASE_FILE, WriterLease
 from engine.faults.faulty_fs import FaultyFileSystem
@@ -175,11 +176,11 @@ def test_second_process_is_refused_and_first_one_finishes_exactly(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=4)
     run_dir = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--sleep", "0.2"],
+    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--sleep", "0.2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
     try:
         assert first.stdout.readline().startswith("training")
-        second = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"], capture_output=True,
+        second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"], capture_output=True,
                                 text=True, env=environment(None), timeout=120)
         first_still_running = first.poll() is None
         out, err = first.communicate(timeout=300)
@@ -198,14 +199,14 @@ def test_relaunch_after_the_first_writer_was_killed_takes_over(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=6)
     run_dir = str(tmp_path / "run")
-    first = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], stdout=subprocess.PIPE,
+    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=environment(None))
     assert first.stdout.readline().startswith("training")
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
     first.stdout.close()
     first.stderr.close()
-    second = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], capture_output=True,
+    second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "6"], capture_output=True,
                             text=True, env=environment(None), timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
     assert_same_run(reference, run_dir)

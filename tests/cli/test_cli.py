@@ -7,17 +7,22 @@ import sys
 
 import pytest
 
+import forkserver
 from engine.cli.main import main
 
 FINGERPRINT_PREFIX = "fingerprint: "
 
 
-def run_cli(*args, faults=None, check=True):
+def run_cli(*args, faults=None, check=True, fresh=False):
+    """``python -m engine ARGS`` in a child forked from the tests' fork server, or, with
+    ``fresh``, in a plain new interpreter (the real entry point, imports included)."""
     env = dict(os.environ)
     env.pop("SPLITLOOP_FAULTS", None)
+    env["OMP_NUM_THREADS"] = "1"  # a tiny model: threads only contend on a loaded machine
     if faults:
         env["SPLITLOOP_FAULTS"] = faults
-    process = subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, timeout=300)
+    start = subprocess.run if fresh else forkserver.run
+    process = start([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env, timeout=300)
     if check:
         assert process.returncode == 0, process.stderr[-3000:]
     return process
@@ -33,7 +38,7 @@ def fingerprint_of(output):
 
 @pytest.mark.slow
 def test_demo_is_deterministic_and_resumes_exactly(tmp_path):
-    first = run_cli("demo", "--dir", str(tmp_path / "a"), "--epochs", "2", "--progress", "off")
+    first = run_cli("demo", "--dir", str(tmp_path / "a"), "--epochs", "2", "--progress", "off", fresh=True)
     second = run_cli("demo", "--dir", str(tmp_path / "b"), "--epochs", "2", "--progress", "off")
     assert fingerprint_of(first.stdout) == fingerprint_of(second.stdout)
 

@@ -9,8 +9,10 @@ import pathlib
 import pytest
 
 import engine
+import forkserver
 from engine import faults
 from engine.faults import Fault
+from engine.faults import harness
 from engine.faults.harness import check_fault_tolerance
 from scenarios import harness_train, train_with_checkpoints
 
@@ -59,6 +61,7 @@ SIGKILL_HERE = ["step_start", "after_backward", "after_optimizer_step", "batch_e
 def test_sigkill_in_a_subprocess(tmp_path, monkeypatch):
     tests_dir = str(pathlib.Path(__file__).parent.parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(harness, "subprocess", forkserver.SubprocessShim)  # its children forked, not exec'd
     fault_list = matrix({point: ["sigkill"] for point in SIGKILL_HERE})
     fault_list.append(Fault("filesystem_write", 40, "sigkill"))
     report = check_fault_tolerance("scenarios:harness_train", fault_list, work_dir=str(tmp_path))
@@ -117,12 +120,16 @@ def test_sigkill_needs_a_subprocess(tmp_path):
 
 
 @pytest.mark.slow
-def test_chaos_command_prints_table_and_summary(tmp_path):
+def test_chaos_command_prints_table_and_summary(tmp_path, monkeypatch, capsys):
     import subprocess
-    import sys
 
-    process = subprocess.run([sys.executable, "-m", "engine", "chaos", "--dir", str(tmp_path), "--trials", "2"],
-                             capture_output=True, text=True, timeout=600)
+    from engine.cli.main import main
+
+    # the command runs here; each of its training attempts is a child forked from the fork server
+    monkeypatch.setattr(harness, "subprocess", forkserver.SubprocessShim)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for those children: a tiny model, threads only contend
+    status = main(["chaos", "--dir", str(tmp_path), "--trials", "2"])
+    process = subprocess.CompletedProcess([], status, *capsys.readouterr())
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.strip().splitlines()
     assert lines[-1] == "chaos: 2 trials, 2 exact, 0 failed"

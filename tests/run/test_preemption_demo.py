@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import forkserver
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from progress import Cursor
@@ -27,6 +28,7 @@ HANG_GUARD = 120  # seconds; a guard against a hang, not a timing assertion
 def environment():
     env = dict(os.environ)
     env.pop("SPLITLOOP_FAULTS", None)
+    env["OMP_NUM_THREADS"] = "1"  # a tiny model: threads only contend on a loaded machine
     return env
 
 
@@ -55,7 +57,7 @@ def preempt_until_finished(run_dir, rng):
     preemptions = 0
     while True:
         before = newest_checkpoint(run_dir)
-        process = subprocess.Popen(DEMO + ["--dir", run_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        process = forkserver.popen(DEMO + ["--dir", run_dir], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=environment())
         if wait_for_new_checkpoint(run_dir, process, before):
             time.sleep(rng.uniform(0.0, 0.6))
@@ -77,7 +79,7 @@ def preempt_until_finished(run_dir, rng):
 
 def test_sigterm_at_random_instants_of_the_demo(tmp_path):
     reference_dir = str(tmp_path / "reference")
-    reference = subprocess.run(DEMO + ["--dir", reference_dir], capture_output=True, text=True,
+    reference = forkserver.run(DEMO + ["--dir", reference_dir], capture_output=True, text=True,
                                env=environment(), timeout=HANG_GUARD)
     assert reference.returncode == 0, reference.stderr
     with open(os.path.join(reference_dir, "metrics.jsonl"), "rb") as metrics:

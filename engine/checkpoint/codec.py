@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Any
 
-import msgpack  # type: ignore[import-untyped]
+import msgpack
 import torch
 
 from engine.errors import CheckpointCorrupt, CheckpointWriteError

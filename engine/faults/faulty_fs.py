@@ -60,7 +60,7 @@ class FaultyFileSystem(fsspec.AbstractFileSystem):
         self.inner.rm_file(path)
 
     # -- read-type calls pass through ------------------------------------------------
-    def _strip_protocol(self, path: str) -> str:  # type: ignore[override]
+    def _strip_protocol(self, path: str) -> str:
         return self.inner._strip_protocol(path)
 
     def exists(self, path: str, **kwargs: Any) -> bool:

@@ -141,6 +141,9 @@ class TrainerConfig:
         val_every_n_steps: with ``val_data``, validate whenever the optimizer-step count
             crosses a multiple of N (mid-epoch); None validates only at epoch ends.
         val_at_epoch_end: with ``val_data``, validate after each epoch.
+        distributed_sampler: under torchrun, give each rank its shard of a map-style
+            DataLoader through an inserted ``DistributedSampler`` (a loader that has one is
+            kept); False leaves the data as given. See docs/distributed.md.
     """
 
     max_epochs: int | None = 1
@@ -162,6 +165,7 @@ class TrainerConfig:
     precision: Precision = "32"
     val_every_n_steps: int | None = None
     val_at_epoch_end: bool = True
+    distributed_sampler: bool = True
 
     def __post_init__(self) -> None:
         owner = "TrainerConfig"
@@ -185,6 +189,7 @@ class TrainerConfig:
         _one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
         _positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
         _one_of(owner, "val_at_epoch_end", self.val_at_epoch_end, [True, False])
+        _one_of(owner, "distributed_sampler", self.distributed_sampler, [True, False])
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
             raise ConfigError(f"{owner}.run_dir: expected a non-empty path or URL string, got {self.run_dir!r}")

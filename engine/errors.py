@@ -10,7 +10,8 @@
     │   ├── CheckpointCorrupt    a file is torn, truncated, tampered with or hostile
     │   ├── CheckpointIncompatible  the checkpoint does not match the current run
     │   ├── CheckpointWriteError a checkpoint could not be written (I/O error, bad state)
-    │   └── WriterConflict       another process is writing checkpoints to the same run dir
+    │   ├── WriterConflict       another process is writing checkpoints to the same run dir
+    │   └── ReplicaDivergence    the ranks of a distributed run disagree on replicated state
     └── InjectedFault            raised by the fault-injection harness (engine.faults)
 """
 
@@ -57,6 +58,11 @@ class CheckpointWriteError(CheckpointError):
 
 class WriterConflict(CheckpointError):
     """Another live process holds the run directory's writer lease."""
+
+
+class ReplicaDivergence(CheckpointError):
+    """The ranks of a distributed run hold different replicated state (parameters, optimizer,
+    progress) at a checkpoint; the checkpoint is not committed. Never downgraded to a warning."""
 
 
 class InjectedFault(EngineError):

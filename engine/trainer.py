@@ -12,6 +12,7 @@ from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
 from engine.data.checks import check_reiterable
+from engine.distributed.preemption_marker import preempted_exit_status
 from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.run import FitRun
@@ -84,6 +85,6 @@ class Trainer:
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:
             print(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "
-                  f"{result.cursor}; exiting with {self.config.preemption_exit_code}", file=sys.stderr, flush=True)
-            raise SystemExit(self.config.preemption_exit_code)
+                  f"{result.cursor}; exiting with {preempted_exit_status(self.config.preemption_exit_code)}", file=sys.stderr, flush=True)
+            raise SystemExit(preempted_exit_status(self.config.preemption_exit_code))
         return result

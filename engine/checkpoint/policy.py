@@ -24,6 +24,7 @@ from engine.checkpoint.storage import Storage
 from progress import Cursor
 
 if TYPE_CHECKING:
+    from engine.distributed.commit import GroupCommit
     from engine.run.state import RunSnapshot
 
 BoundaryMark = tuple[int, int]
@@ -31,8 +32,11 @@ StateValidator = Callable[[str, Any], None]
 
 
 class RunCheckpointer:
-    def __init__(self, storage: Storage, policy: CheckpointConfig, metrics: MetricsLog) -> None:
+    def __init__(self, storage: Storage, policy: CheckpointConfig, metrics: MetricsLog,
+                 group: GroupCommit | None = None) -> None:
         self.store = CheckpointStore(storage)
+        # A distributed run: rank 0 holds the one lease of the job and commits (engine.distributed).
+        self._group = group
         self.policy = policy
         self._storage = storage
         self._metrics = metrics
@@ -49,15 +53,23 @@ class RunCheckpointer:
     def acquire(self) -> None:
         """Take the writer lease (WriterConflict if another live process holds it) and clean
         up what crashed writers left. Call before reading checkpoints to resume."""
-        self._lease.acquire(minimum_generation=self.store.newest_generation())
-        self._metrics.fence = self._lease.verify
-        self.store.remove_temporaries()
+        if self._group is None or self._group.is_writer:
+            self._lease.acquire(minimum_generation=self.store.newest_generation())
+            self._metrics.fence = self._lease.verify
+            self.store.remove_temporaries()
+        if self._group is not None:
+            self._group.after_acquire(self.store)
 
     def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         """The checkpoint to resume from (``resume`` as in ``Trainer.fit``), or None to start
         fresh. "auto"/"latest" take the newest that verifies and whose state passes
         ``validate``; a run dir whose every checkpoint is invalid is refused, never restarted
         silently."""
+        if self._group is not None:
+            return self._group.select(functools.partial(self._select, resume, validate), self.store, validate)
+        return self._select(resume, validate)
+
+    def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         if resume == "off":
             return None
         if resume not in ("auto", "latest"):
@@ -83,9 +95,9 @@ class RunCheckpointer:
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         if self.policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, self.policy.keep_last, also_sync,
-                                            self.policy.max_in_flight, self.policy.when_behind)
+                                            self.policy.max_in_flight, self.policy.when_behind, self._group)
         else:
-            self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync)
+            self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync, self._group)
 
     def holds(self, mark: BoundaryMark) -> bool:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
@@ -115,8 +127,14 @@ class RunCheckpointer:
             if metrics_bytes != snapshot.state["metrics_bytes"]:
                 raise CheckpointWriteError(f"metrics.jsonl will hold {metrics_bytes} bytes, the snapshot recorded "
                                            f"{snapshot.state['metrics_bytes']}")
-            pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor,
-                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes))
+            if self._group is None:
+                encoded, digest = encode_state(snapshot.state), None
+            else:
+                encoded, digest = self._group.encode(snapshot.state, snapshot.progress_bytes)
+                force = True  # every rank must write every agreed checkpoint: none is skipped
+            pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
+                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
+                                        digest=digest)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise

@@ -33,6 +33,7 @@ from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
 from engine.checkpoint.storage import Storage
+from engine.distributed.state_parts import is_rank_file
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"
@@ -88,6 +89,8 @@ class LoadedCheckpoint:
     manifest: Manifest
     progress: ProgressTree
     state: Any
+    # Verified bytes of files beyond DATA_FILES (the per-rank parts of a distributed run).
+    extra_files: dict[str, bytearray] = dataclasses.field(default_factory=dict)
 
 
 StateValidator = Callable[[str, Any], None]
@@ -135,15 +138,19 @@ class CheckpointStore:
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
               generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
               on_data_written: Callable[[], None] | None = None,
-              fence: Callable[[], None] | None = None) -> str:
+              fence: Callable[[], None] | None = None, staging: str | None = None,
+              gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
         """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
         ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
         ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
-        (raising WriterConflict) runs immediately before the commit point."""
+        (raising WriterConflict) runs immediately before the commit point. A distributed run
+        (engine.distributed.commit) names the shared ``staging`` directory and passes
+        ``gather_parts``, which returns the other ranks' durable files for the manifest."""
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
-        staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
+        if staging is None:
+            staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
         renamed = False
         try:
@@ -170,6 +177,8 @@ class CheckpointStore:
                 on_data_written()
             if overlap:
                 pending.wait()
+            if gather_parts is not None:
+                records.update(gather_parts())
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation)
             if not atomic_rename and fence is not None:
@@ -203,6 +212,11 @@ class CheckpointStore:
             self.storage.remove_tree(directory)
         except OSError:
             pass  # a partial directory without a manifest is ignored by readers anyway
+
+    def discard_staging(self, staging: str) -> None:
+        """Remove an uncommitted staging directory ``tmp-*`` (others are left to readers)."""
+        if _TEMPORARY.fullmatch(staging):
+            self._discard(f"{CHECKPOINT_DIR}/{staging}")
 
     def remove_temporaries(self) -> None:
         """Delete staging directories left by crashed writers (call while holding the lease)."""
@@ -280,8 +294,10 @@ class CheckpointStore:
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
-        if set(manifest.files) != set(DATA_FILES):
-            raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)}")
+        extra = set(manifest.files) - set(DATA_FILES)
+        if not set(DATA_FILES) <= set(manifest.files) or not all(map(is_rank_file, extra)):
+            raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)} "
+                                    "(and rank-NNNNN.bin/.msgpack parts of a distributed run)")
         contents = {}
         for file_name, record in manifest.files.items():
             path = f"{directory}/{file_name}"
@@ -305,7 +321,7 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
         if validate is not None:
             validate(name, state)
-        return LoadedCheckpoint(name, manifest, progress, state)
+        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

@@ -13,15 +13,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.lease import WriterLease
+from engine.checkpoint.manifest import FileRecord
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
+
+if TYPE_CHECKING:
+    from engine.distributed.commit import GroupCommit
 
 
 @dataclasses.dataclass
@@ -32,6 +36,8 @@ class PendingCheckpoint:
     buffers: "SnapshotBuffers | None" = None
     # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
     publish_metrics: Callable[[], None] | None = None
+    # A distributed run's digest of its replicated state (compared across ranks at commit).
+    digest: dict[str, int] | None = None
 
 
 class SnapshotBuffers:
@@ -90,26 +96,36 @@ class _Committer:
     """What both writers do with a pending checkpoint."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
-                 also_sync: Callable[[], list[str]]) -> None:
+                 also_sync: Callable[[], list[str]], group: "GroupCommit | None" = None) -> None:
         self.store = store
+        self.group = group
         self.lease = lease
         self.keep_last = keep_last
         self.also_sync = also_sync
         self.last_name: str | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
+        if self.group is not None:  # a distributed run: every rank writes its part (engine.distributed.commit)
+            self.last_name = self.group.commit(self, pending)
+        else:
+            self.last_name = self.commit_files(pending)
+
+    def commit_files(self, pending: PendingCheckpoint, sequence: int | None = None, staging: str | None = None,
+                     gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
+        """Fence, publish the metrics lines, write and commit, apply retention; the name."""
         fence = self.lease.verify if self.lease is not None else None
         if fence is not None:
             fence()
         if pending.publish_metrics is not None:
             pending.publish_metrics()
         generation = self.lease.generation if self.lease is not None else 0
-        self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
-                                          also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
-                                          fence=fence)
+        name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
+                                also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
+                                fence=fence, staging=staging, gather_parts=gather_parts)
         if fence is not None:
             fence()  # a writer fenced off after its commit point deletes nothing
         self.store.apply_retention(self.keep_last, generation if self.lease is not None else None)
+        return name
 
     def release(self, pending: PendingCheckpoint) -> None:
         """The snapshot's tensors are no longer needed (their bytes are written)."""
@@ -140,8 +156,9 @@ class BackgroundWriter(_Committer):
     queued (a forced one, the last of a run or of a preemption, always waits)."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
-                 also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str) -> None:
-        super().__init__(store, lease, keep_last, also_sync)
+                 also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
+                 group: "GroupCommit | None" = None) -> None:
+        super().__init__(store, lease, keep_last, also_sync, group)
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._condition = threading.Condition()

@@ -19,7 +19,7 @@ step (the schedule follows the parameters' updates); skipped steps are counted a
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -30,6 +30,14 @@ from engine.optim_setup import OptimizerSetup
 from progress import Progress
 
 ReadOutput = Callable[[Any], "tuple[torch.Tensor, Hidden]"]
+
+
+class GradientSync(Protocol):
+    """How a distributed run syncs gradients (engine.distributed.data_parallel)."""
+
+    def set_will_step(self, will_step: bool) -> None: ...
+
+    def sync_open_window(self, parameters: list[torch.nn.Parameter]) -> None: ...
 
 
 class StepCounter:
@@ -85,8 +93,10 @@ class AutomaticFlow:
         clip: Callable[[list[torch.nn.Parameter]], object] | None,
         precision: Precision,
         step_counter: StepCounter,
+        gradient_sync: GradientSync | None = None,
     ) -> None:
         self._call_step = call_step
+        self._gradient_sync = gradient_sync
         self._precision = precision
         self._step_counter = step_counter
         self._read_output = read_output
@@ -116,13 +126,15 @@ class AutomaticFlow:
             optimizer.zero_grad()
             self.needs_zero_grad[optimizer_index] = False
         faults.reach("step_start")
+        unit_ends = last_split or self._per_split
+        window_full = unit_ends and self.units_since_step + 1 >= self._accumulate
+        if self._gradient_sync is not None:
+            self._gradient_sync.set_will_step(window_full)
         with self._precision.autocast():
             loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
         self._precision.backward(loss / self._accumulate if self._accumulate > 1 else loss)
         faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True
-        unit_ends = last_split or self._per_split
-        window_full = unit_ends and self.units_since_step + 1 >= self._accumulate
         if window_full:
             self._step(optimizer_index)
         if unit_ends and optimizer_index == self._last_index:
@@ -151,6 +163,8 @@ class AutomaticFlow:
     def end_epoch(self) -> None:
         """Step a window left open by the end of the data, then epoch-interval schedulers."""
         stepped = False
+        if self._gradient_sync is not None and any(self.pending_backward):
+            self._gradient_sync.sync_open_window(self._parameters)
         for index, pending in enumerate(self.pending_backward):
             if pending:
                 self._step(index)

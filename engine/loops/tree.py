@@ -22,6 +22,8 @@ import torch
 
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
+from engine.distributed.data_parallel import DataParallelStep
+from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
@@ -34,7 +36,7 @@ from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
 from engine.data.splitting import split_along_time
 from engine.optim_setup import OptimizerSetup
-from engine.run.compiled import training_step_of
+from engine.run.compiled import original_module, training_step_of
 from engine.run.device import OnDevice, move_to_device
 from engine.run.logged import MetricLogger
 from progress import ProgressTree
@@ -138,6 +140,7 @@ def build_loops(
     device: torch.device,
     logger: MetricLogger,
     val_data: Iterable[Any] | None = None,
+    distributed: DistributedContext | None = None,
 ) -> LoopTree:
     """Compose the loops; ``module`` is the user's module (possibly ``torch.compile``d) and
     already on ``device``."""
@@ -151,7 +154,11 @@ def build_loops(
         )
     automatic = bool(getattr(module, "automatic_optimization", True))
     several = automatic and len(setup.optimizers) > 1
-    call_step = make_step_call(training_step_of(module), tbptt, several, position)
+    step = training_step_of(module)
+    data_parallel = None if distributed is None else DataParallelStep(original_module(module), step, distributed)
+    if data_parallel is not None:
+        step = data_parallel.step  # each step is a DDP forward, so its backward syncs gradients
+    call_step = make_step_call(step, tbptt, several, position)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
     precision = make_precision(config.precision, device)
@@ -159,7 +166,7 @@ def build_loops(
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,
-            config.accumulate_over == "splits", _clipper(config), precision, step_counter,
+            config.accumulate_over == "splits", _clipper(config), precision, step_counter, data_parallel,
         )
     else:
         if config.accumulate_grad != 1 or config.gradient_clip_val is not None:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine import faults
+from engine import distributed, faults
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
@@ -48,6 +48,8 @@ class FitRun:
         self.config = config
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
+        # A torchrun worker joins its process group here (None when this process runs alone).
+        self.distributed = distributed.join(self.device)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
@@ -55,20 +57,25 @@ class FitRun:
         bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
+        if self.distributed is not None and config.distributed_sampler:
+            train_data = distributed.shard_loader(train_data, self.distributed)
         self.data = EpochData(train_data, config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.device,
-                                          self.logger, val_data)
+                                          self.logger, val_data, self.distributed)
         bind_precision(original_module(module), self.tree.precision)
-        self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config)
+        world_size = 1 if self.distributed is None else self.distributed.world_size
+        self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config, world_size)
         self.storage = storage
-        self.metrics = MetricsLog(storage)
-        self.checkpoints = (RunCheckpointer(storage, config.checkpoint, self.metrics)
+        writes_metrics = self.distributed is None or self.distributed.is_writer
+        self.metrics = MetricsLog(storage if writes_metrics else None)
+        group = None if self.distributed is None else distributed.GroupCommit(self.distributed)
+        self.checkpoints = (RunCheckpointer(storage, config.checkpoint, self.metrics, group)
                             if storage is not None and config.checkpoint else None)
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self.stop.request)
-        self.display = Display(config.progress_bar, config.log_every_seconds, self.data.length, tbptt=self.tree.split is not None)
+        self.display = Display(config.progress_bar if writes_metrics else "off", config.log_every_seconds, self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
@@ -102,7 +109,9 @@ class FitRun:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
         preempted = self.stop.preempted
-        if preempted and self.config.requeue_command:
+        if preempted and self.distributed is not None and self.distributed.is_writer:
+            distributed.write_preemption_marker(self.stop.reason, None if self.checkpoints is None else self.checkpoints.last_name)
+        if preempted and self.config.requeue_command and (self.distributed is None or self.distributed.is_writer):
             run_requeue_command(self.config.requeue_command)
         return FitResult(
             cursor=self.cursor,
@@ -171,6 +180,8 @@ class FitRun:
         position = self.position
         cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values = [loss.item() for loss in losses]
+        if self.distributed is not None:
+            values = distributed.mean_losses(self.distributed, values)
         steps = self.tree.step_counter.total
         self.metrics.append(cursor, values, steps, self.logger.end_split())
         self.display.update(cursor, values[0], steps)
@@ -182,8 +193,12 @@ class FitRun:
         self._check_stop(steps)
         if self.checkpoints is not None:
             self.checkpoints.check()
-            if self.stop.requested or validated or self.checkpoints.due_at_split(self.tree.units_completed(), steps):
-                self._save(force=self.stop.requested)
+        due = self.checkpoints is not None and (
+            self.stop.requested or validated or self.checkpoints.due_at_split(self.tree.units_completed(), steps))
+        if self.distributed is not None:
+            due = self._agree(due)
+        if due:
+            self._save(force=self.stop.requested)
         faults.reach("split_end_after_checkpoint")
 
     def _check_stop(self, steps: int) -> None:
@@ -192,6 +207,16 @@ class FitRun:
         reason = split_boundary_stop_reason(steps, self.config.max_steps, self._elapsed(), self.config.max_time)
         if reason is not None:
             self.stop.request(reason)
+
+    def _agree(self, checkpoint_due: bool) -> bool:
+        """Distributed: every rank takes the same stop and checkpoint decisions at this boundary."""
+        assert self.distributed is not None
+        agreed = distributed.agree(self.distributed, self.stop.preempted, self.stop.requested, checkpoint_due)
+        if agreed.preempted and not self.stop.preempted:
+            self.stop.request_preemption("preempted (the signal reached another rank)")
+        elif agreed.stop and not self.stop.requested:
+            self.stop.request("stop requested on another rank")
+        return agreed.checkpoint and self.checkpoints is not None
 
     def _validate_if_due(self, steps: int) -> bool:
         evaluation, every = self.tree.evaluation, self.config.val_every_n_steps
@@ -222,7 +247,10 @@ class FitRun:
             callback.on_epoch_end(self.view)
         faults.reach("epoch_end")
         self._check_stop(self.tree.step_counter.total)
-        if self.checkpoints is not None and (self.stop.requested or self.checkpoints.due_at_epoch_end()):
+        due = self.checkpoints is not None and (self.stop.requested or self.checkpoints.due_at_epoch_end())
+        if self.distributed is not None:
+            due = self._agree(due)
+        if due:
             self._save(force=self.stop.requested)
 
     # ---- saving -----------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
+from engine.distributed.state_parts import WORLD_SIZE, check_world_size
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.optim_setup import OptimizerSetup
@@ -66,6 +67,7 @@ class RunParts:
     tree: LoopTree
     callbacks: Sequence[Callback]
     config: TrainerConfig
+    world_size: int = 1  # processes of a distributed run (engine.distributed)
 
     def signature(self) -> dict[str, Any]:
         """What must match between a checkpoint and the run that resumes it."""
@@ -81,6 +83,8 @@ class RunParts:
             "accumulate_over": config.accumulate_over,
             "precision": config.precision,
             "validation": self.tree.evaluation is not None,
+            # Only a distributed run records it, so single-process checkpoints stay as they were.
+            **({WORLD_SIZE: self.world_size} if self.world_size > 1 else {}),
         }
 
     def callbacks_by_key(self) -> dict[str, Callback]:
@@ -175,6 +179,7 @@ def _expect(name: str, key: str, value: Any, kind: type) -> None:
 def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> None:
     """Refuse a checkpoint written by another setup or for another model, naming the difference."""
     saved, current = state[SIGNATURE], parts.signature()
+    check_world_size(name, saved, parts.world_size)
     differences = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
                    for key, value in current.items() if saved.get(key) != value]
     if differences:

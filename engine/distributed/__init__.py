@@ -1,0 +1,23 @@
+"""Distributed training under torchrun: the process group, DDP, data shards, per-rank state and
+the commit of one checkpoint by every rank. See docs/distributed.md.
+
+One job per module:
+
+* :mod:`~engine.distributed.environment`: detect torchrun, join the process group;
+* :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
+* :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders;
+* :mod:`~engine.distributed.agreement`: losses and stop / checkpoint decisions per boundary;
+* :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;
+* :mod:`~engine.distributed.commit`: one checkpoint for all ranks;
+* :mod:`~engine.distributed.preemption_marker`: a preemption the launcher can see;
+* :mod:`~engine.distributed.launch`: ``python -m engine launch -- torchrun ...``.
+"""
+
+from engine.distributed.agreement import AgreedFlags, agree, mean_losses
+from engine.distributed.commit import GroupCommit
+from engine.distributed.environment import DistributedContext, join
+from engine.distributed.preemption_marker import preempted_exit_status, write_preemption_marker
+from engine.distributed.sampler import shard_loader
+
+__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "agree", "join", "mean_losses",
+           "preempted_exit_status", "shard_loader", "write_preemption_marker"]

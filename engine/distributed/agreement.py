@@ -1,0 +1,46 @@
+"""What the ranks agree on at each split boundary, with one small collective each.
+
+* The losses written to metrics.jsonl: every rank's losses are gathered and averaged in rank
+  order (a fixed order, so the mean is the same bits on every run with the same world size).
+* Whether to stop, whether the stop is a preemption, and whether to checkpoint: each flag is
+  the maximum over the ranks. A signal that reaches one rank (or a ``max_time`` that one rank's
+  clock passes first) therefore stops every rank at the same boundary, and the checkpoint
+  policy's decisions (``every_seconds`` reads a clock) are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed.environment import DistributedContext
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreedFlags:
+    """The boundary's decisions, equal on every rank."""
+
+    preempted: bool
+    stop: bool
+    checkpoint: bool
+
+
+def mean_losses(context: DistributedContext, losses: list[float]) -> list[float]:
+    """The mean of each loss over the ranks, summed in rank order."""
+    local = context.rank_tensor(losses)
+    gathered = [torch.empty_like(local) for _ in range(context.world_size)]
+    dist.all_gather(gathered, local)
+    total = gathered[0].cpu().clone()
+    for other in gathered[1:]:
+        total += other.cpu()
+    return (total / context.world_size).tolist()
+
+
+def agree(context: DistributedContext, preempted: bool, stop: bool, checkpoint: bool) -> AgreedFlags:
+    """Each flag is True on every rank when it is True on any rank."""
+    flags = context.rank_tensor([float(preempted), float(stop), float(checkpoint)])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    values = flags.cpu().tolist()
+    return AgreedFlags(values[0] > 0, values[1] > 0, values[2] > 0)

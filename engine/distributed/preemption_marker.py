@@ -1,0 +1,44 @@
+"""Tell the launcher that a distributed run stopped for a preemption.
+
+``torchrun`` exits 1 when a worker fails and 0 when all succeed, whatever status they returned,
+so a worker's exit status 75 cannot reach the scheduler (and a non-zero worker status would make
+torchrun restart the group). Instead, under torchrun a preempted run's workers exit 0 and rank
+0, after the preemption checkpoint has committed, writes a small JSON marker at the path
+``SPLITLOOP_PREEMPTION_MARKER`` names. ``python -m engine launch -- torchrun ...`` sets that
+variable, and turns a marker into its own exit status (75 by default). See docs/preemption.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Mapping
+
+MARKER_VARIABLE = "SPLITLOOP_PREEMPTION_MARKER"
+
+
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a torchrun (torch.distributed.elastic) worker."""
+    environ = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in environ
+
+
+def write_preemption_marker(reason: str | None, checkpoint: str | None) -> None:
+    """Record (atomically) that the run stopped for a preemption after committing ``checkpoint``;
+    nothing when no launcher asked for a marker."""
+    path = os.environ.get(MARKER_VARIABLE)
+    if not path:
+        return
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump({"reason": reason, "checkpoint": checkpoint, "time_unix": time.time()}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def preempted_exit_status(configured: int) -> int:
+    """The status a preempted worker exits with: ``configured`` alone, 0 under torchrun (the
+    marker carries the preemption to ``python -m engine launch``)."""
+    return 0 if under_torchrun() else configured

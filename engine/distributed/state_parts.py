@@ -1,0 +1,111 @@
+"""Which parts of the run state are replicated and which belong to one rank.
+
+* **Replicated** (identical on every rank, written once by rank 0 in the checkpoint's main
+  files): the module, the optimizers, the schedulers and the progress counters.
+* **Per rank** (saved by each rank under its own files ``rank-NNNNN.*``, restored to that same
+  rank): every RNG stream, the loop states (the data position and sampler state of the rank's
+  shard, the TBPTT hidden state, accumulated gradients of an open window, logged aggregates)
+  and the callbacks' states. Rank 0's per-rank part is the one in the main files, so a
+  checkpoint of a distributed run is a single-process checkpoint plus one part per other rank.
+
+A rank's state tree at resume is the main tree with its own per-rank keys put back.
+:func:`replicated_digest` is the cheap cross-rank check run at every checkpoint: one CRC-32 per
+entry of the replicated state, compared by rank 0 before it commits.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Any, Mapping
+
+import torch
+
+from engine.checkpoint.codec import tensor_bytes_view
+from engine.errors import CheckpointCorrupt, CheckpointIncompatible
+
+RANK_PART_KEYS = ("rng", "loops", "callbacks")
+REPLICATED_KEYS = ("module", "optimizers", "schedulers")
+WORLD_SIZE = "world_size"
+_RANK_FILE = re.compile(r"rank-([0-9]{5})\.(bin|msgpack)", re.ASCII)
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    """The tensor file and the header file of ``rank``'s part."""
+    return f"rank-{rank:05d}.bin", f"rank-{rank:05d}.msgpack"
+
+
+def is_rank_file(name: str) -> bool:
+    """Whether ``name`` is a per-rank file of a checkpoint (``rank-NNNNN.bin|msgpack``)."""
+    return _RANK_FILE.fullmatch(name) is not None
+
+
+def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The per-rank keys of a full state tree."""
+    return {key: state[key] for key in RANK_PART_KEYS}
+
+
+def with_rank_part(name: str, state: Mapping[str, Any], part: Any) -> dict[str, Any]:
+    """The main state tree with this rank's own per-rank keys in place of rank 0's."""
+    if not isinstance(part, dict) or set(part) != set(RANK_PART_KEYS):
+        keys = sorted(map(str, part)) if isinstance(part, dict) else type(part).__name__
+        raise CheckpointCorrupt(f"{name}: a rank part has keys {keys}, expected {sorted(RANK_PART_KEYS)}")
+    return {**state, **part}
+
+
+def saved_world_size(signature: Mapping[str, Any]) -> int:
+    """The world size a checkpoint was written with (1 when its signature does not say)."""
+    value = signature.get(WORLD_SIZE, 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+def check_world_size(name: str, signature: Mapping[str, Any], world_size: int) -> None:
+    """Refuse to resume a checkpoint written by another number of ranks, naming both."""
+    saved = saved_world_size(signature)
+    if saved != world_size:
+        raise CheckpointIncompatible(
+            f"{name} was written with world size {saved} and this run has world size {world_size}: its per-rank "
+            "state (RNG streams, data shard positions, hidden states) exists for each of the "
+            f"{saved} rank(s) only. Resume with {saved} process(es) in all, or start a new run directory "
+            "from its weights (engine.load_weights), or pass resume='off' (see docs/distributed.md)"
+        )
+
+
+def replicated_digest(state: Mapping[str, Any], progress_bytes: bytes) -> dict[str, int]:
+    """One CRC-32 per replicated entry (each module tensor, each optimizer and scheduler state,
+    the progress counters): equal on every rank of a healthy job."""
+    digest: dict[str, int] = {"progress": zlib.crc32(progress_bytes)}
+    for key, tensor in state["module"].items():
+        digest[f"module.{key}"] = _crc_of(tensor)
+    for key in ("optimizers", "schedulers"):
+        for index, item in enumerate(state[key]):
+            digest[f"{key}[{index}]"] = _crc_of(item)
+    return digest
+
+
+def _crc_of(value: Any, crc: int = 0) -> int:
+    if isinstance(value, torch.Tensor):
+        plain = value.detach().to("cpu").contiguous().reshape(-1)
+        crc = zlib.crc32(str((plain.dtype, tuple(value.shape))).encode(), crc)
+        return zlib.crc32(tensor_bytes_view(plain), crc)
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            crc = _crc_of(value[key], zlib.crc32(repr(key).encode(), crc))
+        return crc
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            crc = _crc_of(item, crc)
+        return crc
+    return zlib.crc32(repr(value).encode(), crc)
+
+
+def differences(digests: list[dict[str, int]]) -> list[str]:
+    """What differs between ranks' replicated digests: ``entry (ranks ...)`` per entry, first
+    ones first."""
+    reference = digests[0]
+    found = []
+    for key in sorted(set().union(*digests)):
+        ranks = [rank for rank, digest in enumerate(digests) if digest.get(key) != reference.get(key)]
+        if ranks:
+            found.append(f"{key} (rank(s) {ranks} differ from rank 0)")
+    return found

@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {demo,inspect,faults,chaos} ...``; ``--help`` on each."""
+"""Command line: ``python -m engine {demo,inspect,faults,chaos,plot,launch} ...``; ``--help`` on each."""
 
 from __future__ import annotations
 
@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                                            "dashed line where the run resumed. Needs matplotlib: pip install 'splitloop[plot]'.")
     plot.add_argument("dir", help="run directory (path or fsspec URL)")
     plot.add_argument("--out", default=None, help="PNG file to write (default: metrics.png in a local run directory)")
+    launch = commands.add_parser("launch", help="run torchrun and exit 75 when the run was preempted",
+                                 description="Run COMMAND (torchrun ... or srun ... torchrun ...). When rank 0 of the run "
+                                             "committed a preemption checkpoint, exit with --exit-code (default 75) so a "
+                                             "scheduler requeues the job; else with the command's status. See docs/preemption.md.")
+    launch.add_argument("--marker", default=None, help="marker file path (default: a file in the temp dir; on several "
+                                                       "nodes give a path on a filesystem rank 0 shares)")
+    launch.add_argument("--exit-code", type=int, default=75, help="exit status after a preemption (default 75)")
+    launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     return parser
 
 
@@ -83,6 +91,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_list_faults()
     if args.command == "chaos":
         return run_chaos(args)
+    if args.command == "launch":
+        from engine.distributed.launch import launch
+        command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+        return launch(command, args.marker, args.exit_code)
     if args.command == "plot":
         return run_plot(args.dir, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands

@@ -1,0 +1,120 @@
+"""A tiny distributed training run, started by torchrun from the tests (tests/distributed)::
+
+    torchrun --nproc-per-node=2 tests/distributed/dist_train.py RUN_DIR OUT_DIR [options]
+
+TBPTT over an LSTM with dropout, hidden state carried across batches, a shuffled map-style
+DataLoader (the engine inserts the DistributedSampler) and gradient accumulation over two
+splits: every kind of per-rank state differs between ranks. Each worker writes, when its fit
+ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
+pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training.
+
+Environment knobs (first try of the group only, TORCHELASTIC_RESTART_COUNT=0):
+``KILL_RANK`` + ``KILL_FAULTS`` arm engine fault points (SPLITLOOP_FAULTS syntax) on that rank;
+``DIVERGE_RANK`` + ``DIVERGE_AT`` add a tiny offset to one parameter of that rank after that
+many splits (a replica that drifted).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # tests/ folders must not shadow the real packages
+
+import argparse
+import pathlib
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+
+SAMPLES, BATCH, TIME, FEATURES, SPLIT = 24, 2, 12, 3, 4
+
+
+class Model(engine.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tbptt_split_length = SPLIT
+        self.carry_hidden_across_batches = True
+        self.rnn = torch.nn.LSTM(FEATURES, 6, batch_first=True)
+        self.dropout = torch.nn.Dropout(0.3)
+        self.head = torch.nn.Linear(6, 1)
+        self.last_hidden: Any = None
+
+    def training_step(self, batch: Any, hidden: Any = None) -> Any:
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        self.last_hidden = hidden
+        return torch.nn.functional.mse_loss(self.head(self.dropout(out)), y), hidden
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.02)
+
+
+class Diverge(engine.Callback):
+    """Makes this rank's replica drift: the next checkpoint must refuse to commit."""
+
+    def __init__(self, model: Model, at: int) -> None:
+        self.model, self.at, self.seen = model, at, 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            with torch.no_grad():
+                self.model.head.bias.add_(1e-3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    out = pathlib.Path(args.out_dir)
+    callbacks: list[engine.Callback] = []
+    torch.manual_seed(100)  # the same initial parameters everywhere (DDP also broadcasts rank 0's)
+    model = Model()
+    torch.manual_seed(1000 + rank)  # dropout differs per rank
+    if restart == 0 and os.environ.get("KILL_RANK") == str(rank):
+        os.environ["SPLITLOOP_FAULTS"] = os.environ["KILL_FAULTS"]
+    if restart == 0 and os.environ.get("DIVERGE_RANK") == str(rank):
+        callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
+    if args.slow:
+        callbacks.append(Sleep(args.slow))
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
+    y = x.cumsum(dim=1)[..., :1] * 0.1
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    config = engine.TrainerConfig(
+        max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=2, device="cpu",
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+    )
+    (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
+    result = engine.Trainer(config, callbacks).fit(model, loader)
+    final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
+    final["rng"] = torch.get_rng_state()
+    final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
+    torch.save(final, out / f"final-{rank}.pt")
+    print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
+    return 0
+
+
+class Sleep(engine.Callback):
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        import time
+        time.sleep(self.seconds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

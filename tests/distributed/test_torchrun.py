@@ -1,0 +1,141 @@
+"""Distributed runs under a real torchrun (gloo, CPU): exact resume of every rank after a rank
+is SIGKILLed, one commit for all ranks, preemption agreement, refusals. Each torchrun start
+costs a few seconds per rank (torch is imported by each), so the runs are few and tiny."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint.codec import decode_state
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
+from engine.errors import CheckpointIncompatible
+
+import torchrun_helpers as helpers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """An uninterrupted 2-rank run (2 epochs, a checkpoint every split)."""
+    tmp = tmp_path_factory.mktemp("reference2")
+    process, _, _ = helpers.train(tmp, "job", 2)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return tmp / "job"
+
+
+def test_ranks_hold_different_per_rank_state_and_equal_parameters(reference_two: pathlib.Path) -> None:
+    rank0, rank1 = helpers.final_state(reference_two / "out", 0), helpers.final_state(reference_two / "out", 1)
+    # DDP averaged the gradients: the replicas agree although each rank saw other data and dropout.
+    for key in (k for k in rank0 if k.startswith("param.")):
+        assert torch.equal(rank0[key], rank1[key]), key
+    assert not torch.equal(rank0["rng"], rank1["rng"])
+    assert not torch.equal(rank0["hidden.h"], rank1["hidden.h"])
+    store = CheckpointStore(Storage(str(reference_two / "run")), create=False)
+    loaded = store.latest()
+    assert loaded is not None
+    part = decode_state(bytes(loaded.extra_files["rank-00001.msgpack"]), loaded.extra_files["rank-00001.bin"])
+    assert loaded.state["signature"]["world_size"] == 2
+    # Rank 1's own RNG streams are in its part, not a copy of rank 0's.
+    assert part["rng"] != loaded.state["rng"] if not isinstance(part["rng"]["torch_cpu"], torch.Tensor) \
+        else not torch.equal(part["rng"]["torch_cpu"], loaded.state["rng"]["torch_cpu"])
+
+
+def test_sigkill_of_one_rank_at_a_split_boundary_resumes_exactly(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    boundary = random.Random().randint(3, 30)
+    process, _, out_dir = helpers.train(tmp_path, "job", 2, max_restarts=2, KILL_RANK="1",
+                                        KILL_FAULTS=f"split_end:{boundary}:sigkill")
+    assert process.returncode == 0, f"boundary {boundary}: " + process.stderr[-4000:]
+    assert helpers.worker_pid(out_dir, 0, restart=1) is not None, "the group was not restarted"
+    helpers.assert_same_result(reference_two, tmp_path / "job", 2)
+
+
+def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    rng = random.Random()
+    rank, delay = rng.randrange(2), rng.uniform(0.0, 2.0)
+    run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
+    out_dir.mkdir(parents=True)
+    with subprocess.Popen(helpers.torchrun_command(2, run_dir, out_dir, "--async", max_restarts=2),
+                          env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+        helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
+        time.sleep(delay)
+        helpers.signal_worker(out_dir, rank, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
+    assert job.returncode == 0, f"rank {rank} killed after {delay:.2f}s: " + stderr[-4000:]
+    helpers.assert_same_result(reference_two, tmp_path / "job", 2)
+
+
+def test_three_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path) -> None:
+    reference, _, _ = helpers.train(tmp_path, "reference", 3, "--epochs", "1")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    boundary = random.Random().randint(2, 11)
+    process, _, _ = helpers.train(tmp_path, "killed", 3, "--epochs", "1", max_restarts=2, KILL_RANK="2",
+                                  KILL_FAULTS=f"split_end:{boundary}:sigkill")
+    assert process.returncode == 0, f"boundary {boundary}: " + process.stderr[-4000:]
+    helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 3)
+
+
+def test_resuming_with_another_world_size_is_refused(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    import shutil
+    shutil.copytree(reference_two / "run", tmp_path / "job" / "run")
+    (tmp_path / "job" / "out").mkdir()
+    process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out"),
+                          helpers.environment())
+    assert process.returncode != 0
+    assert "CheckpointIncompatible" in process.stderr and "world size 2" in process.stderr
+    assert "this run has world size 3" in process.stderr
+
+
+def test_a_single_process_refuses_a_distributed_checkpoint(reference_two: pathlib.Path) -> None:
+    import dist_train  # noqa: PLC0415 - the same model, trained in this process
+    torch.manual_seed(100)
+    model = dist_train.Model()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 12, 3), torch.zeros(4, 12, 1)),
+                                         batch_size=2)
+    config = engine.TrainerConfig(max_epochs=2, run_dir=str(reference_two / "run"), progress_bar="off", device="cpu",
+                                  accumulate_grad=2, checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=3))
+    with pytest.raises(CheckpointIncompatible, match="world size 2 and this run has world size 1"):
+        engine.Trainer(config).fit(model, loader, resume="latest")
+
+
+def test_a_diverged_replica_stops_the_commit(tmp_path: pathlib.Path) -> None:
+    process, run_dir, _ = helpers.train(tmp_path, "job", 2, "--epochs", "1", DIVERGE_RANK="1", DIVERGE_AT="3")
+    assert process.returncode != 0
+    assert "ReplicaDivergence" in process.stderr and "module.head.bias (rank(s) [1] differ from rank 0)" in process.stderr
+    store = CheckpointStore(Storage(str(run_dir)), create=False)
+    assert [info.cursor.split for info in store.inspect() if info.valid][-1] <= 2  # nothing after the drift
+
+
+@pytest.mark.parametrize("every_worker", [True, False], ids=["sigterm-every-worker", "sigterm-one-rank"])
+def test_preemption_stops_every_rank_at_one_boundary_and_launch_exits_75(tmp_path: pathlib.Path, every_worker: bool) -> None:
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    out_dir.mkdir()
+    command = [helpers.sys.executable, "-m", "engine", "launch", "--marker", str(tmp_path / "marker.json"), "--",
+               *helpers.torchrun_command(2, run_dir, out_dir, "--every", "1000", "--slow", "0.2", max_restarts=2)]
+    with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=helpers.REPOSITORY) as job:
+        helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 3, "training started", job)
+        for rank in ([0, 1] if every_worker else [1]):
+            helpers.signal_worker(out_dir, rank, signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=helpers.TIMEOUT)
+    assert job.returncode == 75, stderr[-4000:]
+    done = sorted(line for line in stdout.splitlines() if "done:" in line)
+    assert len(done) == 2 and done[0].split("steps=")[1] == done[1].split("steps=")[1], done
+    assert all("preempted" in line for line in done)
+    store = CheckpointStore(Storage(str(run_dir)), create=False)
+    infos = store.inspect()
+    assert [info.valid for info in infos] == [True]  # one commit, the preemption checkpoint
+    last_row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    cursor = infos[0].cursor
+    assert (last_row["epoch"], last_row["batch"], last_row["split"]) == (cursor.epoch, cursor.batch, cursor.split)
+    assert helpers.worker_pid(out_dir, 0, restart=1) is None  # torchrun did not restart the group

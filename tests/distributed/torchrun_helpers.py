@@ -1,0 +1,90 @@
+"""Start tests/distributed/dist_train.py under a real torchrun and read what it leaves."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+SCRIPT = str(pathlib.Path(__file__).with_name("dist_train.py"))
+REPOSITORY = str(pathlib.Path(__file__).resolve().parents[2])
+TIMEOUT = 240
+
+
+def torchrun_command(ranks: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
+                     max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", SCRIPT, str(run_dir), str(out_dir), *args]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("SPLITLOOP_FAULTS", "KILL_RANK", "KILL_FAULTS", "DIVERGE_RANK", "DIVERGE_AT")}
+    env["PYTHONPATH"] = REPOSITORY + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: int = 0,
+          **env: str) -> tuple[subprocess.CompletedProcess, pathlib.Path, pathlib.Path]:
+    """Run a whole torchrun job; (completed process, run dir, out dir)."""
+    run_dir, out_dir = tmp / name / "run", tmp / name / "out"
+    out_dir.mkdir(parents=True)
+    process = run(torchrun_command(ranks, run_dir, out_dir, *args, max_restarts=max_restarts), environment(**env))
+    return process, run_dir, out_dir
+
+
+def final_state(out_dir: pathlib.Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / f"final-{rank}.pt", weights_only=True)
+
+
+def assert_same_result(reference: pathlib.Path, other: pathlib.Path, ranks: int) -> None:
+    """Every rank's parameters, RNG and carried hidden state, and metrics.jsonl, bit for bit."""
+    for rank in range(ranks):
+        expected, got = final_state(reference / "out", rank), final_state(other / "out", rank)
+        assert set(expected) == set(got)
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), f"rank {rank}: {key} differs"
+    assert (reference / "run" / "metrics.jsonl").read_bytes() == (other / "run" / "metrics.jsonl").read_bytes()
+
+
+def wait_for(predicate, what: str, process: subprocess.Popen, limit: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if process.poll() is not None:
+            raise AssertionError(f"the job ended (status {process.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def metrics_lines(run_dir: pathlib.Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def worker_pid(out_dir: pathlib.Path, rank: int, restart: int = 0) -> int | None:
+    path = out_dir / f"pid-{rank}-{restart}"
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def signal_worker(out_dir: pathlib.Path, rank: int, number: int) -> None:
+    pid = worker_pid(out_dir, rank)
+    assert pid is not None
+    os.kill(pid, number)
+
+
+__all__ = ["signal"]

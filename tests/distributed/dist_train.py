@@ -88,7 +88,7 @@ def main() -> int:
     if restart == 0 and os.environ.get("DIVERGE_RANK") == str(rank):
         callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
     if args.slow:
-        callbacks.append(Sleep(args.slow))
+        callbacks.append(Sleep(args.slow, out / f"splits-{rank}"))
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
@@ -108,11 +108,15 @@ def main() -> int:
 
 
 class Sleep(engine.Callback):
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    """Slows training down and counts this process's splits in a file the test watches."""
+
+    def __init__(self, seconds: float, counter: pathlib.Path) -> None:
+        self.seconds, self.counter, self.splits = seconds, counter, 0
 
     def on_split_end(self, view: engine.RunView) -> None:
         import time
+        self.splits += 1
+        self.counter.write_text(str(self.splits))
         time.sleep(self.seconds)
 
 

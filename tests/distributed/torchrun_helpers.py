@@ -73,6 +73,14 @@ def metrics_lines(run_dir: pathlib.Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+def splits_done(out_dir: pathlib.Path, rank: int) -> int:
+    """Splits the rank has finished in this process (dist_train.py --slow counts them)."""
+    try:
+        return int((out_dir / f"splits-{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def worker_pid(out_dir: pathlib.Path, rank: int, restart: int = 0) -> int | None:
     path = out_dir / f"pid-{rank}-{restart}"
     try:

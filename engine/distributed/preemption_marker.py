@@ -1,6 +1,6 @@
 """Tell the launcher that a distributed run stopped for a preemption.
 
-``torchrun`` exits 1 when a worker fails and 0 when all succeed, whatever status they returned,
+In a distributed job ``torchrun`` exits 1 when a worker fails and 0 when all succeed, whatever status they returned,
 so a worker's exit status 75 cannot reach the scheduler (and a non-zero worker status would make
 torchrun restart the group). Instead, under torchrun a preempted run's workers exit 0 and rank
 0, after the preemption checkpoint has committed, writes a small JSON marker at the path
@@ -15,13 +15,16 @@ import os
 import time
 from typing import Mapping
 
+from engine.distributed.environment import requested_world_size
+
 MARKER_VARIABLE = "SPLITLOOP_PREEMPTION_MARKER"
 
 
-def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is a torchrun (torch.distributed.elastic) worker."""
+def distributed_torchrun_worker(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a worker of a torchrun job of several processes (a job of one
+    keeps the single-process behaviour: exit 75, and torchrun starts it again)."""
     environ = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in environ
+    return "TORCHELASTIC_RUN_ID" in environ and requested_world_size(environ) > 1
 
 
 def write_preemption_marker(reason: str | None, checkpoint: str | None) -> None:
@@ -39,6 +42,6 @@ def write_preemption_marker(reason: str | None, checkpoint: str | None) -> None:
 
 
 def preempted_exit_status(configured: int) -> int:
-    """The status a preempted worker exits with: ``configured`` alone, 0 under torchrun (the
-    marker carries the preemption to ``python -m engine launch``)."""
-    return 0 if under_torchrun() else configured
+    """The status a preempted worker exits with: ``configured``, except 0 for a worker of a
+    distributed torchrun job (the marker carries the preemption to ``python -m engine launch``)."""
+    return 0 if distributed_torchrun_worker() else configured

@@ -29,10 +29,13 @@ def test_a_stale_marker_of_an_earlier_run_is_ignored(tmp_path: pathlib.Path) -> 
     assert main(["launch", "--marker", str(marker), "--", sys.executable, "-c", "pass"]) == 0
 
 
-def test_a_preempted_worker_exits_0_under_torchrun_and_writes_the_marker(tmp_path: pathlib.Path, monkeypatch) -> None:
+def test_a_preempted_worker_of_several_exits_0_under_torchrun_and_writes_the_marker(tmp_path: pathlib.Path, monkeypatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert preemption_marker.preempted_exit_status(75) == 75
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert preemption_marker.preempted_exit_status(75) == 75  # one worker: torchrun restarts it, as before
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert preemption_marker.preempted_exit_status(75) == 0
     monkeypatch.setenv(preemption_marker.MARKER_VARIABLE, str(tmp_path / "m.json"))
     preemption_marker.write_preemption_marker("preempted by SIGTERM", "ckpt-0000000002")

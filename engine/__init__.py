@@ -8,7 +8,7 @@ Public API (see docs/quickstart.md)::
     fingerprint, load_weights, export_weights
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
-            WriterConflict, InjectedFault
+            WriterConflict, ReplicaDivergence, InjectedFault
 """
 
 from engine.callbacks import Callback, RunView
@@ -27,6 +27,7 @@ from engine.errors import (
     ModuleContractError,
     SplitError,
     WriterConflict,
+    ReplicaDivergence,
 )
 from engine.fingerprint import fingerprint
 from engine.module import Module
@@ -58,6 +59,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "WriterConflict",
+    "ReplicaDivergence",
     "export_weights",
     "fingerprint",
     "load_weights",

@@ -75,7 +75,8 @@ def test_engine_exports_the_documented_api():
         "Trainer", "TrainerConfig", "CheckpointConfig", "FitResult", "Module", "LRSchedule", "split_along_time",
         "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
         "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
-        "CheckpointWriteError", "WriterConflict", "InjectedFault", "EarlyStopping", "load_weights", "export_weights",
+        "CheckpointWriteError", "WriterConflict", "ReplicaDivergence", "InjectedFault", "EarlyStopping", "load_weights",
+        "export_weights",
     }
     assert set(engine.__all__) == documented
 
@@ -89,10 +90,10 @@ def test_progress_exports_the_documented_api():
 def test_engine_errors_form_one_tree():
     errors = [getattr(engine, name) for name in engine.__all__
               if isinstance(getattr(engine, name), type) and issubclass(getattr(engine, name), Exception)]
-    assert len(errors) == 12
+    assert len(errors) == 13
     assert all(issubclass(error, engine.EngineError) for error in errors)
     for child in ("CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible", "CheckpointWriteError",
-                  "WriterConflict"):
+                  "WriterConflict", "ReplicaDivergence"):
         assert issubclass(getattr(engine, child), engine.CheckpointError)
 
 

@@ -63,6 +63,18 @@ def _int_variable(environ: Mapping[str, str], name: str, default: int) -> int:
     return int(value)
 
 
+def _store_of_this_try(environ: Mapping[str, str]) -> dist.Store | None:
+    """Under torchrun, the agent's store with keys of this try only. The agent can keep one store
+    across restarts of the group; a restarted worker reading a key of the previous try would try
+    to connect to a dead peer ("Gloo connectFullMesh failed ... Connection refused")."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    restart = _int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+    client = dist.TCPStore(environ["MASTER_ADDR"], _int_variable(environ, "MASTER_PORT", 0),
+                           requested_world_size(environ), is_master=False, timeout=WRITER_GROUP_TIMEOUT)
+    return dist.PrefixStore(f"splitloop/try-{restart}", client)
+
+
 def join(device: torch.device, environ: Mapping[str, str] | None = None) -> DistributedContext | None:
     """Join the job's process group (gloo on CPU, nccl on CUDA) unless the user already did;
     None when this process runs alone (no process group and ``WORLD_SIZE`` 1 or unset)."""
@@ -76,8 +88,14 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None) -> Dist
             if name not in environ:
                 raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but {name} is not set: launch with torchrun "
                                   "(see docs/distributed.md) or call torch.distributed.init_process_group yourself")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        device_id = device if device.type == "cuda" else None
+        store = _store_of_this_try(environ)
+        if store is None:
+            dist.init_process_group(backend=backend, device_id=device_id)
+        else:
+            dist.init_process_group(backend=backend, device_id=device_id, store=store,
+                                    rank=_int_variable(environ, "RANK", 0), world_size=requested_world_size(environ))
     world_size = dist.get_world_size()
     if world_size <= 1:
         return None

@@ -93,7 +93,7 @@ def main() -> None:
                 print(f"round {round_index}: checkpoint {name:5s} {seconds:.3f} s", flush=True)
     with_checkpoints, without = statistics.median(every_split), statistics.median(none)
     print(f"distributed every-split overhead ratio: {with_checkpoints / without:.3f} "
-          f"(2 ranks, gloo on CPU, 32 splits per rank: {with_checkpoints:.2f} s with a checkpoint every split, "
+          f"(2 ranks, gloo on CPU, 64 splits per rank: {with_checkpoints:.2f} s with a checkpoint every split, "
           f"{without:.2f} s with one at the end; median of {args.repeats})")
 
 

@@ -43,7 +43,6 @@ class DataParallelStep:
         device_ids = [context.device] if context.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(_StepAsForward(module, step), device_ids=device_ids)
         self._world_size = context.world_size
-        self._last_backward_synced = True
 
         @functools.wraps(step)  # keeps the step's signature (batch_idx / split_idx detection)
         def run_step(*args: Any, **kwargs: Any) -> Any:
@@ -54,14 +53,11 @@ class DataParallelStep:
     def set_will_step(self, will_step: bool) -> None:
         """Before a unit's forward: sync its backward only when an optimizer step follows."""
         self.ddp.require_backward_grad_sync = will_step
-        self._last_backward_synced = will_step
 
     def sync_open_window(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average the gradients of a window whose backwards all ran under ``no_sync``."""
-        if self._last_backward_synced:
-            return
+        """Average the gradients of a window that is still open (so every backward since the
+        last step ran under ``no_sync``, in this process or before a resume) before its step."""
         for parameter in parameters:
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad)
                 parameter.grad.div_(self._world_size)
-        self._last_backward_synced = True

@@ -35,7 +35,7 @@ class DistributedContext:
     world_size: int
     local_rank: int
     device: torch.device
-    writer_group: object
+    writer_group: dist.ProcessGroup | None
     attempt: int
 
     @property

@@ -8,10 +8,10 @@ splits: every kind of per-rank state differs between ranks. Each worker writes, 
 ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
 pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training.
 
-Environment knobs (first try of the group only, TORCHELASTIC_RESTART_COUNT=0):
-``KILL_RANK`` + ``KILL_FAULTS`` arm engine fault points (SPLITLOOP_FAULTS syntax) on that rank;
-``DIVERGE_RANK`` + ``DIVERGE_AT`` add a tiny offset to one parameter of that rank after that
-many splits (a replica that drifted).
+Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
+syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
+``DIVERGE_AT`` (first try only) add a tiny offset to one parameter of that rank after that many
+splits (a replica that drifted).
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ def main() -> int:
     torch.manual_seed(100)  # the same initial parameters everywhere (DDP also broadcasts rank 0's)
     model = Model()
     torch.manual_seed(1000 + rank)  # dropout differs per rank
-    if restart == 0 and os.environ.get("KILL_RANK") == str(rank):
-        os.environ["SPLITLOOP_FAULTS"] = os.environ["KILL_FAULTS"]
+    for kill in filter(None, os.environ.get("KILLS", "").split(";")):
+        kill_restart, kill_rank, faults = kill.split("/")
+        if (int(kill_restart), int(kill_rank)) == (restart, rank):
+            os.environ["SPLITLOOP_FAULTS"] = faults
     if restart == 0 and os.environ.get("DIVERGE_RANK") == str(rank):
         callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
     if args.slow:

@@ -51,12 +51,15 @@ def test_ranks_hold_different_per_rank_state_and_equal_parameters(reference_two:
         else not torch.equal(part["rng"]["torch_cpu"], loaded.state["rng"]["torch_cpu"])
 
 
-def test_sigkill_of_one_rank_at_a_split_boundary_resumes_exactly(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    boundary = random.Random().randint(3, 30)
-    process, _, out_dir = helpers.train(tmp_path, "job", 2, max_restarts=2, KILL_RANK="1",
-                                        KILL_FAULTS=f"split_end:{boundary}:sigkill")
-    assert process.returncode == 0, f"boundary {boundary}: " + process.stderr[-4000:]
-    assert helpers.worker_pid(out_dir, 0, restart=1) is not None, "the group was not restarted"
+def test_sigkills_at_split_boundaries_and_mid_commit_resume_exactly(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    rng = random.Random()
+    boundary, commit = rng.randint(3, 20), rng.randint(1, 8)
+    # Rank 1 dies at a split boundary; in the restarted group rank 0 dies inside a commit, after
+    # every part is durable and just before the rename.
+    kills = f"0/1/split_end:{boundary}:sigkill;1/0/checkpoint_before_rename:{commit}:sigkill"
+    process, _, out_dir = helpers.train(tmp_path, "job", 2, max_restarts=3, KILLS=kills)
+    assert process.returncode == 0, f"{kills}: " + process.stderr[-4000:]
+    assert helpers.worker_pid(out_dir, 0, restart=2) is not None, "the group was not restarted twice"
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
@@ -79,8 +82,8 @@ def test_three_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path) -> N
     reference, _, _ = helpers.train(tmp_path, "reference", 3, "--epochs", "1")
     assert reference.returncode == 0, reference.stderr[-4000:]
     boundary = random.Random().randint(2, 11)
-    process, _, _ = helpers.train(tmp_path, "killed", 3, "--epochs", "1", max_restarts=2, KILL_RANK="2",
-                                  KILL_FAULTS=f"split_end:{boundary}:sigkill")
+    process, _, _ = helpers.train(tmp_path, "killed", 3, "--epochs", "1", max_restarts=2,
+                                  KILLS=f"0/2/split_end:{boundary}:sigkill")
     assert process.returncode == 0, f"boundary {boundary}: " + process.stderr[-4000:]
     helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 3)
 

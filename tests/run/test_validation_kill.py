@@ -13,9 +13,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from resume_helpers import assert_same_run
-from validation_scenarios import train_validated
+from validation_scenarios import best_policy, train_validated
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
 import engine
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
@@ -36,8 +39,26 @@ def start(run_dir, faults=None, *args):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    train_validated(run_dir, epochs=3, every_steps=5, callbacks=(engine.EarlyStopping("val_loss", patience=50),))
+    train_validated(run_dir, epochs=3, every_steps=5, callbacks=(engine.EarlyStopping("val_loss", patience=50),),
+                    checkpoint=best_policy())
     return run_dir
+
+
+def best_checkpoints(run_dir):
+    """The kept best checkpoints by content: cursor, recorded value, model tensors."""
+    store = CheckpointStore(Storage(run_dir))
+    best = []
+    for name in store.best(2):
+        loaded = store.load(name)
+        best.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
+    return best
+
+
+def assert_same_best(reference, run_dir):
+    expected, actual = best_checkpoints(reference), best_checkpoints(run_dir)
+    assert len(expected) == 2 and [e[:2] for e in expected] == [a[:2] for a in actual]
+    for (_, _, a), (_, _, b) in zip(expected, actual):
+        assert all(torch.equal(a[key], b[key]) for key in a)
 
 
 def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(reference, tmp_path):
@@ -53,6 +74,8 @@ def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(refe
             assert process.returncode == 0
     assert kills >= 3
     assert_same_run(reference, run_dir)
+    assert_same_best(reference, run_dir)
+    assert_same_best(reference, run_dir)
 
 
 def test_sigkill_at_random_instants(reference, tmp_path):
@@ -75,3 +98,4 @@ def test_sigkill_at_random_instants(reference, tmp_path):
     assert process.returncode == 0
     assert kills >= 3
     assert_same_run(reference, run_dir)
+    assert_same_best(reference, run_dir)

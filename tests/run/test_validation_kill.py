@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import forkserver
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def start(run_dir, faults=None, *args):
     env.pop("SPLITLOOP_FAULTS", None)
     if faults:
         env["SPLITLOOP_FAULTS"] = faults
-    return subprocess.Popen([sys.executable, SCRIPT, run_dir, *args], env=env, stdout=subprocess.PIPE,
+    return forkserver.popen([sys.executable, SCRIPT, run_dir, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
 
 
@@ -82,14 +83,14 @@ def test_sigkill_at_random_instants(reference, tmp_path):
     rng = random.Random(2026)
     run_dir = str(tmp_path / "run")
     kills = 0
-    for _ in range(5):
-        process = start(run_dir, None, "--patience", "50", "--sleep", "0.01")
+    for _ in range(6):
+        process = start(run_dir, None, "--patience", "50", "--sleep", "0.05")
         line = process.stdout.readline()
         if not line.startswith("training"):
             process.wait(TIMEOUT)
             assert process.returncode == 0
             break
-        time.sleep(rng.uniform(0.05, 1.5))
+        time.sleep(rng.uniform(0.05, 1.0))
         process.send_signal(signal.SIGKILL)
         process.wait(TIMEOUT)
         kills += process.returncode == -signal.SIGKILL

@@ -22,7 +22,7 @@ from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import CheckpointNotFound, ModuleContractError
+from engine.errors import CheckpointNotFound, ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
@@ -75,7 +75,8 @@ class FitRun:
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self.stop.request)
-        self.display = Display(config.progress_bar if writes_metrics else "off", config.log_every_seconds, self.data.length, tbptt=self.tree.split is not None)
+        self.display = Display(config.progress_bar if writes_metrics else "off", config.log_every_seconds,
+                               self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
@@ -110,7 +111,8 @@ class FitRun:
                 callback.on_fit_end(self.view)
         preempted = self.stop.preempted
         if preempted and self.distributed is not None and self.distributed.is_writer:
-            distributed.write_preemption_marker(self.stop.reason, None if self.checkpoints is None else self.checkpoints.last_name)
+            distributed.write_preemption_marker(self.stop.reason,
+                                                None if self.checkpoints is None else self.checkpoints.last_name)
         if preempted and self.config.requeue_command and (self.distributed is None or self.distributed.is_writer):
             run_requeue_command(self.config.requeue_command)
         return FitResult(
@@ -229,6 +231,8 @@ class FitRun:
         assert self.tree.evaluation is not None
         values = self.tree.evaluation.run(steps)
         self.metrics.append_aggregate("val", self.cursor, steps, values)
+        if self.checkpoints is not None:
+            self.checkpoints.offer_metrics(values)
         self._update_status()
         for callback in self.callbacks:
             callback.on_validation_end(self.view)
@@ -239,9 +243,12 @@ class FitRun:
         aggregates = self.logger.end_epoch()
         if aggregates:
             self.metrics.append_aggregate("train_epoch", self.cursor, steps, aggregates)
+            if self.checkpoints is not None:
+                self.checkpoints.offer_metrics(aggregates)
         evaluation = self.tree.evaluation
         if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
             self._validate(steps)
+        self._check_monitor_exists()
         self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)
@@ -252,6 +259,12 @@ class FitRun:
             due = self._agree(due)
         if due:
             self._save(force=self.stop.requested)
+
+    def _check_monitor_exists(self) -> None:
+        monitor = self.config.checkpoint.monitor if self.config.checkpoint is not None else None
+        if monitor is not None and monitor not in self.logger.latest:
+            raise ConfigError(f"CheckpointConfig.monitor={monitor!r}: no such metric after a whole epoch; "
+                              f"the run has {sorted(self.logger.latest)}")
 
     # ---- saving -----------------------------------------------------------------------
     def _save(self, force: bool = False) -> None:

@@ -74,6 +74,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
@@ -96,7 +97,7 @@ def main() -> int:
     y = x.cumsum(dim=1)[..., :1] * 0.1
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     config = engine.TrainerConfig(
-        max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=2, device="cpu",
+        max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))

@@ -10,6 +10,9 @@ Gradient accumulation: a unit whose backward does not step runs under DDP's ``no
 (``require_backward_grad_sync`` set before the forward); the unit that steps syncs the whole
 accumulated gradient. A window the end of the data leaves open is averaged explicitly before
 its step (:meth:`DataParallelStep.sync_open_window`).
+
+The bucket layout is fixed for the whole process (see ``find_unused_parameters`` below), so a
+resumed run reduces every gradient in the same order as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -41,7 +44,13 @@ class DataParallelStep:
 
     def __init__(self, module: torch.nn.Module, step: Callable[..., Any], context: DistributedContext) -> None:
         device_ids = [context.device] if context.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(_StepAsForward(module, step), device_ids=device_ids)
+        # find_unused_parameters=True keeps DDP's gradient buckets as built here for the whole
+        # process: otherwise DDP rebuilds them after its first backward, so a resumed process
+        # would reduce one step with another layout than the uninterrupted run, and with three
+        # or more ranks the sums would round differently (exact resume would be lost). It also
+        # lets a step leave parameters unused (several optimizers, manual optimization).
+        self.ddp = DistributedDataParallel(_StepAsForward(module, step), device_ids=device_ids,
+                                           find_unused_parameters=True)
         self._world_size = context.world_size
 
         @functools.wraps(step)  # keeps the step's signature (batch_idx / split_idx detection)

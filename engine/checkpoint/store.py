@@ -10,7 +10,10 @@ Commit protocol (see docs/checkpoint-format.md):
   the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
   directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
 * other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
-  manifest last. Without a valid manifest the directory is not a checkpoint.
+  manifest last. Without a valid manifest the directory is not a checkpoint. On object stores
+  that can create an object only if absent (S3: ``If-None-Match: *``) every file, the manifest
+  above all, is created that way: a writer that finds a name taken was overtaken by another
+  writer and stops (WriterConflict) without overwriting or deleting anything of it.
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
 rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
@@ -31,7 +34,8 @@ from typing import Any, Callable
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
+                           WriterConflict)
 from engine.checkpoint.storage import Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
@@ -143,6 +147,7 @@ class CheckpointStore:
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
+        exclusive = not atomic_rename and self.storage.exclusive_create
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
         renamed = False
@@ -160,7 +165,7 @@ class CheckpointStore:
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
-                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap)
+                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap, exclusive=exclusive)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
@@ -174,7 +179,7 @@ class CheckpointStore:
             manifest = Manifest(sequence, cursor, records, time.time(), generation)
             if not atomic_rename and fence is not None:
                 fence()  # the manifest is the commit point here
-            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
+            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False, exclusive=exclusive)
             if atomic_rename:
                 # Everything must be durable before the rename makes it visible.
                 unsynced = [] if overlap else data_paths
@@ -187,6 +192,12 @@ class CheckpointStore:
                 faults.reach("checkpoint_after_rename")
                 self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
+            if exclusive and isinstance(error, FileExistsError):
+                # Another writer created this name first: its files are not ours to delete.
+                raise WriterConflict(
+                    f"{self.storage.url}: {name} already holds a file another writer created ({error}); "
+                    "this writer was overtaken and stops without committing or deleting anything"
+                ) from error
             if renamed:  # committed; only the durability of the rename is in doubt
                 raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
             self._discard(directory)

@@ -1,0 +1,126 @@
+"""``s3://`` run directories against a real S3 protocol server (moto, tests/s3_server.py): the
+manifest, created only if absent, is the commit point; a writer that finds a name taken never
+overwrites or deletes it; runs killed mid-checkpoint resume bit-exactly; the CLI reads them."""
+
+import json
+import subprocess
+import sys
+
+import fsspec
+import pytest
+import torch
+
+from engine.checkpoint.codec import encode_state
+from engine.checkpoint.manifest import MANIFEST_FILE
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
+from engine.cli.plot import read_rows
+from engine.errors import ConfigError, WriterConflict
+from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE
+from kill_helpers import environment, run_until_done
+from progress import Cursor, ProgressTree, encode_tree
+from resume_helpers import assert_same_run
+from s3_server import s3_endpoint, s3_run_url  # noqa: F401  (fixtures)
+from scenarios import train_with_checkpoints
+
+
+def commit(store, sequence, generation, value):
+    cursor = Cursor(0, 0, sequence, 0)
+    return store.write(encode_state({"weight": torch.full((3,), float(value))}), encode_tree(ProgressTree(cursor=cursor)),
+                       cursor, generation, sequence=sequence)
+
+
+def objects(url):
+    filesystem, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    return {path[len(root) + 1:]: filesystem.cat_file(path) for path in filesystem.find(root)}
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+def test_an_s3_url_without_s3fs_is_a_clear_config_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # import s3fs now raises ImportError
+    with pytest.raises(ConfigError, match=r"splitloop\[s3\]"):
+        Storage("s3://some-bucket/run")
+
+
+def test_the_endpoint_comes_from_the_s3_specific_variable_first(s3_run_url, monkeypatch, s3_endpoint):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    storage = Storage(s3_run_url)
+    storage.write("probe", [b"reached"], durable=True)
+    assert storage.read("probe") == b"reached"
+
+
+# ---- the commit point -----------------------------------------------------------------------------
+def test_commit_verify_and_retention_on_s3(s3_run_url):
+    train_with_checkpoints("plain", s3_run_url, epochs=1, keep_last=2)
+    store = CheckpointStore(Storage(s3_run_url, create=False), create=False)
+    names = store.names()
+    assert len(names) == 2 and "ckpt-0000000001" not in names  # one per batch (3 batches), 2 kept
+    assert all(store.verifies(name) for name in names)
+    assert store.latest().name == names[-1]
+    assert len(read_rows(Storage(s3_run_url, create=False), METRICS_FILE)) == 3
+
+
+def test_a_stale_writers_manifest_create_is_refused(s3_run_url):
+    store = CheckpointStore(Storage(s3_run_url))
+    manifest_path = f"checkpoints/ckpt-0000000005/{MANIFEST_FILE}"
+    # The writer that took over committed ckpt-5 with its manifest (its data files aside).
+    commit(CheckpointStore(Storage(s3_run_url)), 5, generation=2, value=2.0)
+    winner_manifest = store.storage.read(manifest_path)
+    for data_file in ("tensors.bin", "state.msgpack", "progress.msgpack"):
+        store.storage.remove_file(f"checkpoints/ckpt-0000000005/{data_file}")
+    with pytest.raises(WriterConflict, match="ckpt-0000000005"):
+        commit(store, 5, generation=1, value=1.0)
+    assert store.storage.read(manifest_path) == winner_manifest
+
+
+def test_a_stale_writer_cannot_overwrite_or_delete_a_committed_checkpoint(s3_run_url):
+    commit(CheckpointStore(Storage(s3_run_url)), 5, generation=2, value=2.0)
+    before = objects(s3_run_url)
+    stale = CheckpointStore(Storage(s3_run_url))
+    with pytest.raises(WriterConflict, match="overtaken"):
+        commit(stale, 5, generation=1, value=1.0)
+    assert objects(s3_run_url) == before
+    loaded = CheckpointStore(Storage(s3_run_url)).load("ckpt-0000000005")
+    assert loaded.manifest.writer_generation == 2
+    assert torch.equal(loaded.state["weight"], torch.full((3,), 2.0))
+
+
+def test_data_files_without_a_manifest_are_never_a_checkpoint(s3_run_url):
+    store = CheckpointStore(Storage(s3_run_url))
+    commit(store, 1, generation=1, value=1.0)
+    commit(store, 2, generation=1, value=2.0)
+    store.storage.remove_file(f"checkpoints/ckpt-0000000002/{MANIFEST_FILE}")  # as if killed before it
+    fresh = CheckpointStore(Storage(s3_run_url))
+    with pytest.warns(UserWarning, match="ckpt-0000000002"):
+        assert fresh.latest().name == "ckpt-0000000001"
+    assert fresh.next_sequence() == 3  # the torn name is never reused
+
+
+# ---- real processes -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_runs_killed_before_their_manifest_resume_bit_exactly_on_s3(tmp_path, s3_run_url):
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference, keep_last=3)
+    kills = run_until_done("tbptt", s3_run_url, "checkpoint_before_manifest:7:sigkill")
+    assert kills >= 2
+    assert_same_run(reference, s3_run_url)
+    storage = Storage(s3_run_url, create=False)
+    assert len(read_rows(storage, RESUMES_FILE)) == kills  # appended once per resumed process
+    assert storage.read(METRICS_FILE) == Storage(reference).read(METRICS_FILE)
+
+
+@pytest.mark.slow
+def test_inspect_reads_an_s3_run_directory(s3_run_url):
+    train_with_checkpoints("plain", s3_run_url, epochs=1, keep_last=2)
+    store = CheckpointStore(Storage(s3_run_url))
+    older, newest = store.names()
+    store.storage.remove_file(f"checkpoints/{newest}/{MANIFEST_FILE}")  # a torn newest one
+    process = subprocess.run([sys.executable, "-m", "engine", "inspect", s3_run_url, "--json"], capture_output=True,
+                             text=True, env=environment(None), timeout=120)
+    assert process.returncode == 0, process.stderr[-3000:]
+    report = json.loads(process.stdout)
+    assert [(entry["name"], entry["valid"]) for entry in report["checkpoints"]] == [
+        (older, True), (newest, False)]
+    assert report["latest"] == older
+    assert report["fingerprint"]

@@ -101,8 +101,11 @@ def test_data_files_without_a_manifest_are_never_a_checkpoint(s3_run_url):
 @pytest.mark.slow
 def test_runs_killed_before_their_manifest_resume_bit_exactly_on_s3(tmp_path, s3_run_url):
     reference = str(tmp_path / "reference")
-    train_with_checkpoints("tbptt", reference, keep_last=3)
-    kills = run_until_done("tbptt", s3_run_url, "checkpoint_before_manifest:7:sigkill")
+    train_with_checkpoints("tbptt", reference, epochs=1, keep_last=3)
+    # 12 splits, each process killed before the manifest of its 5th checkpoint. A killed
+    # writer leaves its heartbeat lease behind, so each restart waits out the (short) expiry.
+    kills = run_until_done("tbptt", s3_run_url, "checkpoint_before_manifest:5:sigkill", "--epochs", "1",
+                           "--lease-expiry", "1")
     assert kills >= 2
     assert_same_run(reference, s3_run_url)
     storage = Storage(s3_run_url, create=False)

@@ -14,7 +14,7 @@ from engine.checkpoint.codec import encode_state
 from engine.checkpoint.manifest import MANIFEST_FILE
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
-from engine.cli.plot import read_rows
+from engine.cli.plot import plot_run, read_rows
 from engine.errors import ConfigError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE
 from kill_helpers import environment, run_until_done
@@ -95,6 +95,26 @@ def test_data_files_without_a_manifest_are_never_a_checkpoint(s3_run_url):
     with pytest.warns(UserWarning, match="ckpt-0000000002"):
         assert fresh.latest().name == "ckpt-0000000001"
     assert fresh.next_sequence() == 3  # the torn name is never reused
+
+
+# ---- metrics.jsonl and resumes.jsonl (objects cannot be appended to in place) ----------------------
+def test_appends_rewrite_the_object_and_keep_every_byte_past_the_multipart_threshold(s3_run_url):
+    storage = Storage(s3_run_url)
+    head = b"x" * (5 * 2**20 + 3)  # beyond 5 MiB s3fs copies the old bytes server-side
+    storage.write(METRICS_FILE, [head], durable=False)
+    storage.append(METRICS_FILE, b"tail\n")
+    storage.append(METRICS_FILE, b"more\n")
+    assert storage.read(METRICS_FILE) == head + b"tail\nmore\n"
+    storage.truncate(METRICS_FILE, len(head) + 5)
+    assert storage.read(METRICS_FILE) == head + b"tail\n"
+
+
+def test_plot_reads_an_s3_run_directory(s3_run_url, tmp_path):
+    train_with_checkpoints("plain", s3_run_url, epochs=1)
+    train_with_checkpoints("plain", s3_run_url, epochs=2)  # resumes: one row in resumes.jsonl
+    drawn = plot_run(s3_run_url, str(tmp_path / "curves.png"))
+    assert drawn == {"train": 6, "val": 0, "resumes": 1}
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 # ---- real processes -------------------------------------------------------------------------------

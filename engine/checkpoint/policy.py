@@ -8,6 +8,7 @@ the (a)synchronous writer, and what to do when a write fails. The run hands it s
 from __future__ import annotations
 
 import functools
+import math
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
@@ -17,6 +18,8 @@ from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
+from engine.checkpoint.manifest import MonitorRecord
+from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, MetricsLog
@@ -41,6 +44,7 @@ class RunCheckpointer:
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
         self._mark_of_last_save: BoundaryMark | None = None
+        self._fresh_monitor: MonitorRecord | None = None
 
     @property
     def last_name(self) -> str | None:
@@ -81,11 +85,13 @@ class RunCheckpointer:
         self._steps_at_last_save = optimizer_steps
         self._mark_of_last_save = resumed_mark
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
-        if self.policy.asynchronous:
-            self._writer = BackgroundWriter(self.store, self._lease, self.policy.keep_last, also_sync,
-                                            self.policy.max_in_flight, self.policy.when_behind)
+        policy = self.policy
+        retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor)
+        if policy.asynchronous:
+            self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
+                                            policy.max_in_flight, policy.when_behind)
         else:
-            self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync)
+            self._writer = SyncWriter(self.store, self._lease, retention, also_sync)
 
     def holds(self, mark: BoundaryMark) -> bool:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
@@ -104,6 +110,13 @@ class RunCheckpointer:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
+    def offer_metrics(self, values: dict[str, float]) -> None:
+        """New metric values were produced (a validation pass, an epoch's aggregates): the next
+        checkpoint records the monitored one, which makes it a candidate best checkpoint."""
+        monitor = self.policy.monitor
+        if monitor is not None and monitor in values and math.isfinite(values[monitor]):
+            self._fresh_monitor = MonitorRecord(monitor, self.policy.mode, float(values[monitor]))
+
     def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         """Commit (or queue) ``snapshot`` with the metrics lines buffered so far (written by the
@@ -116,7 +129,8 @@ class RunCheckpointer:
                 raise CheckpointWriteError(f"metrics.jsonl will hold {metrics_bytes} bytes, the snapshot recorded "
                                            f"{snapshot.state['metrics_bytes']}")
             pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor,
-                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes))
+                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
+                                        monitor=self._fresh_monitor)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise
@@ -127,6 +141,7 @@ class RunCheckpointer:
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark
+            self._fresh_monitor = None
         return written
 
     def check(self) -> None:

@@ -29,11 +29,11 @@ import re
 import time
 import warnings
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
-from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
+from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
 from engine.checkpoint.storage import Storage
@@ -84,6 +84,7 @@ class CheckpointInfo:
     cursor: Cursor | None
     valid: bool
     error: str | None
+    monitor: MonitorRecord | None = None
 
 
 @dataclasses.dataclass
@@ -139,7 +140,7 @@ class CheckpointStore:
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
               generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
               on_data_written: Callable[[], None] | None = None,
-              fence: Callable[[], None] | None = None) -> str:
+              fence: Callable[[], None] | None = None, monitor: MonitorRecord | None = None) -> str:
         """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
         ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
         ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
@@ -176,7 +177,7 @@ class CheckpointStore:
             if overlap:
                 pending.wait()
             faults.reach("checkpoint_before_manifest")
-            manifest = Manifest(sequence, cursor, records, time.time(), generation)
+            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor)
             if not atomic_rename and fence is not None:
                 fence()  # the manifest is the commit point here
             self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False, exclusive=exclusive)
@@ -221,18 +222,20 @@ class CheckpointStore:
             if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
 
-    def apply_retention(self, keep_last: int | None, generation: int | None = None) -> None:
+    def apply_retention(self, keep_last: int | None, generation: int | None = None,
+                        protected: Collection[str] = ()) -> None:
         """Keep the newest ``keep_last`` checkpoints that verify, newest by (writer generation,
         sequence); delete the older ones (valid or not), but never one of a newer generation
-        than ``generation`` (the caller's). Invalid ones newer than the oldest kept are left
-        alone; a ``ckpt-*`` without a readable manifest is deleted once older than it."""
+        than ``generation`` (the caller's) nor one in ``protected`` (the best ones, which do not
+        count towards ``keep_last``). Invalid ones newer than the oldest kept are left alone; a
+        ``ckpt-*`` without a readable manifest is deleted once older than it."""
         if keep_last is None:
             return
         kept: list[str] = []
         doomed: list[str] = []
         entries = self.newest_first()
         for name, manifest in entries:
-            if manifest is None:
+            if manifest is None or name in protected:
                 continue
             if len(kept) < keep_last:
                 if self.verifies(name):
@@ -250,6 +253,23 @@ class CheckpointStore:
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
             self._verified.pop(name, None)
+
+    def best(self, count: int, monitor: str | None = None) -> list[str]:
+        """Up to ``count`` checkpoints that verify and recorded a value of ``monitor`` (default:
+        the metric the newest such record names), best first by the mode recorded; ties go to
+        the newest. A best one that does not verify is skipped (the next one takes its place)."""
+        records = [(name, manifest.monitor) for name, manifest in self.newest_first()
+                   if manifest is not None and manifest.monitor is not None]
+        if monitor is None and records:
+            monitor = records[0][1].name
+        ranked = sorted((entry for entry in records if entry[1].name == monitor), key=lambda entry: entry[1].better_first())
+        best: list[str] = []
+        for name, _ in ranked:
+            if len(best) >= count:
+                break
+            if self.verifies(name):
+                best.append(name)
+        return best
 
     def verifies(self, name: str) -> bool:
         """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
@@ -354,8 +374,9 @@ class CheckpointStore:
             sequence = _sequence(name)
             try:
                 loaded = self.load(name, validate)
-                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None))
+                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor))
             except CheckpointError as error:
                 manifest = self._manifest_or_none(name)
-                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error)))
+                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),
+                                            manifest.monitor if manifest else None))
         return infos

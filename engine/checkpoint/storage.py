@@ -16,7 +16,7 @@ import os
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Any, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -241,6 +241,23 @@ class Storage:
         path = self.writable_path(relative)
         if self.fs.exists(path):
             self.fs.rm_file(path)
+
+    def abort_unfinished_uploads(self, relative: str) -> int:
+        """Abort the multipart uploads under ``relative`` that never completed (S3 only: a
+        process killed while it uploaded a large file leaves its parts stored, invisible and
+        billed). Call only while no other live process writes there. Returns how many."""
+        if not self.exclusive_create:
+            return 0
+        s3: Any = getattr(self.fs, "inner", self.fs)
+        bucket, key, _ = s3.split_path(self.writable_path(relative))
+        aborted = 0
+        while True:  # each round lists what the previous one left (a listing holds 1000 at most)
+            listing = s3.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            for upload in listing.get("Uploads", []):
+                s3.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            if not listing.get("IsTruncated") or not listing.get("Uploads"):
+                return aborted
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""

@@ -217,10 +217,15 @@ class CheckpointStore:
             pass  # a partial directory without a manifest is ignored by readers anyway
 
     def remove_temporaries(self) -> None:
-        """Delete staging directories left by crashed writers (call while holding the lease)."""
+        """Delete staging directories left by crashed writers (call while holding the lease),
+        and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
             if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
+        try:
+            self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
+        except OSError as error:  # only storage costs are at stake; the bucket's lifecycle rule still applies
+            warnings.warn(f"could not abort unfinished uploads under {CHECKPOINT_DIR}/: {error}", stacklevel=2)
 
     def apply_retention(self, keep_last: int | None, generation: int | None = None,
                         protected: Collection[str] = ()) -> None:

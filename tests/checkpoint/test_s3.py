@@ -97,6 +97,18 @@ def test_data_files_without_a_manifest_are_never_a_checkpoint(s3_run_url):
     assert fresh.next_sequence() == 3  # the torn name is never reused
 
 
+def test_a_new_writer_aborts_the_uploads_a_killed_one_left_unfinished(s3_run_url):
+    store = CheckpointStore(Storage(s3_run_url))
+    s3 = store.storage.fs
+    bucket, key, _ = s3.split_path(store.storage.path("checkpoints/ckpt-0000000001/tensors.bin"))
+    s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # a killed writer's torn upload
+    outside = s3.call_s3("create_multipart_upload", Bucket=bucket, Key="elsewhere/big.bin")
+    store.remove_temporaries()
+    left = [upload["Key"] for upload in s3.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])]
+    assert left == ["elsewhere/big.bin"]  # only the run's own checkpoints/ is cleaned
+    s3.call_s3("abort_multipart_upload", Bucket=bucket, Key="elsewhere/big.bin", UploadId=outside["UploadId"])
+
+
 # ---- metrics.jsonl and resumes.jsonl (objects cannot be appended to in place) ----------------------
 def test_appends_rewrite_the_object_and_keep_every_byte_past_the_multipart_threshold(s3_run_url):
     storage = Storage(s3_run_url)

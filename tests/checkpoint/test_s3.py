@@ -109,6 +109,13 @@ def test_a_new_writer_aborts_the_uploads_a_killed_one_left_unfinished(s3_run_url
     s3.call_s3("abort_multipart_upload", Bucket=bucket, Key="elsewhere/big.bin", UploadId=outside["UploadId"])
 
 
+def test_an_asynchronous_run_on_s3_equals_a_local_one(s3_run_url, tmp_path):
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference, epochs=1)
+    train_with_checkpoints("tbptt", s3_run_url, epochs=1, asynchronous=True)  # s3fs from the writer thread
+    assert_same_run(reference, s3_run_url)
+
+
 # ---- metrics.jsonl and resumes.jsonl (objects cannot be appended to in place) ----------------------
 def test_appends_rewrite_the_object_and_keep_every_byte_past_the_multipart_threshold(s3_run_url):
     storage = Storage(s3_run_url)

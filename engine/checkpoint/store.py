@@ -33,6 +33,7 @@ from typing import Any, Callable, Collection
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
+from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
@@ -285,6 +286,10 @@ class CheckpointStore:
                 self._verified[name] = False
         return self._verified[name]
 
+    def newest_committed_sequence(self) -> int:
+        """The highest sequence among checkpoints whose manifest parses (0 when none)."""
+        return max((_sequence(name) for name, m in self.newest_first() if m is not None), default=0)
+
     def newest_generation(self) -> int:
         """The highest writer generation recorded by a checkpoint whose manifest parses."""
         return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
@@ -316,6 +321,7 @@ class CheckpointStore:
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
+        self._refuse_if_fenced(name, manifest)
         if set(manifest.files) != set(DATA_FILES):
             raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)}")
         contents = {}
@@ -342,6 +348,15 @@ class CheckpointStore:
         if validate is not None:
             validate(name, state)
         return LoadedCheckpoint(name, manifest, progress, state)
+
+    def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
+        """A checkpoint committed by a writer after a newer generation took the lease over."""
+        for generation, sequence in read_fences(self.storage):
+            if manifest.writer_generation < generation and manifest.sequence > sequence:
+                raise CheckpointCorrupt(
+                    f"{name}: written by writer generation {manifest.writer_generation} after generation "
+                    f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
+                )
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

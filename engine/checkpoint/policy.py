@@ -58,7 +58,8 @@ class RunCheckpointer:
         """Take the writer lease (WriterConflict if another live process holds it) and clean
         up what crashed writers left. Call before reading checkpoints to resume."""
         if self._group is None or self._group.is_writer:
-            self._lease.acquire(minimum_generation=self.store.newest_generation())
+            self._lease.acquire(minimum_generation=self.store.newest_generation(),
+                                committed_sequence=self.store.newest_committed_sequence)
             self._metrics.fence = self._lease.verify
             self.store.remove_temporaries()
         if self._group is not None:

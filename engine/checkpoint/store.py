@@ -10,7 +10,10 @@ Commit protocol (see docs/checkpoint-format.md):
   the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
   directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
 * other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
-  manifest last. Without a valid manifest the directory is not a checkpoint.
+  manifest last. Without a valid manifest the directory is not a checkpoint. On object stores
+  that can create an object only if absent (S3: ``If-None-Match: *``) every file, the manifest
+  above all, is created that way: a writer that finds a name taken was overtaken by another
+  writer and stops (WriterConflict) without overwriting or deleting anything of it.
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
 rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
@@ -30,8 +33,10 @@ from typing import Any, Callable, Collection
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
+from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
+                           WriterConflict)
 from engine.checkpoint.storage import Storage
 from engine.distributed.state_parts import is_rank_file
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
@@ -150,6 +155,7 @@ class CheckpointStore:
         sequence = self.next_sequence() if sequence is None else sequence
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
+        exclusive = not atomic_rename and self.storage.exclusive_create
         if staging is None:
             staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
@@ -168,7 +174,7 @@ class CheckpointStore:
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
-                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap)
+                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap, exclusive=exclusive)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
@@ -184,7 +190,7 @@ class CheckpointStore:
             manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor)
             if not atomic_rename and fence is not None:
                 fence()  # the manifest is the commit point here
-            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
+            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False, exclusive=exclusive)
             if atomic_rename:
                 # Everything must be durable before the rename makes it visible.
                 unsynced = [] if overlap else data_paths
@@ -197,6 +203,12 @@ class CheckpointStore:
                 faults.reach("checkpoint_after_rename")
                 self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
+            if exclusive and isinstance(error, FileExistsError):
+                # Another writer created this name first: its files are not ours to delete.
+                raise WriterConflict(
+                    f"{self.storage.url}: {name} already holds a file another writer created ({error}); "
+                    "this writer was overtaken and stops without committing or deleting anything"
+                ) from error
             if renamed:  # committed; only the durability of the rename is in doubt
                 raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
             self._discard(directory)
@@ -220,10 +232,15 @@ class CheckpointStore:
             self._discard(f"{CHECKPOINT_DIR}/{staging}")
 
     def remove_temporaries(self) -> None:
-        """Delete staging directories left by crashed writers (call while holding the lease)."""
+        """Delete staging directories left by crashed writers (call while holding the lease),
+        and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
             if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
+        try:
+            self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
+        except OSError as error:  # only storage costs are at stake; the bucket's lifecycle rule still applies
+            warnings.warn(f"could not abort unfinished uploads under {CHECKPOINT_DIR}/: {error}", stacklevel=2)
 
     def apply_retention(self, keep_last: int | None, generation: int | None = None,
                         protected: Collection[str] = ()) -> None:
@@ -283,6 +300,10 @@ class CheckpointStore:
                 self._verified[name] = False
         return self._verified[name]
 
+    def newest_committed_sequence(self) -> int:
+        """The highest sequence among checkpoints whose manifest parses (0 when none)."""
+        return max((_sequence(name) for name, m in self.newest_first() if m is not None), default=0)
+
     def newest_generation(self) -> int:
         """The highest writer generation recorded by a checkpoint whose manifest parses."""
         return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
@@ -314,6 +335,7 @@ class CheckpointStore:
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
+        self._refuse_if_fenced(name, manifest)
         extra = set(manifest.files) - set(DATA_FILES)
         if not set(DATA_FILES) <= set(manifest.files) or not all(map(is_rank_file, extra)):
             raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)} "
@@ -342,6 +364,15 @@ class CheckpointStore:
         if validate is not None:
             validate(name, state)
         return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
+
+    def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
+        """A checkpoint committed by a writer after a newer generation took the lease over."""
+        for generation, sequence in read_fences(self.storage):
+            if manifest.writer_generation < generation and manifest.sequence > sequence:
+                raise CheckpointCorrupt(
+                    f"{name}: written by writer generation {manifest.writer_generation} after generation "
+                    f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
+                )
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

@@ -38,7 +38,7 @@ from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord,
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
 from engine.checkpoint.storage import Storage
-from engine.distributed.state_parts import is_rank_file
+from engine.checkpoint.rank_files import is_rank_file
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"

@@ -15,7 +15,6 @@ entry of the replicated state, compared by rank 0 before it commits.
 
 from __future__ import annotations
 
-import re
 import zlib
 from typing import Any, Mapping
 
@@ -27,17 +26,7 @@ from engine.errors import CheckpointCorrupt, CheckpointIncompatible
 RANK_PART_KEYS = ("rng", "loops", "callbacks")
 REPLICATED_KEYS = ("module", "optimizers", "schedulers")
 WORLD_SIZE = "world_size"
-_RANK_FILE = re.compile(r"rank-([0-9]{5})\.(bin|msgpack)", re.ASCII)
-
-
-def rank_files(rank: int) -> tuple[str, str]:
-    """The tensor file and the header file of ``rank``'s part."""
-    return f"rank-{rank:05d}.bin", f"rank-{rank:05d}.msgpack"
-
-
-def is_rank_file(name: str) -> bool:
-    """Whether ``name`` is a per-rank file of a checkpoint (``rank-NNNNN.bin|msgpack``)."""
-    return _RANK_FILE.fullmatch(name) is not None
+from engine.checkpoint.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
 
 
 def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:

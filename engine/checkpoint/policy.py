@@ -161,4 +161,5 @@ class RunCheckpointer:
             else:
                 self._handle_io_error(error)
         finally:
+            self.store.close()
             self._lease.release()

@@ -32,7 +32,7 @@ from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.storage import LocalDirectoryFiles, Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"
@@ -45,6 +45,7 @@ _TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 
 
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
+_RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
 
 
 def _crc32(chunks: list[memoryview | bytes]) -> int:
@@ -98,6 +99,11 @@ class CheckpointStore:
         self.storage = storage
         # name -> whether it verified; names are never reused, so a result stays true.
         self._verified: dict[str, bool] = {}
+        # name -> its manifest as parsed once (a committed checkpoint's files never change).
+        self._manifests: dict[str, Manifest] = {}
+        # A staging directory of this process holding a retired checkpoint's files, which the
+        # next write overwrites in place instead of creating files (local filesystems).
+        self._spare: str | None = None
         if create:
             storage.makedirs(CHECKPOINT_DIR)
 
@@ -146,8 +152,10 @@ class CheckpointStore:
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
         renamed = False
+        local: LocalDirectoryFiles | None = None
         try:
-            self.storage.makedirs(directory)
+            self._make_staging_directory(directory, recycle=atomic_rename)
+            local = self.storage.local_files(directory) if atomic_rename else None
             contents: dict[str, list[memoryview | bytes]] = {
                 "tensors.bin": encoded.tensor_chunks(),
                 "state.msgpack": [encoded.header],
@@ -156,15 +164,19 @@ class CheckpointStore:
             data_paths = [f"{directory}/{file_name}" for file_name in contents]
             # A large state is checksummed in memory while its files reach the disk; a small
             # one inline (one fsync round fewer).
-            overlap = atomic_rename and encoded.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+            overlap = local is not None and encoded.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
-                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap)
+                if local is not None:
+                    size, crc = local.write(file_name, chunks, checksum=not overlap)
+                else:
+                    size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
-                pending = self.storage.start_sync([*data_paths, directory])
+                assert local is not None
+                pending = local.start_sync([directory])
                 records = {n: FileRecord(r.size, _crc32(contents[n])) for n, r in records.items()}
             if on_data_written is not None:
                 on_data_written()
@@ -172,13 +184,16 @@ class CheckpointStore:
                 pending.wait()
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation)
-            if not atomic_rename and fence is not None:
-                fence()  # the manifest is the commit point here
-            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
-            if atomic_rename:
-                # Everything must be durable before the rename makes it visible.
-                unsynced = [] if overlap else data_paths
-                self.storage.sync([*unsynced, f"{directory}/{MANIFEST_FILE}", directory, *also_sync])
+            if local is None:
+                if fence is not None:
+                    fence()  # the manifest is the commit point here
+                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
+            else:
+                local.write(MANIFEST_FILE, [manifest.to_json()], checksum=False)
+                # Everything must be durable before the rename makes it visible (the data
+                # files' descriptors again when they were not synced above: fsync is cheap
+                # on a clean file).
+                local.start_sync([directory, *also_sync]).wait()
                 faults.reach("checkpoint_before_rename")
                 if fence is not None:
                     fence()
@@ -195,8 +210,50 @@ class CheckpointStore:
             if not renamed:
                 self._discard(directory)
             raise
+        finally:
+            if local is not None:
+                local.close()
+        self._manifests[name] = manifest
         self._verified[name] = True  # just written from memory, checksummed on the way
         return name
+
+    def _make_staging_directory(self, directory: str, recycle: bool) -> None:
+        spare, self._spare = self._spare, None
+        if recycle and spare is not None:
+            try:
+                self.storage.rename(f"{CHECKPOINT_DIR}/{spare}", directory)
+                return
+            except OSError:
+                self._discard(f"{CHECKPOINT_DIR}/{spare}")
+        self.storage.makedirs(directory)
+
+    def _retire(self, name: str) -> None:
+        """Delete checkpoint ``name``; on a local filesystem the first one is kept as this
+        process's spare staging directory instead (one rename: it stops being a checkpoint at
+        once), provided it holds nothing but plain checkpoint files."""
+        directory = f"{CHECKPOINT_DIR}/{name}"
+        self._manifests.pop(name, None)
+        self._verified.pop(name, None)
+        if self.storage.is_local and self._spare is None and self._recyclable(directory):
+            spare = f"tmp-{_sequence(name):010d}-{os.getpid()}"
+            self.storage.rename(directory, f"{CHECKPOINT_DIR}/{spare}")
+            self._spare = spare  # its stale manifest is harmless: a staging directory is never read
+            return
+        self.storage.remove_tree(directory)
+
+    def _recyclable(self, directory: str) -> bool:
+        try:
+            with os.scandir(self.storage.path(directory)) as entries:
+                return all(entry.name in _RECYCLABLE_FILES and entry.is_file(follow_symlinks=False)
+                           for entry in entries)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Delete this process's spare staging directory (call when the run stops writing)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(f"{CHECKPOINT_DIR}/{spare}")
 
     def _discard(self, directory: str) -> None:
         try:
@@ -235,10 +292,9 @@ class CheckpointStore:
         for name in doomed + unreadable:
             faults.reach("checkpoint_retention")
             try:
-                self.storage.remove_tree(f"{CHECKPOINT_DIR}/{name}")
+                self._retire(name)
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
-            self._verified.pop(name, None)
 
     def verifies(self, name: str) -> bool:
         """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
@@ -254,10 +310,15 @@ class CheckpointStore:
         return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
 
     def _manifest_or_none(self, name: str) -> Manifest | None:
+        cached = self._manifests.get(name)
+        if cached is not None:
+            return cached
         try:
-            return Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
+            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
         except (OSError, CheckpointCorrupt):
             return None
+        self._manifests[name] = manifest
+        return manifest
 
     # ---- reading ----------------------------------------------------------------------
     def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:

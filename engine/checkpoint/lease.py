@@ -56,6 +56,7 @@ class WriterLease:
         self._token = secrets.token_hex(16)
         self._host = socket.gethostname()
         self.generation = 0
+        self.previous_generation = 0
         self._lock_descriptor: int | None = None
         self._beat = 0
         self._heartbeat: threading.Thread | None = None
@@ -124,6 +125,7 @@ class WriterLease:
             current = self._wait_until_abandoned()
         previous = current.get("generation", 0) if current else 0
         previous = previous if isinstance(previous, int) and not isinstance(previous, bool) else 0
+        self.previous_generation = previous  # the last holder's (a fast tier must name it)
         self.generation = max(previous, minimum_generation) + 1
         try:
             self._write()

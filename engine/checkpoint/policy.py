@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import FastTier, TierWriter, latest_across, load_named
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.checkpoint.store import LoadedCheckpoint
@@ -41,6 +42,10 @@ class RunCheckpointer:
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
         self._mark_of_last_save: BoundaryMark | None = None
+        self._fast = FastTier(policy.local_tier, storage) if policy.local_tier is not None else None
+        self._tiers: TierWriter | None = None
+        self._last_durable_time = time.monotonic()
+        self._units_at_last_durable = 0
 
     @property
     def last_name(self) -> str | None:
@@ -52,6 +57,14 @@ class RunCheckpointer:
         self._lease.acquire(minimum_generation=self.store.newest_generation())
         self._metrics.fence = self._lease.verify
         self.store.remove_temporaries()
+        if self._fast is not None:
+            self._fast.claim(self._lease.previous_generation, self._lease.generation)
+
+    def _stores(self) -> list[CheckpointStore]:
+        """The stores resume reads: the run dir, then the fast tier when its fence matches."""
+        if self._fast is not None and self._fast.usable:
+            return [self.store, self._fast.store]
+        return [self.store]
 
     def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         """The checkpoint to resume from (``resume`` as in ``Trainer.fit``), or None to start
@@ -60,12 +73,13 @@ class RunCheckpointer:
         silently."""
         if resume == "off":
             return None
+        stores = self._stores()
         if resume not in ("auto", "latest"):
-            return self.store.load(resume, validate)
-        latest = self.store.latest(validate)
+            return load_named(stores, resume, validate)
+        latest = self.store.latest(validate) if len(stores) == 1 else latest_across(stores, validate)
         if latest is not None:
             return latest
-        existing = self.store.committed_names()
+        existing = [name for store in stores for name in store.committed_names()]
         if existing:
             raise CheckpointCorrupt(
                 f"{len(existing)} checkpoint(s) in {self._storage.url} and none verifies; "
@@ -86,6 +100,11 @@ class RunCheckpointer:
                                             self.policy.max_in_flight, self.policy.when_behind)
         else:
             self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync)
+        if self._fast is not None:
+            self._units_at_last_durable = resumed_mark[0] if resumed_mark is not None else 0
+            self._tiers = TierWriter(self._fast.store, self.store, self.policy.keep_last, also_sync,
+                                     self._lease.verify, self._lease.generation)
+            self._writer.tiers = self._tiers
 
     def holds(self, mark: BoundaryMark) -> bool:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
@@ -116,18 +135,34 @@ class RunCheckpointer:
                 raise CheckpointWriteError(f"metrics.jsonl will hold {metrics_bytes} bytes, the snapshot recorded "
                                            f"{snapshot.state['metrics_bytes']}")
             pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor,
-                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes))
+                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
+                                        durable=self._durable_due(mark, force))
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise
         except (CheckpointWriteError, OSError) as error:
             self._handle_io_error(error)
             return False
+        if written and pending.durable and self._fast is not None:
+            self._last_durable_time = time.monotonic()
+            self._units_at_last_durable = mark[0]
         if written:
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark
         return written
+
+    def _durable_due(self, mark: BoundaryMark, force: bool) -> bool:
+        """With a fast tier: whether this checkpoint also goes to the run dir (forced ones, the
+        last of a run and a preemption's, always do)."""
+        policy = self.policy
+        if self._fast is None or force:
+            return True
+        every = policy.durable_every_n_splits
+        if every is not None and mark[0] // every > self._units_at_last_durable // every:
+            return True
+        return policy.durable_every_seconds is not None and \
+            time.monotonic() - self._last_durable_time >= policy.durable_every_seconds
 
     def check(self) -> None:
         """Surface a background write error on the training thread."""
@@ -135,6 +170,8 @@ class RunCheckpointer:
             return
         try:
             self._writer.check()
+            if self._tiers is not None:
+                self._tiers.check()
         except WriterConflict:
             raise
         except CheckpointWriteError as error:
@@ -151,15 +188,20 @@ class RunCheckpointer:
         """Flush pending writes and release the lease. With ``failing`` (an exception is on its
         way up) write errors become warnings so they do not hide the original one."""
         try:
-            if self._writer is not None:
-                self._writer.close()
-        except (WriterConflict, CheckpointWriteError) as error:
-            if failing:
-                warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
-            elif isinstance(error, WriterConflict):
-                raise
-            else:
-                self._handle_io_error(error)
+            # The writer first (its last checkpoint reaches the fast tier), then the fast tier's
+            # newest checkpoint reaches the durable tier, even when the writer failed.
+            closers = [closer for closer in (self._writer, self._tiers) if closer is not None]
+            self._tiers = None
+            for closer in closers:
+                try:
+                    closer.close()
+                except (WriterConflict, CheckpointWriteError) as error:
+                    if failing:
+                        warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
+                    elif isinstance(error, WriterConflict):
+                        raise
+                    else:
+                        self._handle_io_error(error)
         finally:
             self.store.close()
             self._lease.release()

@@ -296,12 +296,12 @@ class LocalDirectoryFiles:
         crc = 0
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
+            size += view.nbytes
+            if checksum:
+                crc = zlib.crc32(view, crc)
             while view:
                 written = os.write(descriptor, view)
                 view = view[written:]
-            if checksum:
-                crc = zlib.crc32(chunk, crc)
-            size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
         if os.fstat(descriptor).st_size != size:
             os.ftruncate(descriptor, size)
         return size, crc

@@ -95,8 +95,11 @@ StateValidator = Callable[[str, Any], None]
 
 
 class CheckpointStore:
-    def __init__(self, storage: Storage, create: bool = True) -> None:
+    def __init__(self, storage: Storage, create: bool = True, durable: bool = True) -> None:
         self.storage = storage
+        # False for a fast tier (engine.checkpoint.tiers): the same commit protocol and order,
+        # without the fsyncs (such a tier survives the process, not the node).
+        self.durable = durable
         # name -> whether it verified; names are never reused, so a result stays true.
         self._verified: dict[str, bool] = {}
         # name -> its manifest as parsed once (a committed checkpoint's files never change).
@@ -147,6 +150,27 @@ class CheckpointStore:
         ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
         (raising WriterConflict) runs immediately before the commit point."""
         sequence = self.next_sequence() if sequence is None else sequence
+        contents: dict[str, list[memoryview | bytes]] = {
+            "tensors.bin": encoded.tensor_chunks(),
+            "state.msgpack": [encoded.header],
+            "progress.msgpack": [progress_bytes],
+        }
+        return self._commit(contents, encoded.tensor_bytes, cursor, generation, sequence, also_sync,
+                            on_data_written, fence)
+
+    def copy_from(self, source: "CheckpointStore", name: str, also_sync: list[str] | tuple = (),
+                  fence: Callable[[], None] | None = None) -> str:
+        """Commit a copy of ``source``'s checkpoint ``name`` here, under the same name, cursor
+        and writer generation (a fast tier's checkpoint made durable). Its files are verified
+        against its manifest on the way; CheckpointCorrupt if they do not."""
+        manifest, contents = source._read_verified(name)
+        chunks: dict[str, list[memoryview | bytes]] = {file_name: [contents[file_name]] for file_name in DATA_FILES}
+        return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
+                            manifest.sequence, also_sync, None, fence)
+
+    def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
+                generation: int, sequence: int, also_sync: list[str] | tuple,
+                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None) -> str:
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
@@ -156,15 +180,10 @@ class CheckpointStore:
         try:
             self._make_staging_directory(directory, recycle=atomic_rename)
             local = self.storage.local_files(directory) if atomic_rename else None
-            contents: dict[str, list[memoryview | bytes]] = {
-                "tensors.bin": encoded.tensor_chunks(),
-                "state.msgpack": [encoded.header],
-                "progress.msgpack": [progress_bytes],
-            }
             data_paths = [f"{directory}/{file_name}" for file_name in contents]
             # A large state is checksummed in memory while its files reach the disk; a small
             # one inline (one fsync round fewer).
-            overlap = local is not None and encoded.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+            overlap = local is not None and self.durable and tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
@@ -193,14 +212,16 @@ class CheckpointStore:
                 # Everything must be durable before the rename makes it visible (the data
                 # files' descriptors again when they were not synced above: fsync is cheap
                 # on a clean file).
-                local.start_sync([directory, *also_sync]).wait()
+                if self.durable:
+                    local.start_sync([directory, *also_sync]).wait()
                 faults.reach("checkpoint_before_rename")
                 if fence is not None:
                     fence()
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
                 renamed = True
                 faults.reach("checkpoint_after_rename")
-                self.storage.fsync_directory(CHECKPOINT_DIR)
+                if self.durable:
+                    self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
             if renamed:  # committed; only the durability of the rename is in doubt
                 raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
@@ -267,11 +288,13 @@ class CheckpointStore:
             if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
 
-    def apply_retention(self, keep_last: int | None, generation: int | None = None) -> None:
+    def apply_retention(self, keep_last: int | None, generation: int | None = None,
+                        protected: frozenset[str] | set[str] = frozenset()) -> None:
         """Keep the newest ``keep_last`` checkpoints that verify, newest by (writer generation,
         sequence); delete the older ones (valid or not), but never one of a newer generation
         than ``generation`` (the caller's). Invalid ones newer than the oldest kept are left
-        alone; a ``ckpt-*`` without a readable manifest is deleted once older than it."""
+        alone; a ``ckpt-*`` without a readable manifest is deleted once older than it. Names in
+        ``protected`` (a fast tier's checkpoint being made durable) are never deleted."""
         if keep_last is None:
             return
         kept: list[str] = []
@@ -290,6 +313,8 @@ class CheckpointStore:
         oldest_kept = min(_sequence(name) for name in kept)
         unreadable = [name for name, manifest in entries if manifest is None and _sequence(name) < oldest_kept]
         for name in doomed + unreadable:
+            if name in protected:
+                continue
             faults.reach("checkpoint_retention")
             try:
                 self._retire(name)
@@ -339,6 +364,21 @@ class CheckpointStore:
         return loaded
 
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
+        manifest, contents = self._read_verified(name)
+        try:
+            progress = decode_tree(bytes(contents["progress.msgpack"]))
+        except ProgressSchemaError as error:
+            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
+        try:
+            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
+        except CheckpointCorrupt as error:
+            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
+        if validate is not None:
+            validate(name, state)
+        return LoadedCheckpoint(name, manifest, progress, state)
+
+    def _read_verified(self, name: str) -> tuple[Manifest, dict[str, bytearray]]:
+        """The manifest and the data files of ``name``, each checked against the manifest."""
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
         if set(manifest.files) != set(DATA_FILES):
@@ -356,17 +396,7 @@ class CheckpointStore:
             data = self.storage.read_into(path, record.size)
             verify_file(file_name, data, record)
             contents[file_name] = data
-        try:
-            progress = decode_tree(bytes(contents["progress.msgpack"]))
-        except ProgressSchemaError as error:
-            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
-        try:
-            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
-        except CheckpointCorrupt as error:
-            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
-        if validate is not None:
-            validate(name, state)
-        return LoadedCheckpoint(name, manifest, progress, state)
+        return manifest, contents
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

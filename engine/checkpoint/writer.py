@@ -20,6 +20,7 @@ import torch
 from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import TierWriter
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
@@ -32,6 +33,8 @@ class PendingCheckpoint:
     buffers: "SnapshotBuffers | None" = None
     # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
     publish_metrics: Callable[[], None] | None = None
+    # With a fast tier: whether this checkpoint must also reach the durable tier.
+    durable: bool = True
 
 
 class SnapshotBuffers:
@@ -96,6 +99,8 @@ class _Committer:
         self.keep_last = keep_last
         self.also_sync = also_sync
         self.last_name: str | None = None
+        # Set for a fast local tier (engine.checkpoint.tiers): commits go there first.
+        self.tiers: TierWriter | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
         fence = self.lease.verify if self.lease is not None else None
@@ -104,6 +109,13 @@ class _Committer:
         if pending.publish_metrics is not None:
             pending.publish_metrics()
         generation = self.lease.generation if self.lease is not None else 0
+        if self.tiers is not None:
+            def write(store: CheckpointStore, sequence: int) -> str:
+                return store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
+                                   on_data_written=lambda: self.release(pending), fence=fence)
+
+            self.last_name = self.tiers.commit(write, pending.durable, fence)
+            return
         self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
                                           also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
                                           fence=fence)

@@ -46,7 +46,12 @@ class CheckpointConfig:
 
     Args:
         every_n_splits: checkpoint after every N completed splits (a batch counts as one split
-            when TBPTT is off). 1 gives split-level fault tolerance.
+            when TBPTT is off). 1 gives split-level fault tolerance. ``"auto"`` chooses N online
+            to keep the time checkpoints block training within ``max_overhead`` (between 1 and
+            64 splits; see engine/checkpoint/budget.py); the interval reached is reported in
+            ``FitResult.checkpoint_interval`` and the progress log.
+        max_overhead: with ``every_n_splits="auto"``, the fraction of training time that
+            checkpoints may block the training thread (0.05: 5%).
         every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
         every_seconds: checkpoint at the first split boundary T seconds after the last one.
         at_epoch_end: checkpoint after each epoch's end-of-epoch work.
@@ -79,7 +84,7 @@ class CheckpointConfig:
             seconds passed since the last copy.
     """
 
-    every_n_splits: int | None = 1
+    every_n_splits: int | Literal["auto"] | None = 1
     every_n_steps: int | None = None
     every_seconds: float | None = None
     at_epoch_end: bool = True
@@ -95,10 +100,18 @@ class CheckpointConfig:
     local_tier: str | None = None
     durable_every_n_splits: int | None = None
     durable_every_seconds: float | None = None
+    max_overhead: float = 0.05
 
     def __post_init__(self) -> None:
         owner = "CheckpointConfig"
-        _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+        if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
+            raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
+        if self.every_n_splits != "auto":
+            _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+        if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)) \
+                or not 0 < self.max_overhead < 1:
+            raise ConfigError(f"{owner}.max_overhead: expected a fraction of training time between 0 and 1 "
+                              f"(0.05 for 5%), got {self.max_overhead!r}")
         _positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
         _positive_number_or_none(owner, "every_seconds", self.every_seconds)
         _positive_int_or_none(owner, "keep_last", self.keep_last)

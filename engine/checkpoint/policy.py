@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
@@ -42,6 +43,10 @@ class RunCheckpointer:
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
         self._mark_of_last_save: BoundaryMark | None = None
+        self._budget = OverheadBudget(policy.max_overhead) if policy.every_n_splits == "auto" else None
+        self._units_at_last_save = 0
+        self._due_since: float | None = None  # when due_at_split said yes ("auto" timing)
+        self._last_save_end = time.monotonic()
         self._fast = FastTier(policy.local_tier, storage) if policy.local_tier is not None else None
         self._tiers: TierWriter | None = None
         self._last_durable_time = time.monotonic()
@@ -94,6 +99,8 @@ class RunCheckpointer:
         checkpoint resumed from, which therefore needs no new checkpoint."""
         self._steps_at_last_save = optimizer_steps
         self._mark_of_last_save = resumed_mark
+        self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
+        self._last_save_end = time.monotonic()
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         if self.policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, self.policy.keep_last, also_sync,
@@ -110,6 +117,19 @@ class RunCheckpointer:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
         return self._mark_of_last_save == mark
 
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """Splits between checkpoints: the one "auto" reached, the configured one, or None."""
+        if self._budget is not None:
+            return self._budget.interval
+        every = self.policy.every_n_splits
+        return every if isinstance(every, int) else None
+
+    @property
+    def auto_interval(self) -> int | None:
+        """The interval ``every_n_splits="auto"`` chose so far (None without "auto")."""
+        return None if self._budget is None else self._budget.interval
+
     def due_at_epoch_end(self) -> bool:
         """Whether the policy asks for a checkpoint after each epoch."""
         return self.policy.at_epoch_end
@@ -117,7 +137,11 @@ class RunCheckpointer:
     def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
         """Whether the policy asks for a checkpoint at this split boundary."""
         policy = self.policy
-        if policy.every_n_splits is not None and units_completed % policy.every_n_splits == 0:
+        if self._budget is not None:
+            if units_completed - self._units_at_last_save >= self._budget.interval:
+                self._due_since = time.monotonic()
+                return True
+        elif policy.every_n_splits is not None and units_completed % policy.every_n_splits == 0:
             return True
         if policy.every_n_steps is not None and optimizer_steps // policy.every_n_steps > self._steps_at_last_save // policy.every_n_steps:
             return True
@@ -146,7 +170,15 @@ class RunCheckpointer:
         if written and pending.durable and self._fast is not None:
             self._last_durable_time = time.monotonic()
             self._units_at_last_durable = mark[0]
+        if written and self._budget is not None:
+            ended = time.monotonic()
+            if self._due_since is not None:  # a save of the cadence (not of an epoch end, a stop)
+                started = self._due_since
+                self._budget.record(ended - started, started - self._last_save_end, mark[0] - self._units_at_last_save)
+            self._last_save_end = ended
+        self._due_since = None
         if written:
+            self._units_at_last_save = mark[0]
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark

@@ -141,7 +141,7 @@ class RunCheckpointer:
             if units_completed - self._units_at_last_save >= self._budget.interval:
                 self._due_since = time.monotonic()
                 return True
-        elif policy.every_n_splits is not None and units_completed % policy.every_n_splits == 0:
+        elif isinstance(policy.every_n_splits, int) and units_completed % policy.every_n_splits == 0:
             return True
         if policy.every_n_steps is not None and optimizer_steps // policy.every_n_steps > self._steps_at_last_save // policy.every_n_steps:
             return True

@@ -341,7 +341,9 @@ def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> dict[
     print(f"{workload.label}: steady state per split none {split['none'] * 1e3:.1f} ms, "
           f"sync {split['sync'] * 1e3:.1f} ms, async {split['async'] * 1e3:.1f} ms; ratio sync/none "
           f"{median_ratio(rounds, 'sync', 'per_split_seconds'):.3f}, async/none "
-          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f} (end of run left out)")
+          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f}, fast/none "
+          f"{median_ratio(rounds, 'fast', 'per_split_seconds'):.3f}, floor/none "
+          f"{median_ratio(rounds, 'floor', 'per_split_seconds'):.3f} (end of run left out)")
     print(f"{workload.label}: fast tier (async, every split to {FAST_TIER_ROOT}, durable every 60 s and at the end) "
           f"/ none {median_ratio(rounds, 'fast'):.3f}; copy floor (one copy_ of the state per split) / none "
           f"{median_ratio(rounds, 'floor'):.3f}")

@@ -166,11 +166,14 @@ class CheckpointStore:
         manifest, contents = source._read_verified(name)
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [contents[file_name]] for file_name in DATA_FILES}
         return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
-                            manifest.sequence, also_sync, None, fence)
+                            manifest.sequence, also_sync, None, fence, known=manifest.files)
 
     def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
                 generation: int, sequence: int, also_sync: list[str] | tuple,
-                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None) -> str:
+                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None,
+                known: dict[str, FileRecord] | None = None) -> str:
+        """The commit protocol (module docstring). ``known``: the files' records, already
+        verified against these very bytes (a copy between tiers), so not checksummed again."""
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
@@ -184,18 +187,22 @@ class CheckpointStore:
             # A large state is checksummed in memory while its files reach the disk; a small
             # one inline (one fsync round fewer).
             overlap = local is not None and self.durable and tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+            checksum = not overlap and known is None
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
                 if local is not None:
-                    size, crc = local.write(file_name, chunks, checksum=not overlap)
+                    size, crc = local.write(file_name, chunks, checksum=checksum)
                 else:
-                    size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap)
+                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
                 assert local is not None
                 pending = local.start_sync([directory])
+            if known is not None:
+                records = {n: FileRecord(r.size, known[n].crc32) for n, r in records.items()}
+            elif overlap:
                 records = {n: FileRecord(r.size, _crc32(contents[n])) for n, r in records.items()}
             if on_data_written is not None:
                 on_data_written()

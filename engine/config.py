@@ -65,6 +65,12 @@ class CheckpointConfig:
             snapshot replaces the oldest queued one, or, when every snapshot is being written,
             this checkpoint is skipped. A run's last checkpoint and a preemption checkpoint
             always wait.
+        monitor: a metric name (``val_loss``, or one logged with ``Module.log``) whose best
+            checkpoints are kept besides the newest ones: each checkpoint written right after
+            a new value of it records that value in its manifest.
+        mode: ``"min"`` (lower is better) or ``"max"``, for ``monitor``.
+        keep_best: how many best checkpoints (by ``monitor``) retention never deletes; they do
+            not count towards ``keep_last``.
         on_io_error: ``"raise"`` stops training with CheckpointWriteError when a write fails;
             ``"warn"`` warns and trains on (earlier checkpoints stay intact either way).
         lease_expiry_seconds: on filesystems without file locks (object stores), how long a
@@ -93,6 +99,9 @@ class CheckpointConfig:
     max_in_flight: int = 1
     when_behind: Literal["wait", "skip"] = "wait"
     on_io_error: Literal["raise", "warn"] = "raise"
+    monitor: str | None = None
+    mode: Literal["min", "max"] = "min"
+    keep_best: int = 1
     # True only for the policy TrainerConfig creates by default, so that a policy the user
     # passed explicitly can be told apart (it needs a run_dir).
     _implied_by_default: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
@@ -120,6 +129,11 @@ class CheckpointConfig:
             raise ConfigError(f"{owner}.max_in_flight: expected a positive int, got None")
         _one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
         _one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
+        if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
+            raise ConfigError(f"{owner}.monitor: expected a metric name or None, got {self.monitor!r}")
+        _one_of(owner, "mode", self.mode, ["min", "max"])
+        if isinstance(self.keep_best, bool) or not isinstance(self.keep_best, int) or self.keep_best < 0:
+            raise ConfigError(f"{owner}.keep_best: expected an int >= 0, got {self.keep_best!r}")
         _positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")

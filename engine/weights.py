@@ -69,16 +69,14 @@ def read_checkpoint(source: str, checkpoint: str) -> LoadedCheckpoint:
         raise CheckpointNotFound(f"{source}: no such run directory") from error
     store = CheckpointStore(storage, create=False)
     if checkpoint == "best":
-        name = best_checkpoint_name(store)
-        return store.load(name, run_state.validate)
+        best = store.best(1)
+        if not best:
+            raise CheckpointNotFound(f"{source} holds no best checkpoint that verifies "
+                                     "(best checkpoints need CheckpointConfig(monitor=...))")
+        return store.load(best[0], run_state.validate)
     if checkpoint == "latest":
         loaded = store.latest(run_state.validate)
         if loaded is None:
             raise CheckpointNotFound(f"{source} holds no checkpoint that verifies")
         return loaded
     return store.load(checkpoint, run_state.validate)
-
-
-def best_checkpoint_name(store: CheckpointStore) -> str:
-    """The best checkpoint that verifies, by the monitored metric recorded in its manifest."""
-    raise CheckpointNotFound(f"{store.storage.url}: no best checkpoint (set CheckpointConfig(monitor=...))")

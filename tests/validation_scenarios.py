@@ -86,6 +86,11 @@ def train_validated(run_dir: str | None, epochs: int = 2, every_steps: int | Non
     return model, result
 
 
+def best_policy() -> engine.CheckpointConfig:
+    """What the kill tests run with: few newest checkpoints, the two best by val_loss kept."""
+    return engine.CheckpointConfig(keep_last=2, monitor="val_loss", mode="min", keep_best=2)
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
@@ -97,7 +102,8 @@ def main(argv: list[str]) -> int:
     callbacks: list[engine.Callback] = [Announce(args.sleep)]
     if args.patience:
         callbacks.append(engine.EarlyStopping(monitor="val_loss", mode="min", patience=args.patience))
-    train_validated(args.run_dir, epochs=3, every_steps=args.every_steps, callbacks=tuple(callbacks))
+    train_validated(args.run_dir, epochs=3, every_steps=args.every_steps, callbacks=tuple(callbacks),
+                    checkpoint=best_policy())
     return 0
 
 

@@ -29,6 +29,19 @@ class FileRecord:
     crc32: int
 
 
+@dataclasses.dataclass(frozen=True)
+class MonitorRecord:
+    """The monitored metric's value that this checkpoint was taken for (best checkpoints)."""
+
+    name: str
+    mode: str  # "min" or "max"
+    value: float
+
+    def better_first(self) -> float:
+        """A sort key that puts better values first."""
+        return self.value if self.mode == "min" else -self.value
+
+
 @dataclasses.dataclass
 class Manifest:
     sequence: int
@@ -36,6 +49,7 @@ class Manifest:
     files: dict[str, FileRecord]
     created_unix: float
     writer_generation: int
+    monitor: MonitorRecord | None = None
 
     def to_json(self) -> bytes:
         data = {
@@ -47,6 +61,8 @@ class Manifest:
             "created_unix": self.created_unix,
             "writer_generation": self.writer_generation,
         }
+        if self.monitor is not None:
+            data["monitor"] = dataclasses.asdict(self.monitor)
         return json.dumps(data, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -61,8 +77,8 @@ class Manifest:
         except RecursionError as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} nests too deeply to be a manifest") from error
         expected = {"format", "version", "sequence", "cursor", "files", "created_unix", "writer_generation"}
-        if not isinstance(data, dict) or set(data) != expected:
-            raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)}")
+        if not isinstance(data, dict) or set(data) - {"monitor"} != expected:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)} (and optionally 'monitor')")
         if data["format"] != FORMAT or data["version"] != VERSION:
             raise CheckpointCorrupt(f"{MANIFEST_FILE}: format {data['format']!r} version {data['version']!r} is not {FORMAT!r} {VERSION}")
         try:
@@ -70,7 +86,9 @@ class Manifest:
             if not isinstance(data["files"], dict):
                 raise ValueError(f"'files' must be an object, got {type(data['files']).__name__}")
             files = {check_name(name): _file_record(record) for name, record in data["files"].items()}
-            return cls(_count(data, "sequence"), cursor, files, _timestamp(data["created_unix"]), _count(data, "writer_generation"))
+            monitor = _monitor_record(data["monitor"]) if "monitor" in data else None
+            return cls(_count(data, "sequence"), cursor, files, _timestamp(data["created_unix"]),
+                       _count(data, "writer_generation"), monitor)
         except (ValueError, TypeError, AttributeError, RecursionError) as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
 
@@ -90,6 +108,17 @@ def _timestamp(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"'created_unix' must be a finite number, got {value!r}")
     return float(value)
+
+
+def _monitor_record(record: Any) -> MonitorRecord:
+    if not isinstance(record, dict) or set(record) != {"name", "mode", "value"}:
+        raise ValueError(f"monitor record {record!r} must have exactly name, mode and value")
+    name, mode, value = record["name"], record["mode"], record["value"]
+    if not isinstance(name, str) or not name or mode not in ("min", "max"):
+        raise ValueError(f"monitor record {record!r} has a bad name or mode")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"monitor record {record!r} has a value that is not a finite number")
+    return MonitorRecord(name, mode, float(value))
 
 
 def _file_record(record: Any) -> FileRecord:

@@ -8,6 +8,7 @@ the (a)synchronous writer, and what to do when a write fails. The run hands it s
 from __future__ import annotations
 
 import functools
+import math
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
@@ -19,6 +20,8 @@ from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import FastTier, TierWriter, latest_across, load_named
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
+from engine.checkpoint.manifest import MonitorRecord
+from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, MetricsLog
@@ -43,6 +46,7 @@ class RunCheckpointer:
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
         self._mark_of_last_save: BoundaryMark | None = None
+        self._fresh_monitor: MonitorRecord | None = None
         self._budget = OverheadBudget(policy.max_overhead) if policy.every_n_splits == "auto" else None
         self._units_at_last_save = 0
         self._due_since: float | None = None  # when due_at_split said yes ("auto" timing)
@@ -102,14 +106,16 @@ class RunCheckpointer:
         self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
         self._last_save_end = time.monotonic()
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
-        if self.policy.asynchronous:
-            self._writer = BackgroundWriter(self.store, self._lease, self.policy.keep_last, also_sync,
-                                            self.policy.max_in_flight, self.policy.when_behind)
+        policy = self.policy
+        retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor)
+        if policy.asynchronous:
+            self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
+                                            policy.max_in_flight, policy.when_behind)
         else:
-            self._writer = SyncWriter(self.store, self._lease, self.policy.keep_last, also_sync)
+            self._writer = SyncWriter(self.store, self._lease, retention, also_sync)
         if self._fast is not None:
             self._units_at_last_durable = resumed_mark[0] if resumed_mark is not None else 0
-            self._tiers = TierWriter(self._fast.store, self.store, self.policy.keep_last, also_sync,
+            self._tiers = TierWriter(self._fast.store, self.store, retention, also_sync,
                                      self._lease.verify, self._lease.generation)
             self._writer.tiers = self._tiers
 
@@ -147,6 +153,13 @@ class RunCheckpointer:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
+    def offer_metrics(self, values: dict[str, float]) -> None:
+        """New metric values were produced (a validation pass, an epoch's aggregates): the next
+        checkpoint records the monitored one, which makes it a candidate best checkpoint."""
+        monitor = self.policy.monitor
+        if monitor is not None and monitor in values and math.isfinite(values[monitor]):
+            self._fresh_monitor = MonitorRecord(monitor, self.policy.mode, float(values[monitor]))
+
     def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         """Commit (or queue) ``snapshot`` with the metrics lines buffered so far (written by the
@@ -160,7 +173,7 @@ class RunCheckpointer:
                                            f"{snapshot.state['metrics_bytes']}")
             pending = PendingCheckpoint(encode_state(snapshot.state), snapshot.progress_bytes, cursor,
                                         publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
-                                        durable=self._durable_due(mark, force))
+                                        durable=self._durable_due(mark, force), monitor=self._fresh_monitor)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise
@@ -182,6 +195,7 @@ class RunCheckpointer:
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark
+            self._fresh_monitor = None
         return written
 
     def _durable_due(self, mark: BoundaryMark, force: bool) -> bool:

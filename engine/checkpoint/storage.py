@@ -3,6 +3,11 @@
 Local paths (``/abs``, ``relative``, ``file://...``) get real durability: files are fsynced
 and renames are atomic on one filesystem. Other filesystems (``memory://``, object stores)
 have no atomic rename, which the checkpoint commit protocol accounts for.
+
+``s3://bucket/prefix`` run directories go through ``s3fs`` (``pip install 'splitloop[s3]'``),
+configured from the standard AWS environment (see docs/object-stores.md). There a file can be
+created only if absent (a conditional ``PutObject``/``CompleteMultipartUpload`` with
+``If-None-Match: *``): :meth:`Storage.write` with ``exclusive=True``.
 """
 
 from __future__ import annotations
@@ -11,14 +16,38 @@ import os
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Any, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from engine.errors import ConfigError
 
+_OBJECT_STORE_PROTOCOLS = ("s3", "s3a")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+def open_filesystem(url: str, field: str = "run_dir") -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``url`` and the path inside it. ``s3://`` URLs get an s3fs
+    filesystem without a listings cache (other processes write the same run directory, and a
+    cached listing would hide their checkpoints), its endpoint read from ``AWS_ENDPOINT_URL_S3``
+    or ``AWS_ENDPOINT_URL`` when set. Raises ConfigError when s3fs is missing."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else ""
+    if protocol not in _OBJECT_STORE_PROTOCOLS:
+        return fsspec.core.url_to_fs(url)
+    try:
+        import s3fs  # noqa: F401  (fsspec imports it by name; checked here for a clear message)
+    except ImportError as error:
+        raise ConfigError(
+            f"{field}: {url!r} is an S3 URL, which needs the s3fs package: "
+            "pip install 'splitloop[s3]' (or pip install s3fs)"
+        ) from error
+    options: dict[str, object] = {"use_listings_cache": False}
+    # botocore >= 1.31 reads these itself; passing them keeps older installations right too.
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    return fsspec.core.url_to_fs(url, **options)
 
 
 def check_name(name: str, what: str = "name") -> str:
@@ -43,7 +72,7 @@ class Storage:
                 "writers. Use a plain path or a single-protocol URL (rename a directory with '::')"
             )
         if filesystem is None:
-            filesystem, root = fsspec.core.url_to_fs(url)
+            filesystem, root = open_filesystem(url)
         else:
             root = filesystem._strip_protocol(url)
         self.url = url
@@ -53,6 +82,9 @@ class Storage:
         # local fast paths below then ask it before each write so its faults still fire.
         inner = getattr(filesystem, "inner", filesystem)
         self.is_local = isinstance(inner, LocalFileSystem)
+        # Object stores that refuse to create an object that exists (If-None-Match: *).
+        protocols = inner.protocol if isinstance(inner.protocol, (tuple, list)) else (inner.protocol,)
+        self.exclusive_create = any(protocol in _OBJECT_STORE_PROTOCOLS for protocol in protocols)
         self._before_write = getattr(filesystem, "before_write", None) if self.is_local else None
         self._sync_pool: ThreadPoolExecutor | None = None
         if create:
@@ -92,15 +124,20 @@ class Storage:
         self.fs.makedirs(self.writable_path(relative), exist_ok=True)
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
-              checksum: bool = True) -> tuple[int, int]:
+              checksum: bool = True, exclusive: bool = False) -> tuple[int, int]:
         """Write ``chunks`` to a new file; returns (size, crc32) (crc32 0 when ``checksum`` is
-        False). ``durable`` fsyncs local files."""
+        False). ``durable`` fsyncs local files. ``exclusive`` creates the file only if it does
+        not exist, atomically, and raises FileExistsError otherwise (and leaves the existing
+        file alone); only where :attr:`exclusive_create` is true (on S3 a multipart upload
+        checks the condition when it completes)."""
         size = 0
         crc = 0
         path = self.writable_path(relative)
         self._check_write()
+        if exclusive and not self.exclusive_create:
+            raise ValueError(f"{self.url}: this filesystem cannot create a file only if absent")
         opener = open if self.is_local else self.fs.open
-        with opener(path, "wb") as handle:
+        with opener(path, "xb" if exclusive else "wb") as handle:
             for chunk in chunks:
                 handle.write(chunk)
                 if checksum:
@@ -204,6 +241,23 @@ class Storage:
         path = self.writable_path(relative)
         if self.fs.exists(path):
             self.fs.rm_file(path)
+
+    def abort_unfinished_uploads(self, relative: str) -> int:
+        """Abort the multipart uploads under ``relative`` that never completed (S3 only: a
+        process killed while it uploaded a large file leaves its parts stored, invisible and
+        billed). Call only while no other live process writes there. Returns how many."""
+        if not self.exclusive_create:
+            return 0
+        s3: Any = getattr(self.fs, "inner", self.fs)
+        bucket, key, _ = s3.split_path(self.writable_path(relative))
+        aborted = 0
+        while True:  # each round lists what the previous one left (a listing holds 1000 at most)
+            listing = s3.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
+            for upload in listing.get("Uploads", []):
+                s3.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted += 1
+            if not listing.get("IsTruncated") or not listing.get("Uploads"):
+                return aborted
 
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""

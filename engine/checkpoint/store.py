@@ -10,7 +10,10 @@ Commit protocol (see docs/checkpoint-format.md):
   the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
   directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
 * other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
-  manifest last. Without a valid manifest the directory is not a checkpoint.
+  manifest last. Without a valid manifest the directory is not a checkpoint. On object stores
+  that can create an object only if absent (S3: ``If-None-Match: *``) every file, the manifest
+  above all, is created that way: a writer that finds a name taken was overtaken by another
+  writer and stops (WriterConflict) without overwriting or deleting anything of it.
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
 rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
@@ -26,12 +29,13 @@ import re
 import time
 import warnings
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
-from engine.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest, verify_file
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
+from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
+                           WriterConflict)
 from engine.checkpoint.storage import LocalDirectoryFiles, Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
@@ -81,6 +85,7 @@ class CheckpointInfo:
     cursor: Cursor | None
     valid: bool
     error: str | None
+    monitor: MonitorRecord | None = None
 
 
 @dataclasses.dataclass
@@ -144,7 +149,7 @@ class CheckpointStore:
     def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
               generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
               on_data_written: Callable[[], None] | None = None,
-              fence: Callable[[], None] | None = None) -> str:
+              fence: Callable[[], None] | None = None, monitor: MonitorRecord | None = None) -> str:
         """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
         ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
         ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
@@ -156,7 +161,7 @@ class CheckpointStore:
             "progress.msgpack": [progress_bytes],
         }
         return self._commit(contents, encoded.tensor_bytes, cursor, generation, sequence, also_sync,
-                            on_data_written, fence)
+                            on_data_written, fence, monitor)
 
     def copy_from(self, source: "CheckpointStore", name: str, also_sync: list[str] | tuple = (),
                   fence: Callable[[], None] | None = None) -> str:
@@ -166,16 +171,17 @@ class CheckpointStore:
         manifest, contents = source._read_verified(name)
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [contents[file_name]] for file_name in DATA_FILES}
         return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
-                            manifest.sequence, also_sync, None, fence, known=manifest.files)
+                            manifest.sequence, also_sync, None, fence, manifest.monitor, known=manifest.files)
 
     def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
                 generation: int, sequence: int, also_sync: list[str] | tuple,
                 on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None,
-                known: dict[str, FileRecord] | None = None) -> str:
+                monitor: MonitorRecord | None, known: dict[str, FileRecord] | None = None) -> str:
         """The commit protocol (module docstring). ``known``: the files' records, already
         verified against these very bytes (a copy between tiers), so not checksummed again."""
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
+        exclusive = not atomic_rename and self.storage.exclusive_create
         staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
         renamed = False
@@ -194,7 +200,7 @@ class CheckpointStore:
                 if local is not None:
                     size, crc = local.write(file_name, chunks, checksum=checksum)
                 else:
-                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum)
+                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum, exclusive=exclusive)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
@@ -209,11 +215,12 @@ class CheckpointStore:
             if overlap:
                 pending.wait()
             faults.reach("checkpoint_before_manifest")
-            manifest = Manifest(sequence, cursor, records, time.time(), generation)
+            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor)
             if local is None:
                 if fence is not None:
                     fence()  # the manifest is the commit point here
-                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False)
+                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False,
+                                   exclusive=exclusive)
             else:
                 local.write(MANIFEST_FILE, [manifest.to_json()], checksum=False)
                 # Everything must be durable before the rename makes it visible (the data
@@ -230,6 +237,12 @@ class CheckpointStore:
                 if self.durable:
                     self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
+            if exclusive and isinstance(error, FileExistsError):
+                # Another writer created this name first: its files are not ours to delete.
+                raise WriterConflict(
+                    f"{self.storage.url}: {name} already holds a file another writer created ({error}); "
+                    "this writer was overtaken and stops without committing or deleting anything"
+                ) from error
             if renamed:  # committed; only the durability of the rename is in doubt
                 raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
             self._discard(directory)
@@ -290,25 +303,30 @@ class CheckpointStore:
             pass  # a partial directory without a manifest is ignored by readers anyway
 
     def remove_temporaries(self) -> None:
-        """Delete staging directories left by crashed writers (call while holding the lease)."""
+        """Delete staging directories left by crashed writers (call while holding the lease),
+        and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
             if _TEMPORARY.fullmatch(entry):
                 self._discard(f"{CHECKPOINT_DIR}/{entry}")
+        try:
+            self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
+        except OSError as error:  # only storage costs are at stake; the bucket's lifecycle rule still applies
+            warnings.warn(f"could not abort unfinished uploads under {CHECKPOINT_DIR}/: {error}", stacklevel=2)
 
     def apply_retention(self, keep_last: int | None, generation: int | None = None,
-                        protected: frozenset[str] | set[str] = frozenset()) -> None:
+                        protected: Collection[str] = ()) -> None:
         """Keep the newest ``keep_last`` checkpoints that verify, newest by (writer generation,
         sequence); delete the older ones (valid or not), but never one of a newer generation
-        than ``generation`` (the caller's). Invalid ones newer than the oldest kept are left
-        alone; a ``ckpt-*`` without a readable manifest is deleted once older than it. Names in
-        ``protected`` (a fast tier's checkpoint being made durable) are never deleted."""
+        than ``generation`` (the caller's) nor one in ``protected`` (the best ones, which do not
+        count towards ``keep_last``). Invalid ones newer than the oldest kept are left alone; a
+        ``ckpt-*`` without a readable manifest is deleted once older than it."""
         if keep_last is None:
             return
         kept: list[str] = []
         doomed: list[str] = []
         entries = self.newest_first()
         for name, manifest in entries:
-            if manifest is None:
+            if manifest is None or name in protected:
                 continue
             if len(kept) < keep_last:
                 if self.verifies(name):
@@ -320,13 +338,28 @@ class CheckpointStore:
         oldest_kept = min(_sequence(name) for name in kept)
         unreadable = [name for name, manifest in entries if manifest is None and _sequence(name) < oldest_kept]
         for name in doomed + unreadable:
-            if name in protected:
-                continue
             faults.reach("checkpoint_retention")
             try:
                 self._retire(name)
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
+
+    def best(self, count: int, monitor: str | None = None) -> list[str]:
+        """Up to ``count`` checkpoints that verify and recorded a value of ``monitor`` (default:
+        the metric the newest such record names), best first by the mode recorded; ties go to
+        the newest. A best one that does not verify is skipped (the next one takes its place)."""
+        records = [(name, manifest.monitor) for name, manifest in self.newest_first()
+                   if manifest is not None and manifest.monitor is not None]
+        if monitor is None and records:
+            monitor = records[0][1].name
+        ranked = sorted((entry for entry in records if entry[1].name == monitor), key=lambda entry: entry[1].better_first())
+        best: list[str] = []
+        for name, _ in ranked:
+            if len(best) >= count:
+                break
+            if self.verifies(name):
+                best.append(name)
+        return best
 
     def verifies(self, name: str) -> bool:
         """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
@@ -441,8 +474,9 @@ class CheckpointStore:
             sequence = _sequence(name)
             try:
                 loaded = self.load(name, validate)
-                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None))
+                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor))
             except CheckpointError as error:
                 manifest = self._manifest_or_none(name)
-                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error)))
+                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),
+                                            manifest.monitor if manifest else None))
         return infos

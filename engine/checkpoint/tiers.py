@@ -27,6 +27,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
+from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
@@ -108,11 +109,11 @@ class DurablePromoter:
     """Copies fast-tier checkpoints into the durable tier in a background thread. Requests
     coalesce: when the thread is busy, only the newest requested checkpoint waits."""
 
-    def __init__(self, fast: CheckpointStore, durable: CheckpointStore, keep_last: int | None,
+    def __init__(self, fast: CheckpointStore, durable: CheckpointStore, retention: Retention,
                  also_sync: Callable[[], list[str]], fence: Callable[[], None] | None, generation: int | None) -> None:
         self._fast = fast
         self._durable = durable
-        self._keep_last = keep_last
+        self._retention = retention
         self._also_sync = also_sync
         self._fence = fence
         self._generation = generation
@@ -149,7 +150,7 @@ class DurablePromoter:
                 self._durable.copy_from(self._fast, name, also_sync=self._also_sync(), fence=self._fence)
                 if self._fence is not None:
                     self._fence()  # a writer fenced off after its commit point deletes nothing
-                self._durable.apply_retention(self._keep_last, self._generation)
+                self._retention.apply(self._durable, self._generation)
                 self.last_durable = name
             except BaseException as error:  # surfaces on the training thread at its next boundary
                 with self._condition:
@@ -188,13 +189,13 @@ class TierWriter:
     """Commits each checkpoint to the fast tier (on the writer's thread) and hands the ones due
     to the durable tier to a :class:`DurablePromoter`. One sequence space across both tiers."""
 
-    def __init__(self, fast: CheckpointStore, durable: CheckpointStore, keep_last: int | None,
+    def __init__(self, fast: CheckpointStore, durable: CheckpointStore, retention: Retention,
                  also_sync: Callable[[], list[str]], fence: Callable[[], None] | None, generation: int | None) -> None:
         self._fast = fast
-        self._keep_last = keep_last
+        self._keep_last = retention.keep_last  # best checkpoints are kept in the durable tier
         self._generation = generation
         self._next_sequence = max(fast.next_sequence(), durable.next_sequence())
-        self.promoter = DurablePromoter(fast, durable, keep_last, also_sync, fence, generation)
+        self.promoter = DurablePromoter(fast, durable, retention, also_sync, fence, generation)
         self.newest: str | None = None
 
     def commit(self, write: Callable[[CheckpointStore, int], str], durable: bool,

@@ -19,6 +19,8 @@ import torch
 
 from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.lease import WriterLease
+from engine.checkpoint.manifest import MonitorRecord
+from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
 from engine.errors import CheckpointError, CheckpointWriteError
@@ -35,6 +37,8 @@ class PendingCheckpoint:
     publish_metrics: Callable[[], None] | None = None
     # With a fast tier: whether this checkpoint must also reach the durable tier.
     durable: bool = True
+    # The monitored metric's fresh value this checkpoint is taken for (best checkpoints).
+    monitor: MonitorRecord | None = None
 
 
 class SnapshotBuffers:
@@ -92,11 +96,11 @@ class SnapshotBuffers:
 class _Committer:
     """What both writers do with a pending checkpoint."""
 
-    def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
+    def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]]) -> None:
         self.store = store
         self.lease = lease
-        self.keep_last = keep_last
+        self.retention = retention
         self.also_sync = also_sync
         self.last_name: str | None = None
         # Set for a fast local tier (engine.checkpoint.tiers): commits go there first.
@@ -112,16 +116,17 @@ class _Committer:
         if self.tiers is not None:
             def write(store: CheckpointStore, sequence: int) -> str:
                 return store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
-                                   on_data_written=lambda: self.release(pending), fence=fence)
+                                   on_data_written=lambda: self.release(pending), fence=fence,
+                                   monitor=pending.monitor)
 
             self.last_name = self.tiers.commit(write, pending.durable, fence)
             return
         self.last_name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation,
                                           also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
-                                          fence=fence)
+                                          fence=fence, monitor=pending.monitor)
         if fence is not None:
             fence()  # a writer fenced off after its commit point deletes nothing
-        self.store.apply_retention(self.keep_last, generation if self.lease is not None else None)
+        self.retention.apply(self.store, generation if self.lease is not None else None)
 
     def release(self, pending: PendingCheckpoint) -> None:
         """The snapshot's tensors are no longer needed (their bytes are written)."""
@@ -151,9 +156,9 @@ class BackgroundWriter(_Committer):
     ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none is
     queued (a forced one, the last of a run or of a preemption, always waits)."""
 
-    def __init__(self, store: CheckpointStore, lease: WriterLease | None, keep_last: int | None,
+    def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str) -> None:
-        super().__init__(store, lease, keep_last, also_sync)
+        super().__init__(store, lease, retention, also_sync)
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._condition = threading.Condition()

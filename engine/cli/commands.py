@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,10 +51,12 @@ def inspect_run(url: str) -> dict:
     result = {
         "dir": url,
         "checkpoints": [
-            {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error}
+            {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error,
+             "monitor": None if e.monitor is None else dataclasses.asdict(e.monitor)}
             for e in entries
         ],
         "latest": None if latest is None else latest.name,
+        "best": next(iter(store.best(1)), None),
         "fingerprint": None,
     }
     if latest is not None:
@@ -73,8 +76,13 @@ def run_inspect(url: str, as_json: bool) -> int:
         cursor = entry["cursor"]
         where = "-" if cursor is None else f"epoch {cursor['epoch']} batch {cursor['batch']} split {cursor['split']}"
         status = "valid" if entry["valid"] else f"INVALID: {entry['error']}"
+        monitor = entry["monitor"]
+        if monitor is not None:
+            status += f"  {monitor['name']}={monitor['value']:.6g}" + ("  BEST" if entry["name"] == report["best"] else "")
         print(f"{entry['name']}  {where:<32}  {status}")
     print(f"latest: {report['latest']}")
+    if report["best"]:
+        print(f"best: {report['best']}")
     if report["fingerprint"]:
         print(f"fingerprint: {report['fingerprint']}")
     return 0

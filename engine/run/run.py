@@ -22,7 +22,7 @@ from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import CheckpointNotFound, ModuleContractError
+from engine.errors import CheckpointNotFound, ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
 from engine.loops.stop import split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
@@ -205,6 +205,8 @@ class FitRun:
         assert self.tree.evaluation is not None
         values = self.tree.evaluation.run(steps)
         self.metrics.append_aggregate("val", self.cursor, steps, values)
+        if self.checkpoints is not None:
+            self.checkpoints.offer_metrics(values)
         self._update_status()
         for callback in self.callbacks:
             callback.on_validation_end(self.view)
@@ -215,9 +217,12 @@ class FitRun:
         aggregates = self.logger.end_epoch()
         if aggregates:
             self.metrics.append_aggregate("train_epoch", self.cursor, steps, aggregates)
+            if self.checkpoints is not None:
+                self.checkpoints.offer_metrics(aggregates)
         evaluation = self.tree.evaluation
         if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
             self._validate(steps)
+        self._check_monitor_exists()
         self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)
@@ -225,6 +230,12 @@ class FitRun:
         self._check_stop(self.tree.step_counter.total)
         if self.checkpoints is not None and (self.stop.requested or self.checkpoints.due_at_epoch_end()):
             self._save(force=self.stop.requested)
+
+    def _check_monitor_exists(self) -> None:
+        monitor = self.config.checkpoint.monitor if self.config.checkpoint is not None else None
+        if monitor is not None and monitor not in self.logger.latest:
+            raise ConfigError(f"CheckpointConfig.monitor={monitor!r}: no such metric after a whole epoch; "
+                              f"the run has {sorted(self.logger.latest)}")
 
     # ---- saving -----------------------------------------------------------------------
     def _save(self, force: bool = False) -> None:

@@ -13,6 +13,7 @@ import tempfile
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.checkpoint.storage import open_filesystem
 from engine.errors import ConfigError
 
 # Entries of a run directory that must be directories / regular files when they exist.
@@ -62,7 +63,9 @@ def _filesystem(url: str, field: str) -> tuple[fsspec.AbstractFileSystem, str]:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"{field}: expected a non-empty path or URL, got {url!r}")
     try:
-        filesystem, root = fsspec.core.url_to_fs(url)
+        filesystem, root = open_filesystem(url, field)
+    except ConfigError:
+        raise
     except (ValueError, ImportError) as error:
         raise ConfigError(f"{field}: cannot open {url!r}: {error}") from error
     return filesystem, root.rstrip("/") or "/"

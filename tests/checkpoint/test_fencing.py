@@ -49,7 +49,10 @@ class TakeOver(engine.Callback):
         self.seen += 1
         if self.seen == self.at:
             record = {"token": "newcomer", "generation": 99, "pid": 1, "host": socket.gethostname(), "released": False}
-            Storage(self.run_dir).write(LEASE_FILE, [json.dumps(record).encode()], durable=False)
+            # Replaced in one step, as a real writer's lease is: a background writer checking the
+            # fence meanwhile must never see a half-written file.
+            Storage(self.run_dir).write(LEASE_FILE + ".test-tmp", [json.dumps(record).encode()], durable=False)
+            os.replace(os.path.join(self.run_dir, LEASE_FILE + ".test-tmp"), os.path.join(self.run_dir, LEASE_FILE))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

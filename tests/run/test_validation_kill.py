@@ -12,10 +12,14 @@ import subprocess
 import sys
 import time
 
+import forkserver
 import pytest
+import torch
 
 from resume_helpers import assert_same_run
-from validation_scenarios import train_validated
+from validation_scenarios import best_policy, train_validated
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
 import engine
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
@@ -29,22 +33,41 @@ def start(run_dir, faults=None, *args):
     env.pop("SPLITLOOP_FAULTS", None)
     if faults:
         env["SPLITLOOP_FAULTS"] = faults
-    return subprocess.Popen([sys.executable, SCRIPT, run_dir, *args], env=env, stdout=subprocess.PIPE,
+    return forkserver.popen([sys.executable, SCRIPT, run_dir, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    train_validated(run_dir, epochs=3, every_steps=5, callbacks=(engine.EarlyStopping("val_loss", patience=50),))
+    train_validated(run_dir, epochs=3, every_steps=5, callbacks=(engine.EarlyStopping("val_loss", patience=50),),
+                    checkpoint=best_policy())
     return run_dir
+
+
+def best_checkpoints(run_dir):
+    """The kept best checkpoints by content: cursor, recorded value, model tensors."""
+    store = CheckpointStore(Storage(run_dir))
+    best = []
+    for name in store.best(2):
+        loaded = store.load(name)
+        best.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
+    return best
+
+
+def assert_same_best(reference, run_dir):
+    expected, actual = best_checkpoints(reference), best_checkpoints(run_dir)
+    assert len(expected) == 2 and [e[:2] for e in expected] == [a[:2] for a in actual]
+    for (_, _, a), (_, _, b) in zip(expected, actual):
+        assert all(torch.equal(a[key], b[key]) for key in a)
 
 
 def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(reference, tmp_path):
     run_dir = str(tmp_path / "run")
     kills = 0
+    # checkpoint 5 is the one written right after the validation at step 5: a best checkpoint
     for faults in ["validation_batch_end:2:sigkill", "validation_batch_end:5:sigkill",
-                   "checkpoint_after_rename:6:sigkill", "epoch_end:1:sigkill", None]:
+                   "checkpoint_after_rename:5:sigkill", "epoch_end:1:sigkill", None]:
         process = start(run_dir, faults, "--patience", "50")
         process.communicate(timeout=TIMEOUT)
         if process.returncode == -signal.SIGKILL:
@@ -53,20 +76,22 @@ def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(refe
             assert process.returncode == 0
     assert kills >= 3
     assert_same_run(reference, run_dir)
+    assert_same_best(reference, run_dir)
+    assert_same_best(reference, run_dir)
 
 
 def test_sigkill_at_random_instants(reference, tmp_path):
     rng = random.Random(2026)
     run_dir = str(tmp_path / "run")
     kills = 0
-    for _ in range(5):
-        process = start(run_dir, None, "--patience", "50", "--sleep", "0.01")
+    for _ in range(6):
+        process = start(run_dir, None, "--patience", "50", "--sleep", "0.05")
         line = process.stdout.readline()
         if not line.startswith("training"):
             process.wait(TIMEOUT)
             assert process.returncode == 0
             break
-        time.sleep(rng.uniform(0.05, 1.5))
+        time.sleep(rng.uniform(0.05, 1.0))
         process.send_signal(signal.SIGKILL)
         process.wait(TIMEOUT)
         kills += process.returncode == -signal.SIGKILL
@@ -75,3 +100,4 @@ def test_sigkill_at_random_instants(reference, tmp_path):
     assert process.returncode == 0
     assert kills >= 3
     assert_same_run(reference, run_dir)
+    assert_same_best(reference, run_dir)

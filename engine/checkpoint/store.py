@@ -261,11 +261,10 @@ class CheckpointStore:
     def _make_staging_directory(self, directory: str, recycle: bool) -> None:
         spare, self._spare = self._spare, None
         if recycle and spare is not None:
-            try:
-                self.storage.rename(f"{CHECKPOINT_DIR}/{spare}", directory)
-                return
-            except OSError:
-                self._discard(f"{CHECKPOINT_DIR}/{spare}")
+            # A failure fails this write like any other (the spare is a tmp-* directory, which
+            # the next process that takes the lease deletes).
+            self.storage.rename(f"{CHECKPOINT_DIR}/{spare}", directory)
+            return
         self.storage.makedirs(directory)
 
     def _retire(self, name: str) -> None:

@@ -277,7 +277,7 @@ class StopAfterSplits(engine.Callback):
             view.request_stop("benchmark")
 
 
-def build_model(model: str) -> tuple[Any, Any]:
+def build_resume_model(model: str) -> tuple[Any, Any]:
     """The module and data of ``model``: the demo, or the small / 25M LSTM language models of
     benchmarks/checkpoint_overhead.py."""
     if model == "demo":
@@ -296,7 +296,7 @@ def child_main(mode: str, run_dir: str | None, model: str) -> None:
     ``resume`` resumes it there; ``fresh`` starts without a run directory. Each prints when its
     first split ended."""
     torch.set_num_threads(THREADS)
-    module, loader = build_model(model)
+    module, loader = build_resume_model(model)
     stopper = StopAfterSplits(3 if mode == "prepare" else 1)
     checkpoint = engine.CheckpointConfig() if run_dir is not None else None
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")

@@ -14,7 +14,10 @@ another PID namespace on the same host has an unrelated PID):
   over. No wall-clock time of another host is ever compared with ours.
 
 ``<run dir>/writer.lease`` (JSON) names the holder (a random token, the generation, pid and
-host for messages) and survives the run marked ``released``, so generations only grow. Each
+host for messages) and survives the run marked ``released``, so generations only grow. It also
+carries the *takeover fences*: for each generation G, the highest checkpoint sequence committed
+when G took the lease. A checkpoint of an older generation with a higher sequence was committed
+by a writer that had already lost the lease, and is never resumed from (see :func:`read_fences`). Each
 acquisition takes generation ``max(previous lease, newest checkpoint) + 1``; every checkpoint
 records it, and :meth:`WriterLease.verify` (the fence) is checked before a commit's metrics,
 again immediately before its commit point, and before retention.
@@ -31,7 +34,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from engine.checkpoint.storage import Storage
 from engine.errors import WriterConflict
@@ -39,6 +42,31 @@ from engine.errors import WriterConflict
 LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
 _LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
+_MAX_FENCES = 1000  # one per takeover; the oldest are dropped beyond this
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _fences_of(lease: dict[str, Any] | None) -> list[tuple[int, int]]:
+    raw = lease.get("fences") if lease else None
+    if not isinstance(raw, list):
+        return []
+    return [(pair[0], pair[1]) for pair in raw
+            if isinstance(pair, list) and len(pair) == 2 and _is_count(pair[0]) and _is_count(pair[1])]
+
+
+def read_fences(storage: Storage) -> list[tuple[int, int]]:
+    """The takeover fences recorded in ``writer.lease``: ``(generation, sequence)`` pairs. A
+    checkpoint of a generation below ``generation`` whose sequence is above ``sequence`` was
+    committed after that generation took over (by a stale writer). Malformed entries are
+    ignored; a missing or unreadable lease has none."""
+    try:
+        data = json.loads(storage.read(LEASE_FILE))
+    except (OSError, ValueError):
+        return []
+    return _fences_of(data if isinstance(data, dict) else None)
 
 
 class WriterLease:
@@ -59,6 +87,7 @@ class WriterLease:
         self.previous_generation = 0
         self._lock_descriptor: int | None = None
         self._beat = 0
+        self._fences: list[tuple[int, int]] = []
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
         self._write_lock = threading.Lock()
@@ -93,7 +122,8 @@ class WriterLease:
 
     def _record(self, released: bool = False) -> bytes:
         record = {"token": self._token, "generation": self.generation, "pid": os.getpid(),
-                  "host": self._host, "beat": self._beat, "released": released}
+                  "host": self._host, "beat": self._beat, "released": released,
+                  "fences": [list(fence) for fence in self._fences]}
         return json.dumps(record).encode()
 
     def _write(self, released: bool = False) -> None:
@@ -115,18 +145,22 @@ class WriterLease:
                     pass
 
     # ---- taking the lease -----------------------------------------------------------------
-    def acquire(self, minimum_generation: int = 0) -> int:
+    def acquire(self, minimum_generation: int = 0, committed_sequence: Callable[[], int] | None = None) -> int:
         """Take the lease or raise WriterConflict; returns this writer's generation (one above
-        both the previous holder's and ``minimum_generation``)."""
+        both the previous holder's and ``minimum_generation``). ``committed_sequence()``, asked
+        once the lease is free, gives the highest sequence committed so far: the takeover fence
+        recorded for this generation."""
         if self._storage.is_local:
             self._lock_locally()
             current = self._read()
         else:
             current = self._wait_until_abandoned()
         previous = current.get("generation", 0) if current else 0
-        previous = previous if isinstance(previous, int) and not isinstance(previous, bool) else 0
+        previous = previous if _is_count(previous) else 0
         self.previous_generation = previous  # the last holder's (a fast tier must name it)
         self.generation = max(previous, minimum_generation) + 1
+        fence = committed_sequence() if committed_sequence is not None else 0
+        self._fences = [*_fences_of(current), (self.generation, fence)][-_MAX_FENCES:]
         try:
             self._write()
             self.verify()  # on an object store, a writer racing us would have replaced the file

@@ -63,7 +63,8 @@ class RunCheckpointer:
     def acquire(self) -> None:
         """Take the writer lease (WriterConflict if another live process holds it) and clean
         up what crashed writers left. Call before reading checkpoints to resume."""
-        self._lease.acquire(minimum_generation=self.store.newest_generation())
+        self._lease.acquire(minimum_generation=self.store.newest_generation(),
+                            committed_sequence=self.store.newest_committed_sequence)
         self._metrics.fence = self._lease.verify
         self.store.remove_temporaries()
         if self._fast is not None:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Collection
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState, decode_state
+from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
@@ -169,7 +170,7 @@ class CheckpointStore:
         and writer generation (a fast tier's checkpoint made durable). Its files are verified
         against its manifest on the way; CheckpointCorrupt if they do not."""
         manifest, contents = source._read_verified(name)
-        chunks: dict[str, list[memoryview | bytes]] = {file_name: [contents[file_name]] for file_name in DATA_FILES}
+        chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
         return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
                             manifest.sequence, also_sync, None, fence, manifest.monitor, known=manifest.files)
 
@@ -369,6 +370,10 @@ class CheckpointStore:
                 self._verified[name] = False
         return self._verified[name]
 
+    def newest_committed_sequence(self) -> int:
+        """The highest sequence among checkpoints whose manifest parses (0 when none)."""
+        return max((_sequence(name) for name, m in self.newest_first() if m is not None), default=0)
+
     def newest_generation(self) -> int:
         """The highest writer generation recorded by a checkpoint whose manifest parses."""
         return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
@@ -420,6 +425,7 @@ class CheckpointStore:
         """The manifest and the data files of ``name``, each checked against the manifest."""
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
+        self._refuse_if_fenced(name, manifest)
         if set(manifest.files) != set(DATA_FILES):
             raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)}")
         contents = {}
@@ -436,6 +442,15 @@ class CheckpointStore:
             verify_file(file_name, data, record)
             contents[file_name] = data
         return manifest, contents
+
+    def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
+        """A checkpoint committed by a writer after a newer generation took the lease over."""
+        for generation, sequence in read_fences(self.storage):
+            if manifest.writer_generation < generation and manifest.sequence > sequence:
+                raise CheckpointCorrupt(
+                    f"{name}: written by writer generation {manifest.writer_generation} after generation "
+                    f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
+                )
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

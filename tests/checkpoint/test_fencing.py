@@ -14,7 +14,7 @@ import torch
 
 import engine
 from engine.checkpoint.codec import encode_state
-from engine.checkpoint.lease import LEASE_FILE
+from engine.checkpoint.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.run.metrics_log import METRICS_FILE
@@ -153,9 +153,10 @@ def test_a_writer_frozen_after_its_fence_check_cannot_change_the_run_after_a_tak
             stale.communicate()
     assert stale.returncode == 1 and "WriterConflict" in err, err[-2000:]
     # The stale checkpoint was committed (its manifest is the commit point it had passed) ...
-    stale_checkpoint = CheckpointStore(Storage(run_dir)).load("ckpt-0000000005")
-    assert stale_checkpoint.manifest.writer_generation == 1
-    # ... but it never outranks the newcomer's, deleted none of them, and left metrics alone.
+    assert CheckpointStore(Storage(run_dir)).storage.exists("checkpoints/ckpt-0000000005/MANIFEST.json")
+    stale_info = next(i for i in CheckpointStore(Storage(run_dir)).inspect() if i.name == "ckpt-0000000005")
+    assert not stale_info.valid and "stale writer" in stale_info.error
+    # ... but it is never resumed from, deleted none of the newcomer's, and left metrics alone.
     assert CheckpointStore(Storage(run_dir)).latest().name == final
     assert read_metrics(run_dir) == metrics
     assert_same_run(reference, run_dir)
@@ -190,3 +191,29 @@ def test_a_writer_frozen_after_its_fence_check_on_a_local_disk_keeps_the_lease(t
     assert frozen.returncode == 0, err[-2000:]
     assert_same_run(reference, run_dir)
     assert not os.path.exists(os.path.join(run_dir, METRICS_FILE + ".tmp"))
+
+
+def test_a_stale_commit_after_a_takeover_is_never_resumed_even_before_the_new_writer_commits(tmp_path):
+    """The new writer records, at its takeover, the highest committed sequence; a checkpoint of
+    an older generation above it was committed by a writer that had lost the lease."""
+    run_dir = f"memory://fenced-{tmp_path.name}"
+    storage = Storage(run_dir)
+    store = CheckpointStore(storage)
+    storage.write(LEASE_FILE, [json.dumps({"token": "old", "generation": 1, "pid": 1, "host": "a",
+                                           "released": False}).encode()], durable=False)
+    commit(store, 1, generation=1)
+    commit(store, 2, generation=1)
+    newcomer = WriterLease(Storage(run_dir), stale_after=0.2)  # the old writer froze: its lease stays
+    assert newcomer.acquire(committed_sequence=store.newest_committed_sequence) == 2
+    commit(store, 3, generation=1)  # the old writer wakes up and commits; the newcomer then crashes
+    assert CheckpointStore(Storage(run_dir)).latest().name == "ckpt-0000000002"
+    stale = next(info for info in CheckpointStore(Storage(run_dir)).inspect() if info.name == "ckpt-0000000003")
+    assert not stale.valid and "stale writer" in stale.error
+    # A later takeover keeps the earlier fence.
+    newcomer._stop_heartbeat.set()  # the newcomer crashes: its heartbeat stops, its lease stays
+    newcomer._heartbeat.join()
+    later = WriterLease(Storage(run_dir), stale_after=0.2)
+    assert later.acquire(committed_sequence=store.newest_committed_sequence) == 3
+    assert read_fences(Storage(run_dir)) == [(2, 2), (3, 3)]
+    assert CheckpointStore(Storage(run_dir)).latest().name == "ckpt-0000000002"
+    later.release()

@@ -14,7 +14,8 @@ interleaved (the order inside each pair alternates), over several repeats, media
    (1.0 is as fast as the disk allows; the goal is >= 0.8).
 2. Load: ``CheckpointStore.load`` of the 100 MB checkpoint (read, CRC-32 verify, decode)
    against a raw read of the same files (page cache warm on both sides).
-3. Resume: a subprocess that builds the demo (``engine.demo``) and resumes it from a run
+3. Resume: a subprocess that builds a model (the demo of ``engine.demo``, then the small and
+   the 25M LSTM language models of benchmarks/checkpoint_overhead.py) and resumes it from a run
    directory, timed from just before the process is spawned to its first resumed split,
    against a subprocess that starts the demo fresh (no run directory) to its first split plus
    a raw read of the checkpoint's files.
@@ -57,6 +58,7 @@ SIZES_MB = (100, 1)
 THREADS = 1
 SEED = 1234
 RAW_FILE = "raw.bin"
+RESUME_MODELS = ("demo", "small", "25M")
 
 StateTree = dict[str, Any]
 
@@ -275,14 +277,26 @@ class StopAfterSplits(engine.Callback):
             view.request_stop("benchmark")
 
 
-def child_main(mode: str, run_dir: str | None) -> None:
-    """Inside a child process: ``prepare`` trains the demo 3 splits into ``run_dir``;
+def build_resume_model(model: str) -> tuple[Any, Any]:
+    """The module and data of ``model``: the demo, or the small / 25M LSTM language models of
+    benchmarks/checkpoint_overhead.py."""
+    if model == "demo":
+        from engine.demo import build_demo
+
+        return build_demo(SEED)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import checkpoint_overhead
+
+    workload = {"small": checkpoint_overhead.SMALL, "25M": checkpoint_overhead.LARGE}[model]
+    return checkpoint_overhead.fresh_model(workload), checkpoint_overhead.make_batches(workload)
+
+
+def child_main(mode: str, run_dir: str | None, model: str) -> None:
+    """Inside a child process: ``prepare`` trains ``model`` 3 splits into ``run_dir``;
     ``resume`` resumes it there; ``fresh`` starts without a run directory. Each prints when its
     first split ended."""
-    from engine.demo import build_demo
-
     torch.set_num_threads(THREADS)
-    module, loader = build_demo(SEED)
+    module, loader = build_resume_model(model)
     stopper = StopAfterSplits(3 if mode == "prepare" else 1)
     checkpoint = engine.CheckpointConfig() if run_dir is not None else None
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
@@ -291,9 +305,9 @@ def child_main(mode: str, run_dir: str | None) -> None:
     print(f"first split at {stopper.first_split_unix!r}")
 
 
-def time_child(mode: str, run_dir: str | None) -> float:
+def time_child(mode: str, run_dir: str | None, model: str) -> float:
     """Seconds from just before spawning the child to the end of its first split."""
-    command = [sys.executable, os.path.abspath(__file__), "--child", mode]
+    command = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", model]
     if run_dir is not None:
         command += ["--run-dir", run_dir]
     started = time.time()
@@ -308,28 +322,29 @@ def time_child(mode: str, run_dir: str | None) -> float:
     return float(match.group(1)) - started
 
 
-def time_resume(template: str, work: str, index: int) -> float:
+def time_resume(template: str, work: str, index: int, model: str) -> float:
     """Resume from a fresh copy of the prepared run directory (the resumed child writes a
     checkpoint of its own when it stops; every repeat must resume from the same one)."""
     run_dir = os.path.join(work, f"resume-{index}")
     shutil.copytree(template, run_dir)
     try:
-        return time_child("resume", run_dir)
+        return time_child("resume", run_dir, model)
     finally:
         shutil.rmtree(run_dir)
 
 
-def report_resume(work: str, repeats: int) -> None:
-    template = os.path.join(work, "demo-template")
-    time_child("prepare", template)
+def report_resume(work: str, repeats: int, model: str) -> None:
+    template = os.path.join(work, f"{model}-template")
+    time_child("prepare", template, model)
     store = CheckpointStore(Storage(template))
     paths = checkpoint_files(store, store.names()[-1])
     megabytes = sum(os.path.getsize(path) for path in paths) / 1e6
     indices = iter(range(repeats))
-    pairs = interleaved(lambda: time_resume(template, work, next(indices)),
-                        lambda: time_child("fresh", None) + time_call(lambda: read_files(paths)), repeats)
+    pairs = interleaved(lambda: time_resume(template, work, next(indices), model),
+                        lambda: time_child("fresh", None, model) + time_call(lambda: read_files(paths)), repeats)
     resume_median, fresh_median = medians(pairs)
-    print(f"resume the demo ({megabytes:.2f} MB checkpoint), process start to first split: median resume "
+    shutil.rmtree(template)
+    print(f"resume the {model} model ({megabytes:.2f} MB checkpoint), process start to first split: median resume "
           f"{resume_median:.2f} s, median fresh start + raw read {fresh_median:.2f} s, "
           f"time ratio resume / (fresh + raw read) {median_ratio(pairs, numerator=0):.2f}")
 
@@ -343,6 +358,7 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
     parser.add_argument("--child", choices=["prepare", "resume", "fresh"], help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(RESUME_MODELS), default="demo", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.repeats is None:
         arguments.repeats = 3 if arguments.quick else 7
@@ -363,14 +379,15 @@ def run_benchmark(arguments: argparse.Namespace, work: str) -> float:
         report_breakdown(case, arguments.repeats, extra_seconds)
         if megabytes == 100:
             report_load(case, arguments.repeats)
-    report_resume(work, arguments.resume_repeats)
+    for model in RESUME_MODELS:
+        report_resume(work, arguments.resume_repeats, model)
     return ratios[100]
 
 
 def main() -> None:
     arguments = parse_arguments()
     if arguments.child is not None:
-        child_main(arguments.child, arguments.run_dir)
+        child_main(arguments.child, arguments.run_dir, arguments.model)
         return
     torch.set_num_threads(THREADS)
     work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_io-", dir=arguments.dir or os.getcwd()))

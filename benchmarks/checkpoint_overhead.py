@@ -1,7 +1,8 @@
 """Checkpoint overhead on training: no checkpoints, synchronous and asynchronous checkpoints.
 
 What is measured: the wall time of one training run (``engine.Trainer.fit``, Adam, TBPTT, one
-epoch, ``resume="off"``, built model excluded from the timing) run three ways:
+epoch, ``resume="off"``, built model excluded from the timing) run five ways (``fast`` and
+``floor`` are described at the end of this docstring):
 
 * ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
 * ``sync``: a checkpoint after every split, ``CheckpointConfig(every_n_splits=1, keep_last=2)``,
@@ -24,7 +25,7 @@ Two models, both character-level LSTM language models (embedding -> LSTM -> line
 * ``25M``: vocabulary 4096, embedding 1024, 2-layer LSTM hidden 1024 (25.2M parameters, a
   300 MB checkpoint with Adam's two moments), batches of 8 x 64 cut into 4 splits of 16 steps.
 
-The three ways run interleaved in rounds (the first way of a round rotates: A B C, B C A, C A B,
+The ways run interleaved in rounds (the first way of a round rotates: A B C, B C A, C A B,
 ...); after an untimed warm-up of each way (one split). Reported per model: the median wall
 time of each way, and the medians of the per-round ratios sync / none and async / none (each
 round runs under the same machine conditions, so a per-round ratio cancels slow drift that a
@@ -34,7 +35,7 @@ and where each checkpoint's time goes, from timers wrapped (in this script only)
 ``FitRun._save`` (everything the training thread spends on one checkpoint), ``encode_state``,
 ``BackgroundWriter.submit`` (waiting for a free buffer set, then the copy),
 ``SnapshotBuffers.capture`` (the copy) and ``_Committer.commit`` (the write, in the background
-thread when asynchronous). The script checks with ``torch.equal`` that the three ways end with
+thread when asynchronous). The script checks with ``torch.equal`` that the ways end with
 identical parameters in every round: checkpoints must not change training.
 
 Blocking against a plain copy: for each model, after its runs, ``encode_state`` of the state
@@ -51,8 +52,12 @@ Reproduce (from the repository root, in the environment of the README)::
     python benchmarks/checkpoint_overhead.py            # 3 rounds per model, 3-4 min on 2 cores
     python benchmarks/checkpoint_overhead.py --quick    # 1 round, shorter runs, 30-50 s
 
-The last line is ``async every-split overhead ratio: X.XXX (async every split / no checkpoints,
-25M model)``.
+The last two lines are ``small async every-split overhead ratio: X.XXX (async every split / no
+checkpoints, small model)`` and ``fast-tier every-split overhead ratio: X.XXX (floor Y.YYY; 25M
+model)``: ``fast`` is asynchronous checkpoints after every split into a fast tier under /dev/shm
+(``local_tier``; durable copies every 60 s and at the end of the run, so one in these short
+runs), ``floor`` is training plus one plain ``copy_`` of the model's and optimizer's tensors
+into preallocated buffers after every split (no run dir), both measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ from engine.rng import capture_global_rng
 # also leaves the second core to the background writer, as a GPU job leaves CPU cores free.
 THREADS = 1
 SEED = 1234
-WAYS = ("none", "sync", "async")
+WAYS = ("none", "sync", "async", "fast", "floor")
+FAST_TIER_ROOT = "/dev/shm"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Hidden = tuple[torch.Tensor, torch.Tensor]
@@ -220,28 +226,66 @@ class RunResult:
     model: LanguageModel | None
 
 
-def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
-    if way == "none":
+def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.CheckpointConfig | None:
+    if way in ("none", "floor"):
         return None
+    if way == "fast":
+        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, local_tier=local_tier,
+                                       durable_every_seconds=60.0)
     return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=way == "async")
+
+
+class CopyFloor(engine.Callback):
+    """The floor of a split-level snapshot: one plain ``copy_`` of the model's and the
+    optimizer's tensors into buffers allocated at the first split, after every split."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.model = model
+        self.optimizers = optimizers
+        self.buffers: list[torch.Tensor] | None = None
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        tensors = list(self.model.state_dict().values())
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+        if self.buffers is None or len(self.buffers) != len(tensors):
+            self.buffers = [torch.empty_like(tensor) for tensor in tensors]
+        for buffer, tensor in zip(self.buffers, tensors):
+            buffer.copy_(tensor)
 
 
 def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, timers: CheckpointTimers,
               max_steps: int | None = None) -> RunResult:
     """One fresh run of ``way`` in a fresh run directory (model built outside the timing)."""
     model = fresh_model(workload)
-    run_dir = None if way == "none" else tempfile.mkdtemp(prefix=f"{workload.label}-{way}-", dir=work)
+    run_dir = None if way in ("none", "floor") else tempfile.mkdtemp(prefix=f"{workload.label}-{way}-", dir=work)
+    local_tier = tempfile.mkdtemp(prefix=f"splitloop-bench-{workload.label}-", dir=FAST_TIER_ROOT) if way == "fast" else None
     config = engine.TrainerConfig(max_epochs=1, max_steps=max_steps, run_dir=run_dir,
-                                  checkpoint=checkpoint_policy(way), progress_bar="off")
+                                  checkpoint=checkpoint_policy(way, local_tier), progress_bar="off")
     clock = SplitClock()
+    callbacks: list[engine.Callback] = [clock]
+    if way == "floor":
+        optimizers: list[torch.optim.Optimizer] = []
+        configure = model.configure_optimizers
+
+        def configure_and_remember() -> torch.optim.Optimizer:
+            optimizer = configure()
+            optimizers.append(optimizer)
+            return optimizer
+
+        model.configure_optimizers = configure_and_remember  # type: ignore[method-assign]
+        callbacks.append(CopyFloor(model, optimizers))
     os.sync()
     timers.take()
     started = time.perf_counter()
-    engine.Trainer(config, callbacks=[clock]).fit(model, batches, resume="off")
+    engine.Trainer(config, callbacks=callbacks).fit(model, batches, resume="off")
     seconds = time.perf_counter() - started
     recorded = timers.take()
     if run_dir is not None:
         shutil.rmtree(run_dir)
+    if local_tier is not None:
+        shutil.rmtree(local_tier)
     return RunResult(seconds, clock.per_split_seconds(), recorded, model)
 
 
@@ -251,18 +295,20 @@ def same_parameters(models: list[torch.nn.Module]) -> bool:
 
 
 def run_rounds(workload: Workload, repeats: int, work: str, timers: CheckpointTimers) -> list[dict[str, RunResult]]:
-    """``repeats`` rounds of the three ways back to back, the first way rotating."""
+    """``repeats`` rounds of the ways back to back, the first way rotating."""
     batches = make_batches(workload)
     for way in WAYS:  # warm-up, untimed: first-call costs of each way
         timed_run(workload, way, batches, work, timers, max_steps=1)
     rounds = []
     for index in range(repeats):
-        order = WAYS[index % 3:] + WAYS[:index % 3]
+        order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
         results = {way: timed_run(workload, way, batches, work, timers) for way in order}
         equal = same_parameters([results[way].model for way in WAYS])
         print(f"  round {index + 1}: " + ", ".join(f"{way} {results[way].seconds:.2f} s" for way in WAYS)
               + f"; sync/none {results['sync'].seconds / results['none'].seconds:.3f}, "
-              f"async/none {results['async'].seconds / results['none'].seconds:.3f}; parameters equal: {equal}")
+              f"async/none {results['async'].seconds / results['none'].seconds:.3f}, "
+              f"fast/none {results['fast'].seconds / results['none'].seconds:.3f}, "
+              f"floor/none {results['floor'].seconds / results['none'].seconds:.3f}; parameters equal: {equal}")
         if not equal:
             raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
         for result in results.values():
@@ -283,8 +329,8 @@ def median_per_checkpoint(rounds: list[dict[str, RunResult]], way: str, label: s
     return statistics.median(values) if values else 0.0
 
 
-def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> float:
-    """Print the run figures of one model; returns the async / none ratio."""
+def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> dict[str, float]:
+    """Print the run figures of one model; returns the ratios to no checkpoints per way."""
     wall = {way: statistics.median(r[way].seconds for r in rounds) for way in WAYS}
     split = {way: statistics.median(r[way].per_split_seconds for r in rounds) for way in WAYS}
     checkpoints = len(rounds[0]["sync"].timers.get("save", []))
@@ -295,9 +341,14 @@ def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> float
     print(f"{workload.label}: steady state per split none {split['none'] * 1e3:.1f} ms, "
           f"sync {split['sync'] * 1e3:.1f} ms, async {split['async'] * 1e3:.1f} ms; ratio sync/none "
           f"{median_ratio(rounds, 'sync', 'per_split_seconds'):.3f}, async/none "
-          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f} (end of run left out)")
+          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f}, fast/none "
+          f"{median_ratio(rounds, 'fast', 'per_split_seconds'):.3f}, floor/none "
+          f"{median_ratio(rounds, 'floor', 'per_split_seconds'):.3f} (end of run left out)")
+    print(f"{workload.label}: fast tier (async, every split to {FAST_TIER_ROOT}, durable every 60 s and at the end) "
+          f"/ none {median_ratio(rounds, 'fast'):.3f}; copy floor (one copy_ of the state per split) / none "
+          f"{median_ratio(rounds, 'floor'):.3f}")
     report_checkpoint_breakdown(workload, rounds)
-    return median_ratio(rounds, "async")
+    return {way: median_ratio(rounds, way) for way in WAYS if way != "none"}
 
 
 def report_checkpoint_breakdown(workload: Workload, rounds: list[dict[str, RunResult]]) -> None:
@@ -422,7 +473,7 @@ def main() -> None:
         print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
     timers = CheckpointTimers()
     timers.install()
-    ratio = None
+    ratios: dict[str, dict[str, float]] = {}
     try:
         for workload in workloads(arguments.quick):
             splits = workload.batches * workload.sequence_length // workload.split_length
@@ -431,12 +482,14 @@ def main() -> None:
                   f"{workload.batches} batches of {workload.batch_size}x{workload.sequence_length}, "
                   f"{splits} splits of {workload.split_length} per run")
             rounds = run_rounds(workload, arguments.repeats, work, timers)
-            ratio = report_runs(workload, rounds)
+            ratios[workload.label] = report_runs(workload, rounds)
             report_blocking(workload, rounds, repeats=5 if arguments.quick else 9)
     finally:
         timers.uninstall()
         shutil.rmtree(work, ignore_errors=True)
-    print(f"async every-split overhead ratio: {ratio:.3f} (async every split / no checkpoints, 25M model)")
+    print(f"async every-split overhead ratio: {ratios['25M']['async']:.3f} (async every split / no checkpoints, 25M model)")
+    print(f"small async every-split overhead ratio: {ratios['small']['async']:.3f} (async every split / no checkpoints, small model)")
+    print(f"fast-tier every-split overhead ratio: {ratios['25M']['fast']:.3f} (floor {ratios['25M']['floor']:.3f}; 25M model)")
 
 
 if __name__ == "__main__":

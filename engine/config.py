@@ -46,7 +46,12 @@ class CheckpointConfig:
 
     Args:
         every_n_splits: checkpoint after every N completed splits (a batch counts as one split
-            when TBPTT is off). 1 gives split-level fault tolerance.
+            when TBPTT is off). 1 gives split-level fault tolerance. ``"auto"`` chooses N online
+            to keep the time checkpoints block training within ``max_overhead`` (between 1 and
+            64 splits; see engine/checkpoint/budget.py); the interval reached is reported in
+            ``FitResult.checkpoint_interval`` and the progress log.
+        max_overhead: with ``every_n_splits="auto"``, the fraction of training time that
+            checkpoints may block the training thread (0.05: 5%).
         every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
         every_seconds: checkpoint at the first split boundary T seconds after the last one.
         at_epoch_end: checkpoint after each epoch's end-of-epoch work.
@@ -72,9 +77,20 @@ class CheckpointConfig:
             writer lease must stay unchanged, timed by the process that wants it, before that
             process may take it over (the holder's heartbeat rewrites it every third of that).
             Local disks use a lock that dies with its process and ignore this.
+        local_tier: a node-local directory (under ``/dev/shm`` or on a local SSD) for a fast
+            checkpoint tier: every checkpoint is committed there without fsync (it survives the
+            death of the process, not of the node), and copied to the run dir (the durable tier)
+            in the background every ``durable_every_n_splits`` splits and/or
+            ``durable_every_seconds`` seconds, and always for the run's last checkpoint and a
+            preemption checkpoint. Resume takes the newest valid checkpoint of either tier. One
+            directory per run; see docs/checkpoint-format.md.
+        durable_every_n_splits: with ``local_tier``, copy a checkpoint to the run dir when the
+            count of completed splits crosses a multiple of N.
+        durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T
+            seconds passed since the last copy.
     """
 
-    every_n_splits: int | None = 1
+    every_n_splits: int | Literal["auto"] | None = 1
     every_n_steps: int | None = None
     every_seconds: float | None = None
     at_epoch_end: bool = True
@@ -90,10 +106,21 @@ class CheckpointConfig:
     # passed explicitly can be told apart (it needs a run_dir).
     _implied_by_default: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
     lease_expiry_seconds: float = 60.0
+    local_tier: str | None = None
+    durable_every_n_splits: int | None = None
+    durable_every_seconds: float | None = None
+    max_overhead: float = 0.05
 
     def __post_init__(self) -> None:
         owner = "CheckpointConfig"
-        _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+        if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
+            raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
+        if self.every_n_splits != "auto":
+            _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+        if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)) \
+                or not 0 < self.max_overhead < 1:
+            raise ConfigError(f"{owner}.max_overhead: expected a fraction of training time between 0 and 1 "
+                              f"(0.05 for 5%), got {self.max_overhead!r}")
         _positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
         _positive_number_or_none(owner, "every_seconds", self.every_seconds)
         _positive_int_or_none(owner, "keep_last", self.keep_last)
@@ -110,6 +137,20 @@ class CheckpointConfig:
         _positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
+        _positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
+        _positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
+        if self.local_tier is None:
+            if self.durable_every_n_splits is not None or self.durable_every_seconds is not None:
+                raise ConfigError(f"{owner}.durable_every_n_splits / durable_every_seconds: only meaningful with "
+                                  "local_tier (without a fast tier every checkpoint is durable); set local_tier or drop them")
+        else:
+            if not isinstance(self.local_tier, str) or not self.local_tier or "://" in self.local_tier \
+                    or "::" in self.local_tier:
+                raise ConfigError(f"{owner}.local_tier: expected a local directory path such as '/dev/shm/my-run', "
+                                  f"got {self.local_tier!r}")
+            if self.durable_every_n_splits is None and self.durable_every_seconds is None:
+                raise ConfigError(f"{owner}.local_tier={self.local_tier!r}: say how often checkpoints reach the run dir "
+                                  "with durable_every_n_splits and/or durable_every_seconds")
 
 
 def _default_checkpoint_policy() -> CheckpointConfig:

@@ -25,6 +25,9 @@ class FitResult:
             last completed split was committed first).
         metrics: the newest value of every metric logged with ``Module.log`` or returned by
             ``validation_step`` (over the whole run, resumes included).
+        checkpoint_interval: splits between checkpoints at the end of the run: the interval
+            ``CheckpointConfig(every_n_splits="auto")`` reached, else ``every_n_splits``; None
+            without checkpoints or a split cadence.
     """
 
     cursor: Cursor | None
@@ -37,3 +40,4 @@ class FitResult:
     preempted: bool = False
     resumed_cursor: Cursor | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpoint_interval: int | None = None

@@ -311,6 +311,9 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
     """Train scenario ``name`` into ``run_dir`` with a checkpoint every ``every`` splits."""
     model, loader = build(name)
     lease = {} if lease_expiry is None else {"lease_expiry_seconds": lease_expiry}
+    tier = extra.pop("tier", None)  # (local tier directory, durable every N splits)
+    if tier is not None:
+        lease.update(local_tier=tier[0], durable_every_n_splits=tier[1])
     checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous,
                                          on_io_error=extra.pop("on_io_error", "raise"), **lease)
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
@@ -351,6 +354,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each split")
     parser.add_argument("--keep-last", type=int, default=3, help="0 keeps every checkpoint")
     parser.add_argument("--lease-expiry", type=float, default=None)
+    parser.add_argument("--local-tier", default=None, help="fast checkpoint tier directory")
+    parser.add_argument("--durable-every", type=int, default=4, help="with --local-tier: durable every N splits")
     parser.add_argument("--stop-after-fence", type=int, default=0, help="SIGSTOP after the N-th commit-point fence check")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
@@ -358,7 +363,8 @@ def main(argv: list[str]) -> int:
     callbacks = (AnnounceStart(), SlowDown(args.sleep)) if args.sleep else (AnnounceStart(),)
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
-                                    keep_last=args.keep_last or None, lease_expiry=args.lease_expiry)
+                                    keep_last=args.keep_last or None, lease_expiry=args.lease_expiry,
+                                    **({"tier": (args.local_tier, args.durable_every)} if args.local_tier else {}))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0
 

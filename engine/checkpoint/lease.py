@@ -84,6 +84,7 @@ class WriterLease:
         self._token = secrets.token_hex(16)
         self._host = socket.gethostname()
         self.generation = 0
+        self.previous_generation = 0
         self._lock_descriptor: int | None = None
         self._beat = 0
         self._fences: list[tuple[int, int]] = []
@@ -156,6 +157,7 @@ class WriterLease:
             current = self._wait_until_abandoned()
         previous = current.get("generation", 0) if current else 0
         previous = previous if _is_count(previous) else 0
+        self.previous_generation = previous  # the last holder's (a fast tier must name it)
         self.generation = max(previous, minimum_generation) + 1
         fence = committed_sequence() if committed_sequence is not None else 0
         self._fences = [*_fences_of(current), (self.generation, fence)][-_MAX_FENCES:]

@@ -13,15 +13,17 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import FastTier, TierWriter, latest_across, load_named
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import LoadedCheckpoint
-from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, WriterConflict
+from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.storage import Storage
 from progress import Cursor
@@ -49,6 +51,17 @@ class RunCheckpointer:
         self._steps_at_last_save = 0
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
+        self._budget = OverheadBudget(policy.max_overhead) if policy.every_n_splits == "auto" else None
+        self._units_at_last_save = 0
+        self._due_since: float | None = None  # when due_at_split said yes ("auto" timing)
+        self._last_save_end = time.monotonic()
+        if policy.local_tier is not None and group is not None:
+            raise ConfigError("CheckpointConfig.local_tier is not supported with several processes yet; "
+                              "leave it unset under torchrun")
+        self._fast = FastTier(policy.local_tier, storage) if policy.local_tier is not None else None
+        self._tiers: TierWriter | None = None
+        self._last_durable_time = time.monotonic()
+        self._units_at_last_durable = 0
 
     @property
     def last_name(self) -> str | None:
@@ -62,8 +75,16 @@ class RunCheckpointer:
                                 committed_sequence=self.store.newest_committed_sequence)
             self._metrics.fence = self._lease.verify
             self.store.remove_temporaries()
+            if self._fast is not None:
+                self._fast.claim(self._lease.previous_generation, self._lease.generation)
         if self._group is not None:
             self._group.after_acquire(self.store)
+
+    def _stores(self) -> list[CheckpointStore]:
+        """The stores resume reads: the run dir, then the fast tier when its fence matches."""
+        if self._fast is not None and self._fast.usable:
+            return [self.store, self._fast.store]
+        return [self.store]
 
     def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         """The checkpoint to resume from (``resume`` as in ``Trainer.fit``), or None to start
@@ -77,12 +98,13 @@ class RunCheckpointer:
     def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         if resume == "off":
             return None
+        stores = self._stores()
         if resume not in ("auto", "latest"):
-            return self.store.load(resume, validate)
-        latest = self.store.latest(validate)
+            return load_named(stores, resume, validate)
+        latest = self.store.latest(validate) if len(stores) == 1 else latest_across(stores, validate)
         if latest is not None:
             return latest
-        existing = self.store.committed_names()
+        existing = [name for store in stores for name in store.committed_names()]
         if existing:
             raise CheckpointCorrupt(
                 f"{len(existing)} checkpoint(s) in {self._storage.url} and none verifies; "
@@ -97,6 +119,8 @@ class RunCheckpointer:
         checkpoint resumed from, which therefore needs no new checkpoint."""
         self._steps_at_last_save = optimizer_steps
         self._mark_of_last_save = resumed_mark
+        self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
+        self._last_save_end = time.monotonic()
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         policy = self.policy
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor)
@@ -105,10 +129,28 @@ class RunCheckpointer:
                                             policy.max_in_flight, policy.when_behind, self._group)
         else:
             self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group)
+        if self._fast is not None:
+            self._units_at_last_durable = resumed_mark[0] if resumed_mark is not None else 0
+            self._tiers = TierWriter(self._fast.store, self.store, retention, also_sync,
+                                     self._lease.verify, self._lease.generation)
+            self._writer.tiers = self._tiers
 
     def holds(self, mark: BoundaryMark) -> bool:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""
         return self._mark_of_last_save == mark
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """Splits between checkpoints: the one "auto" reached, the configured one, or None."""
+        if self._budget is not None:
+            return self._budget.interval
+        every = self.policy.every_n_splits
+        return every if isinstance(every, int) else None
+
+    @property
+    def auto_interval(self) -> int | None:
+        """The interval ``every_n_splits="auto"`` chose so far (None without "auto")."""
+        return None if self._budget is None else self._budget.interval
 
     def due_at_epoch_end(self) -> bool:
         """Whether the policy asks for a checkpoint after each epoch."""
@@ -117,7 +159,11 @@ class RunCheckpointer:
     def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
         """Whether the policy asks for a checkpoint at this split boundary."""
         policy = self.policy
-        if policy.every_n_splits is not None and units_completed % policy.every_n_splits == 0:
+        if self._budget is not None:
+            if units_completed - self._units_at_last_save >= self._budget.interval:
+                self._due_since = time.monotonic()
+                return True
+        elif isinstance(policy.every_n_splits, int) and units_completed % policy.every_n_splits == 0:
             return True
         if policy.every_n_steps is not None and optimizer_steps // policy.every_n_steps > self._steps_at_last_save // policy.every_n_steps:
             return True
@@ -148,19 +194,43 @@ class RunCheckpointer:
                 force = True  # every rank must write every agreed checkpoint: none is skipped
             pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
                                         publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
-                                        monitor=self._fresh_monitor, digest=digest)
+                                        durable=self._durable_due(mark, force), monitor=self._fresh_monitor,
+                                        digest=digest)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
             raise
         except (CheckpointWriteError, OSError) as error:
             self._handle_io_error(error)
             return False
+        if written and pending.durable and self._fast is not None:
+            self._last_durable_time = time.monotonic()
+            self._units_at_last_durable = mark[0]
+        if written and self._budget is not None:
+            ended = time.monotonic()
+            if self._due_since is not None:  # a save of the cadence (not of an epoch end, a stop)
+                started = self._due_since
+                self._budget.record(ended - started, started - self._last_save_end, mark[0] - self._units_at_last_save)
+            self._last_save_end = ended
+        self._due_since = None
         if written:
+            self._units_at_last_save = mark[0]
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark
             self._fresh_monitor = None
         return written
+
+    def _durable_due(self, mark: BoundaryMark, force: bool) -> bool:
+        """With a fast tier: whether this checkpoint also goes to the run dir (forced ones, the
+        last of a run and a preemption's, always do)."""
+        policy = self.policy
+        if self._fast is None or force:
+            return True
+        every = policy.durable_every_n_splits
+        if every is not None and mark[0] // every > self._units_at_last_durable // every:
+            return True
+        return policy.durable_every_seconds is not None and \
+            time.monotonic() - self._last_durable_time >= policy.durable_every_seconds
 
     def check(self) -> None:
         """Surface a background write error on the training thread."""
@@ -168,6 +238,8 @@ class RunCheckpointer:
             return
         try:
             self._writer.check()
+            if self._tiers is not None:
+                self._tiers.check()
         except WriterConflict:
             raise
         except CheckpointWriteError as error:
@@ -184,14 +256,20 @@ class RunCheckpointer:
         """Flush pending writes and release the lease. With ``failing`` (an exception is on its
         way up) write errors become warnings so they do not hide the original one."""
         try:
-            if self._writer is not None:
-                self._writer.close()
-        except (WriterConflict, CheckpointWriteError) as error:
-            if failing:
-                warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
-            elif isinstance(error, WriterConflict):
-                raise
-            else:
-                self._handle_io_error(error)
+            # The writer first (its last checkpoint reaches the fast tier), then the fast tier's
+            # newest checkpoint reaches the durable tier, even when the writer failed.
+            closers = [closer for closer in (self._writer, self._tiers) if closer is not None]
+            self._tiers = None
+            for closer in closers:
+                try:
+                    closer.close()
+                except (WriterConflict, CheckpointWriteError) as error:
+                    if failing:
+                        warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
+                    elif isinstance(error, WriterConflict):
+                        raise
+                    else:
+                        self._handle_io_error(error)
         finally:
+            self.store.close()
             self._lease.release()

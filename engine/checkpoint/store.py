@@ -37,8 +37,8 @@ from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
-from engine.checkpoint.storage import Storage
 from engine.checkpoint.rank_files import is_rank_file
+from engine.checkpoint.storage import LocalDirectoryFiles, Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"
@@ -51,6 +51,7 @@ _TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 
 
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
+_RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
 
 
 def _crc32(chunks: list[memoryview | bytes]) -> int:
@@ -103,10 +104,18 @@ StateValidator = Callable[[str, Any], None]
 
 
 class CheckpointStore:
-    def __init__(self, storage: Storage, create: bool = True) -> None:
+    def __init__(self, storage: Storage, create: bool = True, durable: bool = True) -> None:
         self.storage = storage
+        # False for a fast tier (engine.checkpoint.tiers): the same commit protocol and order,
+        # without the fsyncs (such a tier survives the process, not the node).
+        self.durable = durable
         # name -> whether it verified; names are never reused, so a result stays true.
         self._verified: dict[str, bool] = {}
+        # name -> its manifest as parsed once (a committed checkpoint's files never change).
+        self._manifests: dict[str, Manifest] = {}
+        # A staging directory of this process holding a retired checkpoint's files, which the
+        # next write overwrites in place instead of creating files (local filesystems).
+        self._spare: str | None = None
         if create:
             storage.makedirs(CHECKPOINT_DIR)
 
@@ -153,32 +162,65 @@ class CheckpointStore:
         (engine.distributed.commit) names the shared ``staging`` directory and passes
         ``gather_parts``, which returns the other ranks' durable files for the manifest."""
         sequence = self.next_sequence() if sequence is None else sequence
+        contents: dict[str, list[memoryview | bytes]] = {
+            "tensors.bin": encoded.tensor_chunks(),
+            "state.msgpack": [encoded.header],
+            "progress.msgpack": [progress_bytes],
+        }
+        return self._commit(contents, encoded.tensor_bytes, cursor, generation, sequence, also_sync,
+                            on_data_written, fence, monitor, staging=staging, gather_parts=gather_parts)
+
+    def copy_from(self, source: "CheckpointStore", name: str, also_sync: list[str] | tuple = (),
+                  fence: Callable[[], None] | None = None) -> str:
+        """Commit a copy of ``source``'s checkpoint ``name`` here, under the same name, cursor
+        and writer generation (a fast tier's checkpoint made durable). Its files are verified
+        against its manifest on the way; CheckpointCorrupt if they do not."""
+        manifest, contents = source._read_verified(name)
+        chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
+        return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
+                            manifest.sequence, also_sync, None, fence, manifest.monitor, known=manifest.files)
+
+    def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
+                generation: int, sequence: int, also_sync: list[str] | tuple,
+                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None,
+                monitor: MonitorRecord | None, known: dict[str, FileRecord] | None = None,
+                staging: str | None = None, gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
+        """The commit protocol (module docstring). ``known``: the files' records, already
+        verified against these very bytes (a copy between tiers), so not checksummed again.
+        ``staging``/``gather_parts``: see :meth:`write`."""
         name = checkpoint_name(sequence)
         atomic_rename = self.storage.is_local
         exclusive = not atomic_rename and self.storage.exclusive_create
+        # A staging directory shared by several ranks already holds their parts: never recycled.
+        recycle = atomic_rename and staging is None
         if staging is None:
             staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
         directory = f"{CHECKPOINT_DIR}/{staging}"
         renamed = False
+        local: LocalDirectoryFiles | None = None
         try:
-            self.storage.makedirs(directory)
-            contents: dict[str, list[memoryview | bytes]] = {
-                "tensors.bin": encoded.tensor_chunks(),
-                "state.msgpack": [encoded.header],
-                "progress.msgpack": [progress_bytes],
-            }
+            self._make_staging_directory(directory, recycle=recycle)
+            local = self.storage.local_files(directory) if atomic_rename else None
             data_paths = [f"{directory}/{file_name}" for file_name in contents]
             # A large state is checksummed in memory while its files reach the disk; a small
             # one inline (one fsync round fewer).
-            overlap = atomic_rename and encoded.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+            overlap = local is not None and self.durable and tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+            checksum = not overlap and known is None
             records = {}
             for (file_name, chunks), path in zip(contents.items(), data_paths):
                 faults.reach("checkpoint_before_file")
-                size, crc = self.storage.write(path, chunks, durable=False, checksum=not overlap, exclusive=exclusive)
+                if local is not None:
+                    size, crc = local.write(file_name, chunks, checksum=checksum)
+                else:
+                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum, exclusive=exclusive)
                 records[file_name] = FileRecord(size, crc)
                 faults.reach("checkpoint_after_file")
             if overlap:
-                pending = self.storage.start_sync([*data_paths, directory])
+                assert local is not None
+                pending = local.start_sync([directory])
+            if known is not None:
+                records = {n: FileRecord(r.size, known[n].crc32) for n, r in records.items()}
+            elif overlap:
                 records = {n: FileRecord(r.size, _crc32(contents[n])) for n, r in records.items()}
             if on_data_written is not None:
                 on_data_written()
@@ -188,20 +230,26 @@ class CheckpointStore:
                 records.update(gather_parts())
             faults.reach("checkpoint_before_manifest")
             manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor)
-            if not atomic_rename and fence is not None:
-                fence()  # the manifest is the commit point here
-            self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False, exclusive=exclusive)
-            if atomic_rename:
-                # Everything must be durable before the rename makes it visible.
-                unsynced = [] if overlap else data_paths
-                self.storage.sync([*unsynced, f"{directory}/{MANIFEST_FILE}", directory, *also_sync])
+            if local is None:
+                if fence is not None:
+                    fence()  # the manifest is the commit point here
+                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False,
+                                   exclusive=exclusive)
+            else:
+                local.write(MANIFEST_FILE, [manifest.to_json()], checksum=False)
+                # Everything must be durable before the rename makes it visible (the data
+                # files' descriptors again when they were not synced above: fsync is cheap
+                # on a clean file).
+                if self.durable:
+                    local.start_sync([directory, *also_sync]).wait()
                 faults.reach("checkpoint_before_rename")
                 if fence is not None:
                     fence()
                 self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
                 renamed = True
                 faults.reach("checkpoint_after_rename")
-                self.storage.fsync_directory(CHECKPOINT_DIR)
+                if self.durable:
+                    self.storage.fsync_directory(CHECKPOINT_DIR)
         except OSError as error:
             if exclusive and isinstance(error, FileExistsError):
                 # Another writer created this name first: its files are not ours to delete.
@@ -217,8 +265,49 @@ class CheckpointStore:
             if not renamed:
                 self._discard(directory)
             raise
+        finally:
+            if local is not None:
+                local.close()
+        self._manifests[name] = manifest
         self._verified[name] = True  # just written from memory, checksummed on the way
         return name
+
+    def _make_staging_directory(self, directory: str, recycle: bool) -> None:
+        spare, self._spare = self._spare, None
+        if recycle and spare is not None:
+            # A failure fails this write like any other (the spare is a tmp-* directory, which
+            # the next process that takes the lease deletes).
+            self.storage.rename(f"{CHECKPOINT_DIR}/{spare}", directory)
+            return
+        self.storage.makedirs(directory)
+
+    def _retire(self, name: str) -> None:
+        """Delete checkpoint ``name``; on a local filesystem the first one is kept as this
+        process's spare staging directory instead (one rename: it stops being a checkpoint at
+        once), provided it holds nothing but plain checkpoint files."""
+        directory = f"{CHECKPOINT_DIR}/{name}"
+        self._manifests.pop(name, None)
+        self._verified.pop(name, None)
+        if self.storage.is_local and self._spare is None and self._recyclable(directory):
+            spare = f"tmp-{_sequence(name):010d}-{os.getpid()}"
+            self.storage.rename(directory, f"{CHECKPOINT_DIR}/{spare}")
+            self._spare = spare  # its stale manifest is harmless: a staging directory is never read
+            return
+        self.storage.remove_tree(directory)
+
+    def _recyclable(self, directory: str) -> bool:
+        try:
+            with os.scandir(self.storage.path(directory)) as entries:
+                return all(entry.name in _RECYCLABLE_FILES and entry.is_file(follow_symlinks=False)
+                           for entry in entries)
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Delete this process's spare staging directory (call when the run stops writing)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            self._discard(f"{CHECKPOINT_DIR}/{spare}")
 
     def _discard(self, directory: str) -> None:
         try:
@@ -269,10 +358,9 @@ class CheckpointStore:
         for name in doomed + unreadable:
             faults.reach("checkpoint_retention")
             try:
-                self.storage.remove_tree(f"{CHECKPOINT_DIR}/{name}")
+                self._retire(name)
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
-            self._verified.pop(name, None)
 
     def best(self, count: int, monitor: str | None = None) -> list[str]:
         """Up to ``count`` checkpoints that verify and recorded a value of ``monitor`` (default:
@@ -309,10 +397,15 @@ class CheckpointStore:
         return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
 
     def _manifest_or_none(self, name: str) -> Manifest | None:
+        cached = self._manifests.get(name)
+        if cached is not None:
+            return cached
         try:
-            return Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
+            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
         except (OSError, CheckpointCorrupt):
             return None
+        self._manifests[name] = manifest
+        return manifest
 
     # ---- reading ----------------------------------------------------------------------
     def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
@@ -333,6 +426,22 @@ class CheckpointStore:
         return loaded
 
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
+        manifest, contents = self._read_verified(name)
+        try:
+            progress = decode_tree(bytes(contents["progress.msgpack"]))
+        except ProgressSchemaError as error:
+            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
+        try:
+            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
+        except CheckpointCorrupt as error:
+            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
+        if validate is not None:
+            validate(name, state)
+        extra = set(manifest.files) - set(DATA_FILES)
+        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
+
+    def _read_verified(self, name: str) -> tuple[Manifest, dict[str, bytearray]]:
+        """The manifest and the data files of ``name``, each checked against the manifest."""
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
         self._refuse_if_fenced(name, manifest)
@@ -353,17 +462,7 @@ class CheckpointStore:
             data = self.storage.read_into(path, record.size)
             verify_file(file_name, data, record)
             contents[file_name] = data
-        try:
-            progress = decode_tree(bytes(contents["progress.msgpack"]))
-        except ProgressSchemaError as error:
-            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
-        try:
-            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
-        except CheckpointCorrupt as error:
-            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
-        if validate is not None:
-            validate(name, state)
-        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
+        return manifest, contents
 
     def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
         """A checkpoint committed by a writer after a newer generation took the lease over."""

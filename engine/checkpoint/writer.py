@@ -22,6 +22,7 @@ from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import FileRecord, MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import TierWriter
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
@@ -37,6 +38,8 @@ class PendingCheckpoint:
     buffers: "SnapshotBuffers | None" = None
     # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
     publish_metrics: Callable[[], None] | None = None
+    # With a fast tier: whether this checkpoint must also reach the durable tier.
+    durable: bool = True
     # The monitored metric's fresh value this checkpoint is taken for (best checkpoints).
     monitor: MonitorRecord | None = None
     # A distributed run's digest of its replicated state (compared across ranks at commit).
@@ -106,6 +109,8 @@ class _Committer:
         self.retention = retention
         self.also_sync = also_sync
         self.last_name: str | None = None
+        # Set for a fast local tier (engine.checkpoint.tiers): commits go there first.
+        self.tiers: TierWriter | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
         if self.group is not None:  # a distributed run: every rank writes its part (engine.distributed.commit)
@@ -122,6 +127,13 @@ class _Committer:
         if pending.publish_metrics is not None:
             pending.publish_metrics()
         generation = self.lease.generation if self.lease is not None else 0
+        if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
+            def write(store: CheckpointStore, sequence: int) -> str:
+                return store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
+                                   on_data_written=lambda: self.release(pending), fence=fence,
+                                   monitor=pending.monitor)
+
+            return self.tiers.commit(write, pending.durable, fence)
         name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
                                 also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
                                 fence=fence, monitor=pending.monitor, staging=staging, gather_parts=gather_parts)

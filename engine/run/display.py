@@ -87,6 +87,7 @@ class Display:
         self._last: tuple[Cursor, float, int] | None = None
         self._last_shown: tuple[Cursor, float, int] | None = None
         self.checkpoints_written = 0
+        self.checkpoint_interval: int | None = None
 
     # ---- events -------------------------------------------------------------------------
     def start(self, run_dir: str | None, resumed: LoadedCheckpoint | None) -> None:
@@ -112,9 +113,11 @@ class Display:
         self._next_time = now + self._interval
         self._show(cursor, loss, optimizer_steps)
 
-    def note_checkpoint(self, written: bool) -> None:
-        """A checkpoint was committed or queued (``written``), or skipped."""
+    def note_checkpoint(self, written: bool, interval: int | None = None) -> None:
+        """A checkpoint was committed or queued (``written``), or skipped; ``interval`` is the
+        split interval ``every_n_splits="auto"`` chose (shown in the log lines), or None."""
         self.checkpoints_written += bool(written)
+        self.checkpoint_interval = interval
 
     def end_epoch(self, epoch: int) -> None:
         """Epoch ``epoch`` finished: complete and close its bar, or log one line for it."""
@@ -135,8 +138,9 @@ class Display:
         self.close()
         elapsed = tqdm.format_interval(time.monotonic() - self._started)
         stopped = f"; stopped: {stop_reason}" if stop_reason else ""
+        interval = f" (every {self.checkpoint_interval} splits)" if self.checkpoint_interval is not None else ""
         self._line(f"done in {elapsed}: {epochs_completed} epochs completed, {optimizer_steps} optimizer steps, "
-                   f"{self.checkpoints_written} checkpoints written{stopped}")
+                   f"{self.checkpoints_written} checkpoints written{interval}{stopped}")
 
     def close(self) -> None:
         """Close a bar left open (a stop or an exception inside an epoch)."""
@@ -191,6 +195,8 @@ class Display:
             parts.append(f"{done} batches")
         parts += [f"loss {loss:.4f}", f"step {steps}", f"elapsed {tqdm.format_interval(seconds)}",
                   f"{rate:.2f} batches/s"]
+        if self.checkpoint_interval is not None:
+            parts.append(f"checkpoint every {self.checkpoint_interval} splits")
         if self._total and not finished:
             eta = tqdm.format_interval((self._total - done) / rate) if rate > 0 else "?"
             parts.append(f"epoch ETA {eta}")

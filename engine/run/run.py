@@ -122,6 +122,7 @@ class FitRun:
             stop_reason=self.stop.reason,
             resumed_from=self.resumed_from,
             last_checkpoint=None if self.checkpoints is None else self.checkpoints.last_name,
+            checkpoint_interval=None if self.checkpoints is None else self.checkpoints.checkpoint_interval,
             progress=self.tree.progress_tree(self.cursor),
             preempted=preempted,
             resumed_cursor=self.resumed_cursor,
@@ -272,7 +273,7 @@ class FitRun:
                                      self.metrics.length_after_flush(), self._elapsed())
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
-        self.display.note_checkpoint(saved)
+        self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
 
 
 def _check_module(module: Any) -> None:

@@ -139,17 +139,17 @@ def test_chaos_command_prints_table_and_summary(tmp_path, monkeypatch, capsys):
 
 def first_retention_delete_arrival(run_dir, monkeypatch):
     """The arrival count at filesystem_write of the first deletion of an old checkpoint."""
-    import engine.checkpoint.storage as storage_module
+    import engine.checkpoint.store as store_module
 
     found = []
-    original_remove = storage_module.Storage.remove_tree
+    original_retire = store_module.CheckpointStore._retire
 
-    def remove_tree(self, relative):
-        if not found and "ckpt-" in relative:
+    def retire(self, name):  # deletes it, or renames it to the spare staging directory
+        if not found:
             found.append(faults.arrivals("filesystem_write") + 1)
-        return original_remove(self, relative)
+        return original_retire(self, name)
 
-    monkeypatch.setattr(storage_module.Storage, "remove_tree", remove_tree)
+    monkeypatch.setattr(store_module.CheckpointStore, "_retire", retire)
     faults.inject([Fault("filesystem_write", 10_000, "eio")])  # armed, never reached: counts arrivals
     try:
         harness_train(run_dir)

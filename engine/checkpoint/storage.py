@@ -81,7 +81,11 @@ class Storage:
         # A wrapping filesystem (engine.faults.faulty_fs) keeps the protocol of what it wraps; the
         # local fast paths below then ask it before each write so its faults still fire.
         inner = getattr(filesystem, "inner", filesystem)
+        # A local filesystem: plain files (fsync, flock, O_NOFOLLOW fast paths).
         self.is_local = isinstance(inner, LocalFileSystem)
+        # Where a rename is atomic, it is a checkpoint's commit point; elsewhere (object stores)
+        # the manifest, written last, is. Today exactly the local filesystems.
+        self.rename_is_atomic = self.is_local
         # Object stores that refuse to create an object that exists (If-None-Match: *).
         protocols = inner.protocol if isinstance(inner.protocol, (tuple, list)) else (inner.protocol,)
         self.exclusive_create = any(protocol in _OBJECT_STORE_PROTOCOLS for protocol in protocols)

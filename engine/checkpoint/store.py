@@ -189,7 +189,7 @@ class CheckpointStore:
         verified against these very bytes (a copy between tiers), so not checksummed again.
         ``staging``/``gather_parts``: see :meth:`write`."""
         name = checkpoint_name(sequence)
-        atomic_rename = self.storage.is_local
+        atomic_rename = self.storage.rename_is_atomic
         exclusive = not atomic_rename and self.storage.exclusive_create
         # A staging directory shared by several ranks already holds their parts: never recycled.
         recycle = atomic_rename and staging is None

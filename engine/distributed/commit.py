@@ -118,7 +118,7 @@ class GroupCommit:
         sequence = self._next_sequence
         self._next_sequence += 1
         name = checkpoint_name(sequence)
-        staging = f"tmp-{sequence:010d}-{self.context.attempt}" if committer.store.storage.is_local else name
+        staging = f"tmp-{sequence:010d}-{self.context.attempt}" if committer.store.storage.rename_is_atomic else name
         if self.is_writer:
             return self._commit_as_writer(committer, pending, sequence, staging)
         report = self._write_rank_part(committer, pending, f"{CHECKPOINT_DIR}/{staging}")

@@ -187,6 +187,7 @@ class WriterLease:
                 "other job first (the lock goes away with its process)"
             ) from None
         self._lock_descriptor = descriptor
+        _LOCK_DESCRIPTORS.add(descriptor)
 
     def _wait_until_abandoned(self) -> dict[str, Any] | None:
         """Watch a lease that is not released until it stays unchanged for ``stale_after``
@@ -267,4 +268,23 @@ class WriterLease:
     def _unlock(self) -> None:
         if self._lock_descriptor is not None:
             descriptor, self._lock_descriptor = self._lock_descriptor, None
+            _LOCK_DESCRIPTORS.discard(descriptor)
             os.close(descriptor)  # closing the last descriptor drops the flock
+
+
+# A forked child (a DataLoader worker) inherits the lock's descriptor, and the flock lives as long
+# as any process holds one: a worker outliving a killed writer would keep the next writer out.
+# Forked children close them at once; only the writer itself holds the lock.
+_LOCK_DESCRIPTORS: set[int] = set()
+
+
+def _close_inherited_locks() -> None:
+    for descriptor in list(_LOCK_DESCRIPTORS):
+        try:
+            os.close(descriptor)
+        except OSError:
+            pass
+    _LOCK_DESCRIPTORS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)

@@ -284,3 +284,32 @@ def test_a_live_writer_in_another_pid_namespace_is_not_taken_over(tmp_path):
     assert first_still_running
     assert first.returncode == 0, err[-2000:]
     assert_same_run(reference, run_dir)
+
+
+def test_a_forked_child_does_not_hold_the_writer_lock(tmp_path):
+    """DataLoader workers are forked children: one outliving a killed writer must not keep
+    the next writer out, so children close the inherited lock at once."""
+    run_dir = str(tmp_path / "run")
+    lease = WriterLease(Storage(run_dir))
+    lease.acquire(minimum_generation=0)
+    reader, writer = os.pipe()
+    ready_reader, ready_writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: lives on after the parent releases, like an orphaned worker
+        os.close(writer)
+        os.write(ready_writer, b"r")  # running (the fork handlers have run)
+        os.read(reader, 1)
+        os._exit(0)
+    os.close(reader)
+    os.close(ready_writer)
+    assert os.read(ready_reader, 1) == b"r"
+    os.close(ready_reader)
+    try:
+        lease._unlock()  # the writer's own descriptor goes, as when the process dies
+        newcomer = WriterLease(Storage(run_dir))
+        newcomer.acquire(minimum_generation=0)  # refused if the child still held the flock
+        newcomer.release()
+    finally:
+        os.write(writer, b"x")
+        os.close(writer)
+        os.waitpid(child, 0)

@@ -47,11 +47,13 @@ class CheckpointConfig:
     Args:
         every_n_splits: checkpoint after every N completed splits (a batch counts as one split
             when TBPTT is off). 1 gives split-level fault tolerance. ``"auto"`` chooses N online
-            to keep the time checkpoints block training within ``max_overhead`` (between 1 and
-            64 splits; see engine/checkpoint/budget.py); the interval reached is reported in
+            to keep the whole cost of checkpoints within ``max_overhead`` (between 1 and 64
+            splits; see engine/checkpoint/budget.py); the interval reached is reported in
             ``FitResult.checkpoint_interval`` and the progress log.
         max_overhead: with ``every_n_splits="auto"``, the fraction of training time that
-            checkpoints may block the training thread (0.05: 5%).
+            checkpoints may cost (0.05: 5%): the time they block the training thread plus the
+            time their background writes slow down the splits that run meanwhile, measured
+            against splits that overlap no write.
         every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
         every_seconds: checkpoint at the first split boundary T seconds after the last one.
         at_epoch_end: checkpoint after each epoch's end-of-epoch work.

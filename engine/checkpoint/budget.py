@@ -1,43 +1,129 @@
 """``CheckpointConfig(every_n_splits="auto", max_overhead=...)``: checkpoint as often as an
 overhead budget allows.
 
-Measured online, as CheckFreq does: the seconds each checkpoint blocks the training thread
-(capture, encoding, the copy, a wait for the writer, or the whole write when synchronous)
-against the seconds of training per split since the previous checkpoint. The interval (in
-splits) is the smallest that keeps blocking / training under ``max_overhead``, between 1 and
-:data:`AUTO_MAX_INTERVAL`. Only *when* checkpoints happen depends on these timings, never a
-training number: a run resumes exactly wherever its checkpoints fell.
+What a checkpoint costs training, measured online (as CheckFreq does), is the sum of:
+
+* the seconds it *blocks* the training thread (capture, encoding, the copy into the writer's
+  buffers, a wait for a free buffer, or the whole write when synchronous);
+* the seconds its background write *slows* the splits that run while it is in flight (the
+  writer thread competes with training for the GIL, the CPU and the memory bandwidth): the
+  time of each split that overlapped a write, minus the *baseline* split time.
+
+The baseline is the time of a split that overlapped no write, a running estimate taken from
+such splits only. Between two checkpoints (a *cycle*) the run checkpointer times every split
+(one clock read) and tells :meth:`OverheadBudget.note_split` whether a write was in flight
+during it; at each checkpoint :meth:`OverheadBudget.record` closes the cycle: the cost of the
+checkpoint that opened it is its blocking time plus the extra time of the cycle's overlapped
+splits, and the next interval is the smallest number of splits N with
+``cost / (N * baseline) <= max_overhead``, between 1 and :data:`AUTO_MAX_INTERVAL`.
+
+Robustness, with no knob:
+
+* Estimates are medians of the last :data:`_WINDOW` cycle samples (a cycle's baseline sample is
+  the mean of its write-free splits): one slow split, a GC pause or a burst of disk latency
+  moves the interval not at all; a lasting change takes over after three checkpoints.
+* Start: the first split of a run (first-call costs, data loader start) and the first
+  checkpoint's cost (buffer allocation, directory creation) are not samples. Until both a
+  baseline and a cost are known the interval grows by one split per checkpoint (1, 2, 3, ...),
+  so that a split runs free of the write and is timed.
+* A baseline that has had no sample for :data:`_BASELINE_MAX_AGE` cycles (every split overlaps
+  a write) is refreshed: each next interval is one split longer until a split runs free.
+
+Synchronous writers have no background write: every split is a baseline split and the cost is
+the blocking time. Only *when* checkpoints happen depends on these timings, never a training
+number: a run resumes exactly wherever its checkpoints fell.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 
 # The longest interval "auto" ever chooses, in splits: a kill loses at most this many splits.
 AUTO_MAX_INTERVAL = 64
-# Weight of the newest measurement in the running estimates (older ones decay).
-_SMOOTHING = 0.5
+# How many recent cycles the baseline and the cost are medians of.
+_WINDOW = 5
+# Checkpoints without a write-free split after which one is made (the next interval + 1).
+_BASELINE_MAX_AGE = 8
+
+
+class _RecentMedian:
+    """The median of the last :data:`_WINDOW` samples (None before the first)."""
+
+    def __init__(self) -> None:
+        self._samples: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self._samples.append(sample)
+        self.value = statistics.median(self._samples)
 
 
 class OverheadBudget:
-    """The checkpoint interval that keeps checkpoint blocking within ``max_overhead`` of training."""
+    """The checkpoint interval that keeps the whole cost of checkpoints (blocking plus the
+    slowdown of overlapped splits) within ``max_overhead`` of training time.
+
+    Example (a write in flight slows the split after each checkpoint from 10 ms to 16 ms)::
+
+        budget = OverheadBudget(0.05)
+        budget.note_split(0.010, overlapped=False)   # timed between two checkpoints
+        interval = budget.record(blocked_seconds=0.002)
+    """
 
     def __init__(self, max_overhead: float) -> None:
         self.max_overhead = max_overhead
         self.interval = 1  # the first checkpoints measure the cost
-        self._cost: float | None = None
-        self._split_seconds: float | None = None
+        self._baseline = _RecentMedian()
+        self._cost = _RecentMedian()
+        self._warming_up = True  # the run's first split is not a sample
+        self._checkpoints = 0
+        self._opening_blocked = 0.0  # blocking time of the checkpoint that opened this cycle
+        self._cycles_without_baseline = 0
+        self._reset_cycle()
 
-    def record(self, blocked_seconds: float, trained_seconds: float, splits: int) -> int:
-        """One checkpoint blocked ``blocked_seconds`` after ``splits`` splits that trained for
-        ``trained_seconds``; returns the new interval."""
-        if splits <= 0 or trained_seconds <= 0:
-            return self.interval
-        per_split = trained_seconds / splits
-        self._cost = blocked_seconds if self._cost is None else \
-            _SMOOTHING * blocked_seconds + (1 - _SMOOTHING) * self._cost
-        self._split_seconds = per_split if self._split_seconds is None else \
-            _SMOOTHING * per_split + (1 - _SMOOTHING) * self._split_seconds
-        wanted = math.ceil(self._cost / (self.max_overhead * self._split_seconds))
-        self.interval = max(1, min(AUTO_MAX_INTERVAL, wanted))
+    def _reset_cycle(self) -> None:
+        self._free_seconds = 0.0
+        self._free_splits = 0
+        self._overlapped_seconds = 0.0
+        self._overlapped_splits = 0
+
+    def note_split(self, seconds: float, overlapped: bool) -> None:
+        """One split took ``seconds`` of training (boundary work and checkpoints excluded);
+        ``overlapped``: a background write was in flight at some moment of it. Per split:
+        keep it cheap."""
+        if self._warming_up:
+            self._warming_up = False
+        elif overlapped:
+            self._overlapped_seconds += seconds
+            self._overlapped_splits += 1
+        else:
+            self._free_seconds += seconds
+            self._free_splits += 1
+
+    def record(self, blocked_seconds: float) -> int:
+        """A checkpoint was written and blocked training for ``blocked_seconds``: it closes
+        the cycle of splits noted since the previous one. Returns the new interval."""
+        if self._free_splits:
+            self._baseline.add(self._free_seconds / self._free_splits)
+            self._cycles_without_baseline = 0
+        else:
+            self._cycles_without_baseline += 1
+        baseline = self._baseline.value
+        if self._checkpoints >= 2 and baseline is not None:  # the first checkpoint's cost is not a sample
+            extra = max(0.0, self._overlapped_seconds - self._overlapped_splits * baseline)
+            self._cost.add(self._opening_blocked + extra)
+        self._checkpoints += 1
+        self._opening_blocked = blocked_seconds
+        self._reset_cycle()
+        self.interval = self._next_interval(baseline, self._cost.value)
         return self.interval
+
+    def _next_interval(self, baseline: float | None, cost: float | None) -> int:
+        if baseline is None or cost is None or baseline <= 0:
+            wanted = self.interval + 1  # not measured yet: leave room for a write-free split
+        else:
+            wanted = math.ceil(cost / (self.max_overhead * baseline))
+            if self._cycles_without_baseline >= _BASELINE_MAX_AGE:  # longer until a split runs free
+                wanted = max(wanted, self.interval + 1)
+        return max(1, min(AUTO_MAX_INTERVAL, wanted))

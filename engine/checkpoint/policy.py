@@ -53,8 +53,11 @@ class RunCheckpointer:
         self._fresh_monitor: MonitorRecord | None = None
         self._budget = OverheadBudget(policy.max_overhead) if policy.every_n_splits == "auto" else None
         self._units_at_last_save = 0
-        self._due_since: float | None = None  # when due_at_split said yes ("auto" timing)
-        self._last_save_end = time.monotonic()
+        # "auto" timing: when the split being timed started, when due_at_split said yes, and
+        # whether a background write was in flight since a given time (None: synchronous).
+        self._split_started = time.monotonic()
+        self._due_since: float | None = None
+        self._wrote_since: Callable[[float], bool] | None = None
         if policy.local_tier is not None and group is not None:
             raise ConfigError("CheckpointConfig.local_tier is not supported with several processes yet; "
                               "leave it unset under torchrun")
@@ -120,7 +123,6 @@ class RunCheckpointer:
         self._steps_at_last_save = optimizer_steps
         self._mark_of_last_save = resumed_mark
         self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
-        self._last_save_end = time.monotonic()
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         policy = self.policy
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor)
@@ -129,6 +131,9 @@ class RunCheckpointer:
                                             policy.max_in_flight, policy.when_behind, self._group)
         else:
             self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group)
+        if isinstance(self._writer, BackgroundWriter):
+            self._wrote_since = self._writer.wrote_since
+        self._split_started = time.monotonic()
         if self._fast is not None:
             self._units_at_last_durable = resumed_mark[0] if resumed_mark is not None else 0
             self._tiers = TierWriter(self._fast.store, self.store, retention, also_sync,
@@ -158,13 +163,31 @@ class RunCheckpointer:
 
     def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
         """Whether the policy asks for a checkpoint at this split boundary."""
-        policy = self.policy
         if self._budget is not None:
-            if units_completed - self._units_at_last_save >= self._budget.interval:
-                self._due_since = time.monotonic()
-                return True
-        elif isinstance(policy.every_n_splits, int) and units_completed % policy.every_n_splits == 0:
+            now = self._time_split()
+            due = units_completed - self._units_at_last_save >= self._budget.interval or \
+                self._due_by_steps_or_time(optimizer_steps)
+            if due:
+                self._due_since = now
+            return due
+        every = self.policy.every_n_splits
+        if isinstance(every, int) and units_completed % every == 0:
             return True
+        return self._due_by_steps_or_time(optimizer_steps)
+
+    def _time_split(self) -> float:
+        """With "auto": hand the split that just ended to the budget (its time, and whether a
+        background write overlapped it); the next one starts now. The per-split cost of
+        "auto": one clock read and a few comparisons."""
+        assert self._budget is not None
+        now = time.monotonic()
+        started, wrote_since = self._split_started, self._wrote_since
+        self._budget.note_split(now - started, wrote_since is not None and wrote_since(started))
+        self._split_started = now
+        return now
+
+    def _due_by_steps_or_time(self, optimizer_steps: int) -> bool:
+        policy = self.policy
         if policy.every_n_steps is not None and optimizer_steps // policy.every_n_steps > self._steps_at_last_save // policy.every_n_steps:
             return True
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
@@ -182,6 +205,7 @@ class RunCheckpointer:
         commit, after its fence check); False when it was skipped or failed under
         ``on_io_error="warn"``."""
         assert self._writer is not None, "start() before save()"
+        save_started = time.monotonic() if self._budget is not None else 0.0
         try:
             metrics_bytes = self._metrics.snapshot()
             if metrics_bytes != snapshot.state["metrics_bytes"]:
@@ -200,18 +224,15 @@ class RunCheckpointer:
         except WriterConflict:
             raise
         except (CheckpointWriteError, OSError) as error:
+            if self._budget is not None:
+                self._budget_after_save(False, save_started)
             self._handle_io_error(error)
             return False
         if written and pending.durable and self._fast is not None:
             self._last_durable_time = time.monotonic()
             self._units_at_last_durable = mark[0]
-        if written and self._budget is not None:
-            ended = time.monotonic()
-            if self._due_since is not None:  # a save of the cadence (not of an epoch end, a stop)
-                started = self._due_since
-                self._budget.record(ended - started, started - self._last_save_end, mark[0] - self._units_at_last_save)
-            self._last_save_end = ended
-        self._due_since = None
+        if self._budget is not None:
+            self._budget_after_save(written, save_started)
         if written:
             self._units_at_last_save = mark[0]
             self._last_save_time = time.monotonic()
@@ -219,6 +240,18 @@ class RunCheckpointer:
             self._mark_of_last_save = mark
             self._fresh_monitor = None
         return written
+
+    def _budget_after_save(self, written: bool, save_started: float) -> None:
+        """With "auto": the budget records what this checkpoint blocked: since due_at_split said
+        yes, or, for a save the run asked for (validation, epoch end, stop), since this call;
+        there, the time since the last split was timed (epoch-end work, a validation pass) is
+        no split's and is dropped. The next split starts now."""
+        assert self._budget is not None
+        ended = time.monotonic()
+        if written:
+            self._budget.record(ended - (self._due_since if self._due_since is not None else save_started))
+        self._due_since = None
+        self._split_started = ended
 
     def _durable_due(self, mark: BoundaryMark, force: bool) -> bool:
         """With a fast tier: whether this checkpoint also goes to the run dir (forced ones, the

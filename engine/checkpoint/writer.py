@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -232,8 +234,8 @@ class BackgroundWriter(_Committer):
                     self._condition.wait()
                 if not self._queue:
                     return
+                self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
                 pending = self._queue.popleft()
-                self._busy = True
             try:
                 if pending.buffers is not None:
                     pending.buffers.wait_until_copied()
@@ -245,8 +247,19 @@ class BackgroundWriter(_Committer):
             finally:
                 self.release(pending)
                 with self._condition:
+                    self.last_commit_end = time.monotonic()  # before _busy drops: see wrote_since
                     self._busy = False
                     self._condition.notify_all()
+
+    # When the last commit ended (time.monotonic()); -inf before the first.
+    last_commit_end = -math.inf
+
+    def wrote_since(self, since: float) -> bool:
+        """Whether a checkpoint was queued or being written at any moment after ``since`` (a
+        ``time.monotonic()`` reading), given that nothing was submitted since then: whether a
+        split that started at ``since`` overlapped a write. Lock-free (once per split): read in
+        the reverse order of the writes in :meth:`_work`."""
+        return bool(self._queue) or self._busy or self.last_commit_end >= since
 
     def _raise_pending_locked(self) -> None:
         if self._error is not None:

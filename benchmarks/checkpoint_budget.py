@@ -1,0 +1,243 @@
+"""The overhead budget: ``CheckpointConfig(every_n_splits="auto", max_overhead=0.05)`` against
+no checkpoints, on the two models of ``benchmarks/checkpoint_overhead.py``.
+
+What is measured: the wall time of one training run (``engine.Trainer.fit``, Adam, TBPTT, one
+epoch, ``resume="off"``, model built outside the timing), three ways:
+
+* ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
+* ``auto-sync``: ``CheckpointConfig(every_n_splits="auto", max_overhead=0.05, keep_last=2)``,
+  checkpoints written on the training thread;
+* ``auto-async``: the same with ``asynchronous=True`` (``max_in_flight=1``,
+  ``when_behind="wait"``): the budget counts the time a checkpoint blocks training plus the
+  slowdown of the splits its background write overlaps.
+
+The models, the data, the thread count and the round structure are those of
+``checkpoint_overhead.py`` (imported from it): the ways run interleaved in rounds, the first way
+rotating, after an untimed warm-up of each way (one split); each checkpointing run gets a fresh
+run directory under the current directory (or ``--dir``) on a real filesystem, deleted
+(untimed) after the run, with ``os.sync()`` (untimed) before every run. The script checks with
+``torch.equal`` that the ways end with identical parameters in every round.
+
+Runs are longer than there, so that "auto" can settle: the budget measures before it decides
+(the first split and the first checkpoint are not measured, and the interval grows 1, 2, 3, ...
+until a baseline split time and a checkpoint's cost are known, about ten splits in):
+
+* ``small``: 16 batches, 128 splits of ~9 ms (``--quick``: 8 batches, 64 splits);
+* ``25M``: 5 batches, 20 splits of ~0.7 s (``--quick``: 2 batches, 8 splits). Only 16-24 splits
+  fit the time of a benchmark, so the 25M figure is that of a *short* run: it includes the
+  start of "auto" (checkpoints after splits 1, 3 and 6, while it measures) and the run's final
+  checkpoint (a run always ends with one; 300 MB written and fsynced, 1-2 s on this machine's
+  disk, against ~14 s of training), both of which a long run amortizes. The steady-state line
+  (first to last split end, which leaves out the final checkpoint and its flush) shows the
+  cadence's own cost.
+
+Reported per model: the median wall time of each way, the medians of the per-round ratios
+auto-sync / none and auto-async / none, the steady-state per-split ratios, the interval reached
+(``FitResult.checkpoint_interval``, median over rounds), the checkpoints written per run, and the
+intervals "auto" chose in the last round's asynchronous run.
+
+Reproduce (from the repository root, in the environment of the README)::
+
+    python benchmarks/checkpoint_budget.py            # 3 rounds per model, ~3 min on 2 cores
+    python benchmarks/checkpoint_budget.py --quick    # 1 round, shorter runs, under a minute
+
+The last two lines are ``small auto overhead ratio: X.XXX (async, max_overhead=0.05, interval N
+splits)`` and ``25M auto overhead ratio: X.XXX (async, max_overhead=0.05, interval N splits)``:
+the wall-time ratio auto-async / none and the interval reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+import engine
+from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, SplitClock, Workload,
+                                 filesystem_type, fresh_model, make_batches, same_parameters)
+from engine.checkpoint.budget import OverheadBudget
+from engine.checkpoint.policy import RunCheckpointer
+
+WAYS = ("none", "auto-sync", "auto-async")
+MAX_OVERHEAD = 0.05
+
+
+class CheckpointLog:
+    """Counts the checkpoints written and the intervals "auto" chose, by wrapping
+    ``RunCheckpointer.save`` and ``OverheadBudget.record`` (in this script only)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.intervals: list[int] = []
+        self._originals: list[tuple[type, str, Callable[..., Any]]] = []
+
+    def install(self) -> None:
+        save, record = RunCheckpointer.save, OverheadBudget.record
+
+        def counted_save(checkpointer: RunCheckpointer, *args: Any, **kwargs: Any) -> bool:
+            written = save(checkpointer, *args, **kwargs)
+            self.written += bool(written)
+            return written
+
+        def logged_record(budget: OverheadBudget, *args: Any, **kwargs: Any) -> int:
+            interval = record(budget, *args, **kwargs)
+            self.intervals.append(interval)
+            return interval
+
+        self._originals = [(RunCheckpointer, "save", save), (OverheadBudget, "record", record)]
+        RunCheckpointer.save = counted_save  # type: ignore[method-assign]
+        OverheadBudget.record = logged_record  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        for owner, name, original in self._originals:
+            setattr(owner, name, original)
+
+    def take(self) -> tuple[int, list[int]]:
+        taken = self.written, self.intervals
+        self.written, self.intervals = 0, []
+        return taken
+
+
+@dataclasses.dataclass
+class RunResult:
+    seconds: float
+    per_split_seconds: float
+    interval: int | None
+    checkpoints: int
+    intervals: list[int]
+    model: LanguageModel | None
+
+
+def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
+    if way == "none":
+        return None
+    return engine.CheckpointConfig(every_n_splits="auto", max_overhead=MAX_OVERHEAD, keep_last=2,
+                                   asynchronous=way == "auto-async")
+
+
+def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, log: CheckpointLog,
+              max_steps: int | None = None) -> RunResult:
+    """One fresh run of ``way`` in a fresh run directory (model built outside the timing)."""
+    model = fresh_model(workload)
+    run_dir = None if way == "none" else tempfile.mkdtemp(prefix=f"{workload.label}-{way}-", dir=work)
+    config = engine.TrainerConfig(max_epochs=1, max_steps=max_steps, run_dir=run_dir,
+                                  checkpoint=checkpoint_policy(way), progress_bar="off")
+    clock = SplitClock()
+    os.sync()
+    log.take()
+    started = time.perf_counter()
+    result = engine.Trainer(config, callbacks=[clock]).fit(model, batches, resume="off")
+    seconds = time.perf_counter() - started
+    checkpoints, intervals = log.take()
+    if run_dir is not None:
+        shutil.rmtree(run_dir)
+    return RunResult(seconds, clock.per_split_seconds(), result.checkpoint_interval, checkpoints, intervals, model)
+
+
+def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) -> list[dict[str, RunResult]]:
+    """``repeats`` rounds of the ways back to back, the first way rotating."""
+    batches = make_batches(workload)
+    for way in WAYS:  # warm-up, untimed: first-call costs of each way
+        timed_run(workload, way, batches, work, log, max_steps=1)
+    rounds = []
+    for index in range(repeats):
+        order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
+        results = {way: timed_run(workload, way, batches, work, log) for way in order}
+        equal = same_parameters([results[way].model for way in WAYS])
+        print(f"  round {index + 1}: none {results['none'].seconds:.2f} s, "
+              + ", ".join(f"{way} {results[way].seconds:.2f} s (interval {results[way].interval}, "
+                          f"{results[way].checkpoints} checkpoints)" for way in WAYS[1:])
+              + f"; parameters equal: {equal}")
+        if not equal:
+            raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
+        for result in results.values():
+            result.model = None  # keep memory flat: 25M-parameter models are 100 MB each
+        rounds.append(results)
+    return rounds
+
+
+def median_ratio(rounds: list[dict[str, RunResult]], way: str, field: str = "seconds") -> float:
+    """Median of the per-round ratios ``way`` / none."""
+    return statistics.median(getattr(r[way], field) / getattr(r["none"], field) for r in rounds)
+
+
+def median_interval(rounds: list[dict[str, RunResult]], way: str) -> int:
+    return statistics.median_low(r[way].interval or 0 for r in rounds)
+
+
+def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[float, int]:
+    """Print the figures of one model; returns the auto-async wall-time ratio and interval."""
+    label = workload.label
+    wall = {way: statistics.median(r[way].seconds for r in rounds) for way in WAYS}
+    split = {way: statistics.median(r[way].per_split_seconds for r in rounds) for way in WAYS}
+    print(f"{label}: median wall time none {wall['none']:.3f} s, auto-sync {wall['auto-sync']:.3f} s, "
+          f"auto-async {wall['auto-async']:.3f} s")
+    print(f"{label}: ratio auto-sync/none {median_ratio(rounds, 'auto-sync'):.3f}, auto-async/none "
+          f"{median_ratio(rounds, 'auto-async'):.3f} (medians of {len(rounds)} per-round ratios; goal <= "
+          f"{1 + MAX_OVERHEAD:.2f})")
+    print(f"{label}: steady state per split none {split['none'] * 1e3:.1f} ms, auto-sync "
+          f"{split['auto-sync'] * 1e3:.1f} ms, auto-async {split['auto-async'] * 1e3:.1f} ms; ratio auto-sync/none "
+          f"{median_ratio(rounds, 'auto-sync', 'per_split_seconds'):.3f}, auto-async/none "
+          f"{median_ratio(rounds, 'auto-async', 'per_split_seconds'):.3f} (end of run left out)")
+    checkpoints = {way: statistics.median_low(r[way].checkpoints for r in rounds) for way in WAYS[1:]}
+    print(f"{label}: interval reached auto-sync {median_interval(rounds, 'auto-sync')} splits "
+          f"({checkpoints['auto-sync']} checkpoints per run), auto-async {median_interval(rounds, 'auto-async')} "
+          f"splits ({checkpoints['auto-async']} checkpoints per run); intervals chosen in the last auto-async run: "
+          + " ".join(str(interval) for interval in rounds[-1]["auto-async"].intervals))
+    return median_ratio(rounds, "auto-async"), median_interval(rounds, "auto-async")
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 3, 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
+    parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
+    arguments = parser.parse_args()
+    if arguments.repeats is None:
+        arguments.repeats = 1 if arguments.quick else 3
+    if arguments.repeats < 1:
+        parser.error("--repeats must be positive")
+    return arguments
+
+
+def workloads(quick: bool) -> list[Workload]:
+    if quick:
+        return [dataclasses.replace(SMALL, batches=8), dataclasses.replace(LARGE, batches=2)]
+    return [dataclasses.replace(SMALL, batches=16), dataclasses.replace(LARGE, batches=5)]
+
+
+def main() -> None:
+    arguments = parse_arguments()
+    torch.set_num_threads(THREADS)
+    work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_budget-", dir=arguments.dir or os.getcwd()))
+    kind = filesystem_type(work)
+    print(f"temporary directory {work} ({kind}), torch {torch.__version__}, torch threads {THREADS}, "
+          f"max_overhead {MAX_OVERHEAD}")
+    if kind in ("tmpfs", "ramfs"):
+        print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
+    log = CheckpointLog()
+    log.install()
+    figures: dict[str, tuple[float, int]] = {}
+    try:
+        for workload in workloads(arguments.quick):
+            splits = workload.batches * workload.sequence_length // workload.split_length
+            print(f"{workload.label}: LSTM {workload.layers}x{workload.hidden}, {workload.batches} batches of "
+                  f"{workload.batch_size}x{workload.sequence_length}, {splits} splits of {workload.split_length} per run")
+            figures[workload.label] = report(workload, run_rounds(workload, arguments.repeats, work, log))
+    finally:
+        log.uninstall()
+        shutil.rmtree(work, ignore_errors=True)
+    for label in ("small", "25M"):
+        ratio, interval = figures[label]
+        print(f"{label} auto overhead ratio: {ratio:.3f} (async, max_overhead={MAX_OVERHEAD}, interval {interval} splits)")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,13 +19,14 @@ run directory under the current directory (or ``--dir``) on a real filesystem, d
 ``torch.equal`` that the ways end with identical parameters in every round.
 
 Runs are longer than there, so that "auto" can settle: the budget measures before it decides
-(the first split and the first checkpoint are not measured, and the interval grows 1, 2, 3, ...
-until a baseline split time and a checkpoint's cost are known, about ten splits in):
+(the first split is not measured; the interval grows 1, 2, ... until a baseline split time and
+a checkpoint's cost are known, usually at the second checkpoint, after split 3; the estimates are
+medians of the last five checkpoints):
 
 * ``small``: 16 batches, 128 splits of ~9 ms (``--quick``: 8 batches, 64 splits);
 * ``25M``: 5 batches, 20 splits of ~0.7 s (``--quick``: 2 batches, 8 splits). Only 16-24 splits
   fit the time of a benchmark, so the 25M figure is that of a *short* run: it includes the
-  start of "auto" (checkpoints after splits 1, 3 and 6, while it measures) and the run's final
+  start of "auto" (checkpoints after splits 1 and 3, while it measures) and the run's final
   checkpoint (a run always ends with one; 300 MB written and fsynced, 1-2 s on this machine's
   disk, against ~14 s of training), both of which a long run amortizes. The steady-state line
   (first to last split end, which leaves out the final checkpoint and its flush) shows the

@@ -22,10 +22,12 @@ Robustness, with no knob:
 * Estimates are medians of the last :data:`_WINDOW` cycle samples (a cycle's baseline sample is
   the mean of its write-free splits): one slow split, a GC pause or a burst of disk latency
   moves the interval not at all; a lasting change takes over after three checkpoints.
-* Start: the first split of a run (first-call costs, data loader start) and the first
-  checkpoint's cost (buffer allocation, directory creation) are not samples. Until both a
-  baseline and a cost are known the interval grows by one split per checkpoint (1, 2, 3, ...),
-  so that a split runs free of the write and is timed.
+* Start: the first split of a run (first-call costs, data loader start) is not a sample. The
+  first checkpoint comes after it; until both a baseline and a cost are known the interval
+  grows by one split per checkpoint (1, 2, 3, ...), so that a split runs free of the write and
+  is timed: usually the second checkpoint (after split 3) knows both. The first checkpoint's
+  cost includes one-time work (buffer allocation, directories), which errs on the side of a
+  longer interval until the median has three samples.
 * A baseline that has had no sample for :data:`_BASELINE_MAX_AGE` cycles (every split overlaps
   a write) is refreshed: each next interval is one split longer until a split runs free.
 
@@ -77,8 +79,7 @@ class OverheadBudget:
         self._baseline = _RecentMedian()
         self._cost = _RecentMedian()
         self._warming_up = True  # the run's first split is not a sample
-        self._checkpoints = 0
-        self._opening_blocked = 0.0  # blocking time of the checkpoint that opened this cycle
+        self._opening_blocked: float | None = None  # blocking time of the checkpoint that opened this cycle
         self._cycles_without_baseline = 0
         self._reset_cycle()
 
@@ -110,10 +111,9 @@ class OverheadBudget:
         else:
             self._cycles_without_baseline += 1
         baseline = self._baseline.value
-        if self._checkpoints >= 2 and baseline is not None:  # the first checkpoint's cost is not a sample
+        if self._opening_blocked is not None and baseline is not None:
             extra = max(0.0, self._overlapped_seconds - self._overlapped_splits * baseline)
             self._cost.add(self._opening_blocked + extra)
-        self._checkpoints += 1
         self._opening_blocked = blocked_seconds
         self._reset_cycle()
         self.interval = self._next_interval(baseline, self._cost.value)

@@ -50,23 +50,23 @@ def settled_budget(blocked=0.0015, overlapped=0.012):
 
 def test_the_start_grows_the_interval_until_baseline_and_cost_are_known():
     budget = OverheadBudget(0.1)
-    splits(budget, free=[5.0])  # first split: 5 s of warm-up, left out
-    assert budget.record(0.9) == 2  # nothing known: one more split, to time one free of writes
+    splits(budget, free=[5.0])  # the first split: 5 s of first-call costs, left out
+    assert budget.record(0.0042) == 2  # nothing known: one more split, to time one free of writes
     splits(budget, free=[SPLIT, SPLIT])
-    assert budget.record(0.00235) == 3  # baseline 10 ms; the first checkpoint's 0.9 s is not a sample
-    splits(budget, free=[SPLIT, SPLIT, SPLIT])
-    # The second checkpoint cost 2.35 ms (blocking only, nothing overlapped): 2.35 splits' budget.
-    assert budget.record(0.0005) == 3
+    # Baseline 10 ms; the first checkpoint cost 4.2 ms (blocking only, nothing overlapped).
+    assert budget.record(0.00235) == 5
+    splits(budget, free=[SPLIT] * 5)
+    assert budget.record(0.0011) == 4  # costs 4.2 and 2.35 ms: median 3.275 ms
+    splits(budget, free=[SPLIT] * 4)
+    assert budget.record(0.0011) == 3  # costs 4.2, 2.35 and 1.1 ms: median 2.35 ms
 
 
 def test_the_extra_time_of_overlapped_splits_is_part_of_the_cost():
     budget = OverheadBudget(0.1)
     splits(budget, free=[1.0])
     budget.record(0.001)
-    splits(budget, free=[SPLIT, SPLIT])
-    budget.record(0.001)
-    # The next cycle: the write of the checkpoint that opened it slows one split to 16.5 ms.
-    splits(budget, free=[SPLIT, SPLIT], overlapped=[0.0165])
+    # The cycle after the first checkpoint: its write in flight slows one split to 16.5 ms.
+    splits(budget, free=[SPLIT], overlapped=[0.0165])
     # 1 ms blocked + 6.5 ms extra = 7.5 ms: 8 splits (blocking alone would give 1).
     assert budget.record(0.001) == 8
 
@@ -74,8 +74,6 @@ def test_the_extra_time_of_overlapped_splits_is_part_of_the_cost():
 def test_the_extra_time_is_measured_against_the_baseline_of_free_splits():
     budget = OverheadBudget(0.1)
     splits(budget, free=[1.0])
-    budget.record(0.001)
-    splits(budget, free=[SPLIT, SPLIT])
     budget.record(0.001)
     # Two overlapped splits of 12.5 and 13 ms: 5.5 ms above two baseline splits, + 1 ms blocked.
     splits(budget, free=[SPLIT], overlapped=[0.0125, 0.013])
@@ -128,7 +126,8 @@ def test_splits_that_all_overlap_from_the_start_grow_the_interval_until_one_is_f
     splits(budget, overlapped=[0.020, 0.020])
     assert budget.record(0.001) == 3
     splits(budget, overlapped=[0.0203, 0.0203], free=[SPLIT])
-    # Baseline 10 ms; the second checkpoint: 1 ms + 2 x 10.3 ms extra = 21.6 ms.
+    # Baseline 10 ms, known only now: the cost of the checkpoint that opened this cycle (the
+    # second) is 1 ms + 2 x 10.3 ms extra = 21.6 ms.
     assert budget.record(0.001) == 22
 
 

@@ -19,9 +19,16 @@ splits, and the next interval is the smallest number of splits N with
 
 Robustness, with no knob:
 
-* Estimates are medians of the last :data:`_WINDOW` cycle samples (a cycle's baseline sample is
-  the mean of its write-free splits): one slow split, a GC pause or a burst of disk latency
-  moves the interval not at all; a lasting change takes over after three checkpoints.
+* The cost is the median of the last :data:`_WINDOW` checkpoints' costs: one slow split (a GC
+  pause, a burst of disk latency) moves the interval not at all; a lasting change takes over
+  at the third checkpoint.
+* The baseline is the *smallest* of the last :data:`_WINDOW` cycles' means of write-free
+  splits: interference (another process, a GC pause, page-cache writeback) only ever adds
+  time to a split, so a low estimate is the robust one, and erring low counts more of an
+  overlapped split as checkpoint cost (a longer interval, the budget's safe side). A lasting
+  slowdown of training raises the baseline after :data:`_WINDOW` checkpoints. Overlapped
+  splits faster than the baseline show it too high (its only samples were slow): the next
+  interval is one split longer, to time a write-free split.
 * Start: the first split of a run (first-call costs, data loader start) is not a sample. The
   first checkpoint comes after it; until both a baseline and a cost are known the interval
   grows by one split per checkpoint (1, 2, 3, ...), so that a split runs free of the write and
@@ -41,25 +48,28 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+from typing import Callable, Iterable
 
 # The longest interval "auto" ever chooses, in splits: a kill loses at most this many splits.
 AUTO_MAX_INTERVAL = 64
-# How many recent cycles the baseline and the cost are medians of.
+# How many recent cycles the baseline and the cost are estimated from.
 _WINDOW = 5
 # Checkpoints without a write-free split after which one is made (the next interval + 1).
 _BASELINE_MAX_AGE = 8
 
 
-class _RecentMedian:
-    """The median of the last :data:`_WINDOW` samples (None before the first)."""
+class _Recent:
+    """A statistic (``median`` or ``min``) of the last :data:`_WINDOW` samples (None before
+    the first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, statistic: Callable[[Iterable[float]], float]) -> None:
         self._samples: collections.deque[float] = collections.deque(maxlen=_WINDOW)
+        self._statistic = statistic
         self.value: float | None = None
 
     def add(self, sample: float) -> None:
         self._samples.append(sample)
-        self.value = statistics.median(self._samples)
+        self.value = self._statistic(self._samples)
 
 
 class OverheadBudget:
@@ -76,8 +86,8 @@ class OverheadBudget:
     def __init__(self, max_overhead: float) -> None:
         self.max_overhead = max_overhead
         self.interval = 1  # the first checkpoints measure the cost
-        self._baseline = _RecentMedian()
-        self._cost = _RecentMedian()
+        self._baseline = _Recent(min)
+        self._cost = _Recent(statistics.median)
         self._warming_up = True  # the run's first split is not a sample
         self._opening_blocked: float | None = None  # blocking time of the checkpoint that opened this cycle
         self._cycles_without_baseline = 0
@@ -111,6 +121,11 @@ class OverheadBudget:
         else:
             self._cycles_without_baseline += 1
         baseline = self._baseline.value
+        if not self._free_splits and baseline is not None and \
+                self._overlapped_seconds < self._overlapped_splits * baseline:
+            # Overlapped splits ran faster than the baseline, which a write cannot cause: its
+            # samples were slow splits. Time a write-free split again now.
+            self._cycles_without_baseline = _BASELINE_MAX_AGE
         if self._opening_blocked is not None and baseline is not None:
             extra = max(0.0, self._overlapped_seconds - self._overlapped_splits * baseline)
             self._cost.add(self._opening_blocked + extra)

@@ -23,7 +23,7 @@ Runs are longer than there, so that "auto" can settle: the budget measures befor
 a checkpoint's cost are known, usually at the second checkpoint, after split 3; the estimates are
 medians of the last five checkpoints):
 
-* ``small``: 16 batches, 128 splits of ~9 ms (``--quick``: 8 batches, 64 splits);
+* ``small``: 32 batches, 256 splits of ~9 ms (``--quick``: 8 batches, 64 splits);
 * ``25M``: 5 batches, 20 splits of ~0.7 s (``--quick``: 2 batches, 8 splits). Only 16-24 splits
   fit the time of a benchmark, so the 25M figure is that of a *short* run: it includes the
   start of "auto" (checkpoints after splits 1 and 3, while it measures) and the run's final
@@ -211,7 +211,7 @@ def parse_arguments() -> argparse.Namespace:
 def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [dataclasses.replace(SMALL, batches=8), dataclasses.replace(LARGE, batches=2)]
-    return [dataclasses.replace(SMALL, batches=16), dataclasses.replace(LARGE, batches=5)]
+    return [dataclasses.replace(SMALL, batches=32), dataclasses.replace(LARGE, batches=5)]
 
 
 def main() -> None:

@@ -241,16 +241,17 @@ def test_the_interval_is_reported_in_the_result_and_the_log(tmp_path, capsys):
     assert fixed.checkpoint_interval == 3
 
 
-def test_a_run_checkpointed_by_budget_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_run_checkpointed_by_budget_resumes_exactly(tmp_path, asynchronous):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference)
     run_dir = str(tmp_path / "run")
     faults.inject([faults.Fault("split_end", 11, "raise")])
     try:
         with pytest.raises(engine.errors.InjectedFault):
-            train_with_checkpoints("tbptt", run_dir, every="auto")
+            train_with_checkpoints("tbptt", run_dir, every="auto", asynchronous=asynchronous)
     finally:
         faults.clear()
-    result = train_with_checkpoints("tbptt", run_dir, every="auto")
+    result = train_with_checkpoints("tbptt", run_dir, every="auto", asynchronous=asynchronous)
     assert result.resumed_from is not None
     assert_same_run(reference, run_dir)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.checkpoint import checksum as checksums
 from engine.errors import ConfigError
 
 _OBJECT_STORE_PROTOCOLS = ("s3", "s3a")
@@ -129,13 +129,14 @@ class Storage:
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True, exclusive: bool = False) -> tuple[int, int]:
-        """Write ``chunks`` to a new file; returns (size, crc32) (crc32 0 when ``checksum`` is
+        """Write ``chunks`` to a new file; returns (size, CRC-32C) (0 when ``checksum`` is
         False). ``durable`` fsyncs local files. ``exclusive`` creates the file only if it does
         not exist, atomically, and raises FileExistsError otherwise (and leaves the existing
         file alone); only where :attr:`exclusive_create` is true (on S3 a multipart upload
         checks the condition when it completes)."""
         size = 0
         crc = 0
+        update = checksums.updater()
         path = self.writable_path(relative)
         self._check_write()
         if exclusive and not self.exclusive_create:
@@ -145,7 +146,7 @@ class Storage:
             for chunk in chunks:
                 handle.write(chunk)
                 if checksum:
-                    crc = zlib.crc32(chunk, crc)
+                    crc = update(chunk, crc)
                 size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
             if durable and self.is_local:
                 handle.flush()
@@ -344,7 +345,7 @@ class LocalDirectoryFiles:
         self._descriptors: list[int] = []
 
     def write(self, name: str, chunks: Iterable[bytes | memoryview], checksum: bool) -> tuple[int, int]:
-        """Write ``chunks`` as ``name``; returns (size, crc32) (crc32 0 without ``checksum``)."""
+        """Write ``chunks`` as ``name``; returns (size, CRC-32C) (0 without ``checksum``)."""
         check_name(name, "file name")
         self._storage._check_write()
         descriptor = os.open(f"{self._directory}/{name}",
@@ -352,11 +353,12 @@ class LocalDirectoryFiles:
         self._descriptors.append(descriptor)
         size = 0
         crc = 0
+        update = checksums.updater()
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
             size += view.nbytes
             if checksum:
-                crc = zlib.crc32(view, crc)
+                crc = update(view, crc)
             while view:
                 written = os.write(descriptor, view)
                 view = view[written:]

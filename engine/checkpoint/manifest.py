@@ -2,7 +2,7 @@
 
 ``MANIFEST.json`` is written last. It names the format and version, the sequence number, the
 cursor of the last completed split and, for every data file, its size and checksum (CRC-32C;
-zlib's CRC-32 in checkpoints written before version 0.3, see engine/checkpoint/checksum.py).
+zlib's CRC-32 in checkpoints of earlier versions, see engine/checkpoint/checksum.py).
 A checkpoint whose manifest is missing, unparsable, or disagrees with a file does not exist.
 """
 

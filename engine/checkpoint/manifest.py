@@ -71,7 +71,8 @@ class Manifest:
         }
         if self.monitor is not None:
             data["monitor"] = dataclasses.asdict(self.monitor)
-        return json.dumps(data, indent=1, sort_keys=True).encode()
+        # Compact: with an indent, json falls back from its C encoder to Python (~0.2 ms a commit).
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":

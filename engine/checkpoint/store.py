@@ -31,7 +31,7 @@ import warnings
 from typing import Any, Callable, Collection
 
 from engine import faults
-from engine.checkpoint.checksum import checksum
+from engine.checkpoint import checksum as checksums
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
@@ -214,7 +214,7 @@ class CheckpointStore:
             if known is not None:
                 records = {n: FileRecord(r.size, known[n].crc, known[n].algorithm) for n, r in records.items()}
             elif overlap:
-                records = {n: FileRecord(r.size, checksum(contents[n])) for n, r in records.items()}
+                records = {n: FileRecord(r.size, checksums.checksum(contents[n])) for n, r in records.items()}
             if on_data_written is not None:
                 on_data_written()
             if overlap:

@@ -94,3 +94,24 @@ def test_verify_names_the_checksum_that_failed():
         verify_file("a", b"abd", FileRecord(3, checksum([b"abc"]), CRC32C))
     with pytest.raises(CheckpointCorrupt, match="truncated"):
         verify_file("a", b"ab", FileRecord(3, checksum([b"abc"]), CRC32C))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_large_state_is_checksummed_while_its_files_reach_the_disk(tmp_path, durable):
+    """States of 8 MB and more are checksummed in memory while the fsyncs run (the overlap
+    path of the commit); the records must still be the files' CRC-32C."""
+    import torch
+
+    import progress
+    from engine.checkpoint.codec import encode_state
+    from engine.checkpoint.store import _OVERLAP_CHECKSUM_BYTES
+
+    weights = torch.arange(_OVERLAP_CHECKSUM_BYTES // 4 + 1000, dtype=torch.float32)
+    store = CheckpointStore(Storage(str(tmp_path / "run")), durable=durable)
+    name = store.write(encode_state({"w": weights}), progress.encode_tree(progress.ProgressTree()), cursor=None,
+                       generation=0)
+    directory = tmp_path / "run" / "checkpoints" / name
+    manifest = json.loads((directory / "MANIFEST.json").read_text())
+    for file_name, record in manifest["files"].items():
+        assert record["crc32c"] == checksum([(directory / file_name).read_bytes()]), file_name
+    assert torch.equal(CheckpointStore(Storage(str(tmp_path / "run"))).load(name).state["w"], weights)

@@ -396,16 +396,21 @@ def interleaved_pairs(first: Callable[[], float], second: Callable[[], float], r
 def report_blocking(workload: Workload, rounds: list[dict[str, RunResult]] | None, repeats: int) -> float:
     """Print the asynchronous blocking time against a clone; returns the micro-benchmark ratio."""
     tree = trained_state_tree(workload)
-    tensors = encode_state(tree).tensors
+    encoded = encode_state(tree)
+    tensors, layout = encoded.tensors, encoded.layout
     megabytes = sum(t.numel() * t.element_size() for t in tensors) / 1e6
     buffers = SnapshotBuffers()
-    buffers.capture(tensors)  # warm-up: allocates the buffers the engine then reuses
+    buffers.capture(tensors, layout)  # warm-up: allocates the buffer the engine then reuses
     floor = [torch.empty_like(t) for t in tensors]
     for _ in range(2):  # warm-up: the allocator settles (glibc first maps, then reuses, big blocks)
         [t.clone() for t in tensors]
 
     def blocking() -> float:
-        return time_call(lambda: buffers.capture(encode_state(tree).tensors))
+        def encode_and_capture() -> None:
+            encoded = encode_state(tree)
+            buffers.capture(encoded.tensors, encoded.layout)
+
+        return time_call(encode_and_capture)
 
     def clone() -> float:
         return time_call(lambda: [t.clone() for t in tensors])

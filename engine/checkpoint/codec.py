@@ -61,10 +61,14 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 class EncodedState:
     """A state tree split into its msgpack description and the tensors to write raw."""
 
-    def __init__(self, header: bytes, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> None:
+    def __init__(self, header: bytes, tensors: list[torch.Tensor], layout: list[tuple[int, int]],
+                 flat: torch.Tensor | None = None) -> None:
         self.header = header
         self.tensors = tensors
         self.layout = layout  # (offset, nbytes) per tensor
+        # A CPU uint8 tensor holding tensors.bin whole (padding included), of which ``tensors``
+        # are views: a snapshot (engine.checkpoint.writer.SnapshotBuffers), one chunk to write.
+        self.flat = flat
 
     @property
     def tensor_bytes(self) -> int:
@@ -72,6 +76,8 @@ class EncodedState:
 
     def tensor_chunks(self) -> list[memoryview | bytes]:
         """The content of tensors.bin, as buffers (no copy of tensor data)."""
+        if self.flat is not None:
+            return [tensor_bytes_view(self.flat)]
         chunks: list[memoryview | bytes] = []
         position = 0
         for tensor, (offset, nbytes) in zip(self.tensors, self.layout):

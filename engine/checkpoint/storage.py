@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.checkpoint import checksum as checksums
 from engine.errors import ConfigError
 
 _OBJECT_STORE_PROTOCOLS = ("s3", "s3a")
@@ -83,6 +84,8 @@ class Storage:
         inner = getattr(filesystem, "inner", filesystem)
         # A local filesystem: plain files (fsync, flock, O_NOFOLLOW fast paths).
         self.is_local = isinstance(inner, LocalFileSystem)
+        # Not wrapped either (engine.faults.faulty_fs): reads may go straight to the OS.
+        self._plain_local = isinstance(filesystem, LocalFileSystem)
         # Where a rename is atomic, it is a checkpoint's commit point; elsewhere (object stores)
         # the manifest, written last, is. Today exactly the local filesystems.
         self.rename_is_atomic = self.is_local
@@ -91,6 +94,7 @@ class Storage:
         self.exclusive_create = any(protocol in _OBJECT_STORE_PROTOCOLS for protocol in protocols)
         self._before_write = getattr(filesystem, "before_write", None) if self.is_local else None
         self._sync_pool: ThreadPoolExecutor | None = None
+        self._real_paths: dict[str, str] = {}
         if create:
             self.fs.makedirs(self.root, exist_ok=True)
         elif not self.fs.isdir(self.root):
@@ -114,8 +118,8 @@ class Storage:
         checkpoints/ would make the engine truncate and write someone else's file)."""
         path = self.path(relative)
         if self.is_local:
-            real_root = os.path.realpath(self.root)
-            real = os.path.realpath(path)
+            real_root = self._real_path("")
+            real = self._resolve(relative, path)
             if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
                 raise ConfigError(
                     f"{path} leads to {real}, outside the run directory {real_root} (a symbolic "
@@ -124,18 +128,49 @@ class Storage:
                 )
         return path
 
+    def _real_path(self, relative: str) -> str:
+        """``os.path.realpath`` of the run directory or one of its top-level entries, resolved
+        once per Storage (they are the engine's own directories: checkpoints/ and the like)."""
+        real = self._real_paths.get(relative)
+        if real is None:
+            real = os.path.realpath(self.path(relative))
+            if os.path.isdir(real):  # a missing entry may still be created as a link: not cached
+                self._real_paths[relative] = real
+        return real
+
+    def _resolve(self, relative: str, path: str) -> str:
+        """Where ``path`` really leads: its top-level entry's cached real path, then one
+        ``lstat`` per deeper component (a full ``realpath`` as soon as one is a link). Per
+        checkpoint this runs for every file and directory written: it must stay cheap."""
+        if not relative:
+            return self._real_path("")
+        top, _, rest = relative.partition("/")
+        real = self._real_path(top)
+        if not rest:
+            return real
+        parts = rest.split("/")
+        for index, part in enumerate(parts):
+            real = f"{real}/{part}"
+            try:
+                if stat.S_ISLNK(os.lstat(real).st_mode):
+                    return os.path.realpath(path)
+            except FileNotFoundError:  # what does not exist yet is no link
+                return "/".join([real, *parts[index + 1:]])
+        return real
+
     def makedirs(self, relative: str) -> None:
         self.fs.makedirs(self.writable_path(relative), exist_ok=True)
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True, exclusive: bool = False) -> tuple[int, int]:
-        """Write ``chunks`` to a new file; returns (size, crc32) (crc32 0 when ``checksum`` is
+        """Write ``chunks`` to a new file; returns (size, CRC-32C) (0 when ``checksum`` is
         False). ``durable`` fsyncs local files. ``exclusive`` creates the file only if it does
         not exist, atomically, and raises FileExistsError otherwise (and leaves the existing
         file alone); only where :attr:`exclusive_create` is true (on S3 a multipart upload
         checks the condition when it completes)."""
         size = 0
         crc = 0
+        update = checksums.updater()
         path = self.writable_path(relative)
         self._check_write()
         if exclusive and not self.exclusive_create:
@@ -145,7 +180,7 @@ class Storage:
             for chunk in chunks:
                 handle.write(chunk)
                 if checksum:
-                    crc = zlib.crc32(chunk, crc)
+                    crc = update(chunk, crc)
                 size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
             if durable and self.is_local:
                 handle.flush()
@@ -210,9 +245,13 @@ class Storage:
         return self.fs.cat_file(path)
 
     def size(self, relative: str) -> int:
+        if self._plain_local:
+            return os.stat(self.path(relative)).st_size
         return int(self.fs.size(self.path(relative)))
 
     def exists(self, relative: str) -> bool:
+        if self._plain_local:
+            return os.path.lexists(self.path(relative))
         return bool(self.fs.exists(self.path(relative)))
 
     def truncate(self, relative: str, size: int) -> None:
@@ -229,6 +268,13 @@ class Storage:
     def list_names(self, relative: str) -> list[str]:
         """Names directly under a directory (empty if it does not exist)."""
         path = self.path(relative)
+        if self._plain_local:  # the listing of every commit and retention: no fsspec layers
+            try:
+                return os.listdir(path)
+            except FileNotFoundError:
+                return []
+            except NotADirectoryError:
+                pass  # as fsspec has it: the file itself
         if not self.fs.exists(path):
             return []
         names = []
@@ -344,7 +390,7 @@ class LocalDirectoryFiles:
         self._descriptors: list[int] = []
 
     def write(self, name: str, chunks: Iterable[bytes | memoryview], checksum: bool) -> tuple[int, int]:
-        """Write ``chunks`` as ``name``; returns (size, crc32) (crc32 0 without ``checksum``)."""
+        """Write ``chunks`` as ``name``; returns (size, CRC-32C) (0 without ``checksum``)."""
         check_name(name, "file name")
         self._storage._check_write()
         descriptor = os.open(f"{self._directory}/{name}",
@@ -352,11 +398,12 @@ class LocalDirectoryFiles:
         self._descriptors.append(descriptor)
         size = 0
         crc = 0
+        update = checksums.updater()
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
             size += view.nbytes
             if checksum:
-                crc = zlib.crc32(view, crc)
+                crc = update(view, crc)
             while view:
                 written = os.write(descriptor, view)
                 view = view[written:]

@@ -28,10 +28,10 @@ import os
 import re
 import time
 import warnings
-import zlib
 from typing import Any, Callable, Collection
 
 from engine import faults
+from engine.checkpoint import checksum as checksums
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
@@ -52,13 +52,6 @@ _TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
 _RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
-
-
-def _crc32(chunks: list[memoryview | bytes]) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def checkpoint_name(sequence: int) -> str:
@@ -219,9 +212,9 @@ class CheckpointStore:
                 assert local is not None
                 pending = local.start_sync([directory])
             if known is not None:
-                records = {n: FileRecord(r.size, known[n].crc32) for n, r in records.items()}
+                records = {n: FileRecord(r.size, known[n].crc, known[n].algorithm) for n, r in records.items()}
             elif overlap:
-                records = {n: FileRecord(r.size, _crc32(contents[n])) for n, r in records.items()}
+                records = {n: FileRecord(r.size, checksums.checksum(contents[n])) for n, r in records.items()}
             if on_data_written is not None:
                 on_data_written()
             if overlap:

@@ -49,8 +49,10 @@ class PendingCheckpoint:
 
 
 class SnapshotBuffers:
-    """CPU tensors reused from one snapshot to the next (reallocated only when a tensor's
-    shape or dtype changes, e.g. a hidden state appearing after the first split).
+    """One CPU buffer laid out as tensors.bin, reused from one snapshot to the next
+    (reallocated only when the layout changes, e.g. a hidden state appearing after the first
+    split). Each tensor is copied into its typed view of the buffer, so that the writer writes
+    and checksums one contiguous chunk, padding included (zeros, never written).
 
     A CUDA tensor is copied into a *pinned* buffer with a non-blocking copy, and a CUDA event is
     recorded after the copies on the stream that runs them: the training thread only launches
@@ -59,33 +61,39 @@ class SnapshotBuffers:
     before it reads the buffers. CPU tensors are copied synchronously, as before."""
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
+        self._flat: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+        self._key: tuple | None = None
         self._copied: list[torch.cuda.Event] = []
 
-    def capture(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        copies = []
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """The buffer of the last :meth:`capture` (None before the first)."""
+        return self._flat
+
+    def capture(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Copy ``tensors`` into the buffer at ``layout``'s (offset, nbytes); their views."""
+        pinned = any(tensor.device.type == "cuda" for tensor in tensors)
+        key = (tuple((tensor.dtype, tensor.shape) for tensor in tensors), tuple(layout), pinned)
+        if key != self._key:
+            self._allocate(tensors, layout, pinned)
+            self._key = key
         devices: set[torch.device] = set()
-        for index, tensor in enumerate(tensors):
+        for view, tensor in zip(self._views, tensors):
             from_cuda = tensor.device.type == "cuda"
-            buffer = self._buffer(index, tensor, pinned=from_cuda)
-            buffer.copy_(tensor, non_blocking=from_cuda)
+            view.copy_(tensor, non_blocking=from_cuda)
             if from_cuda:
                 devices.add(tensor.device)
-            copies.append(buffer)
         self._copied = [self._record_event(device) for device in devices]
-        return copies
+        return list(self._views)
 
-    def _buffer(self, index: int, tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
-        if index < len(self._buffers):
-            buffer = self._buffers[index]
-            if buffer.shape == tensor.shape and buffer.dtype == tensor.dtype and (not pinned or buffer.is_pinned()):
-                return buffer
-        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-        if index < len(self._buffers):
-            self._buffers[index] = buffer
-        else:
-            self._buffers.append(buffer)
-        return buffer
+    def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:
+        total = layout[-1][0] + layout[-1][1] if layout else 0
+        self._flat = None  # the old buffer may be large: free it before allocating the new one
+        flat = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
+        self._views = [flat[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                       for tensor, (offset, nbytes) in zip(tensors, layout)]
+        self._flat = flat
 
     @staticmethod
     def _record_event(device: torch.device) -> torch.cuda.Event:
@@ -205,13 +213,13 @@ class BackgroundWriter(_Committer):
             buffers = self._free.pop()
         encoded = pending.encoded
         try:
-            copies = buffers.capture(encoded.tensors)
+            copies = buffers.capture(encoded.tensors, encoded.layout)
         except BaseException:
             with self._condition:
                 self._free.append(buffers)
                 self._condition.notify_all()
             raise
-        pending.encoded = EncodedState(encoded.header, copies, encoded.layout)
+        pending.encoded = EncodedState(encoded.header, copies, encoded.layout, flat=buffers.flat)
         pending.buffers = buffers
         with self._condition:
             self._queue.append(pending)

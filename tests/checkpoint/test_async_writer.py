@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import engine
+from engine.checkpoint.codec import EncodedState, encode_state
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import SnapshotBuffers
 from engine.checkpoint.storage import Storage
@@ -103,16 +104,36 @@ def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
     assert max(in_use for _, in_use in in_flight) <= 1
 
 
+def _layout(tensors):
+    return encode_state({"tensors": tensors}).layout
+
+
 def test_snapshot_buffers_are_reused():
     buffers = SnapshotBuffers()
     tensors = [torch.randn(3, 4), torch.arange(5)]
-    first = buffers.capture(tensors)
+    first = buffers.capture(tensors, _layout(tensors))
+    flat = buffers.flat
     tensors[0].add_(1.0)
-    second = buffers.capture(tensors)
-    assert all(a is b for a, b in zip(first, second))
+    second = buffers.capture(tensors, _layout(tensors))
+    assert all(a is b for a, b in zip(first, second)) and buffers.flat is flat
     assert torch.equal(second[0], tensors[0]) and second[0].data_ptr() != tensors[0].data_ptr()
-    third = buffers.capture([torch.randn(2, 2), torch.arange(5)])
-    assert third[0] is not first[0] and third[1] is first[1]
+    changed = [torch.randn(2, 2), torch.arange(5)]
+    third = buffers.capture(changed, _layout(changed))
+    assert third[0] is not first[0] and all(torch.equal(a, b) for a, b in zip(third, changed))
+
+
+def test_a_snapshot_is_one_chunk_laid_out_as_tensors_bin():
+    """The snapshot's buffer holds tensors.bin byte for byte (padding zeros included), so the
+    writer writes it as one chunk."""
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int16), torch.tensor(True), torch.randn(0)]
+    encoded = encode_state({"tensors": tensors})
+    expected = b"".join(bytes(chunk) for chunk in encoded.tensor_chunks())
+    buffers = SnapshotBuffers()
+    buffers.capture([torch.full_like(t, 7) for t in tensors], encoded.layout)  # a first state
+    copies = buffers.capture(encoded.tensors, encoded.layout)
+    snapshot = EncodedState(encoded.header, copies, encoded.layout, flat=buffers.flat)
+    (chunk,) = snapshot.tensor_chunks()
+    assert bytes(chunk) == expected and len(expected) == encoded.tensor_bytes
 
 
 class RaiseAt(engine.Callback):

@@ -174,3 +174,23 @@ def test_a_run_dir_that_is_itself_a_symlink_is_fine(tmp_path):
     (tmp_path / "link").symlink_to(real)
     result = train_with_checkpoints("plain", str(tmp_path / "link"), epochs=1)
     assert result.last_checkpoint in CheckpointStore(Storage(str(real))).names()
+
+
+@pytest.mark.parametrize("where", ["checkpoints/tmp-0000000001-1", "checkpoints/tmp-0000000001-1/tensors.bin"])
+def test_a_link_deeper_in_the_run_dir_leading_out_is_refused_after_the_top_was_resolved(tmp_path, where):
+    """Top-level entries are resolved once per Storage; what lies below is checked on every
+    write, so a link planted in checkpoints/ later is still refused."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    storage = Storage(str(tmp_path / "run"))
+    storage.makedirs("checkpoints/tmp-0000000001-1")  # resolves checkpoints/ (cached)
+    link = tmp_path / "run" / where
+    if link.exists():
+        link.rmdir()
+    link.symlink_to(elsewhere / "target")
+    with pytest.raises(engine.ConfigError, match="outside the run directory"):
+        storage.writable_path(where)
+    inside = tmp_path / "run" / "checkpoints" / "inner"
+    inside.mkdir()
+    (tmp_path / "run" / "checkpoints" / "alias").symlink_to(inside)
+    assert storage.writable_path("checkpoints/alias/file").endswith("checkpoints/alias/file")

@@ -138,12 +138,12 @@ def _edit_manifest_text(fs, directory, pattern, replacement):
 
 
 def damage_infinite_generation(fs, directory):
-    _edit_manifest_text(fs, directory, r'"writer_generation": \d+', '"writer_generation": 1e999')
+    _edit_manifest_text(fs, directory, r'"writer_generation": ?\d+', '"writer_generation": 1e999')
 
 
 def damage_deeply_nested_json(fs, directory):
     depth = 100_000
-    _edit_manifest_text(fs, directory, r'"cursor": \{[^}]*\}', '"cursor": ' + "[" * depth + "]" * depth)
+    _edit_manifest_text(fs, directory, r'"cursor": ?\{[^}]*\}', '"cursor": ' + "[" * depth + "]" * depth)
 
 
 DAMAGES = {

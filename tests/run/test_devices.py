@@ -254,7 +254,7 @@ def test_pinned_snapshot_is_not_raced_by_the_next_step():
     source = torch.randn(1 << 20, device="cuda")
     expected = source.cpu()
     buffers = SnapshotBuffers()
-    (copy,) = buffers.capture([source])
+    (copy,) = buffers.capture([source], [(0, source.numel() * source.element_size())])
     source.mul_(2)  # queued after the copy on the same stream, like the next optimizer step
     buffers.wait_until_copied()
     assert copy.is_pinned()

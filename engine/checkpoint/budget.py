@@ -76,11 +76,12 @@ class OverheadBudget:
     """The checkpoint interval that keeps the whole cost of checkpoints (blocking plus the
     slowdown of overlapped splits) within ``max_overhead`` of training time.
 
-    Example (a write in flight slows the split after each checkpoint from 10 ms to 16 ms)::
+    Example: between two checkpoints, the write of the first slows one split from 10 ms to
+    16 ms; the first blocked training for 2 ms, so it cost 8 ms::
 
-        budget = OverheadBudget(0.05)
-        budget.note_split(0.010, overlapped=False)   # timed between two checkpoints
-        interval = budget.record(blocked_seconds=0.002)
+        budget.note_split(0.016, overlapped=True)    # a write was in flight during it
+        budget.note_split(0.010, overlapped=False)   # the baseline
+        interval = budget.record(blocked_seconds=0.001)  # the second checkpoint
     """
 
     def __init__(self, max_overhead: float) -> None:
@@ -115,17 +116,7 @@ class OverheadBudget:
     def record(self, blocked_seconds: float) -> int:
         """A checkpoint was written and blocked training for ``blocked_seconds``: it closes
         the cycle of splits noted since the previous one. Returns the new interval."""
-        if self._free_splits:
-            self._baseline.add(self._free_seconds / self._free_splits)
-            self._cycles_without_baseline = 0
-        else:
-            self._cycles_without_baseline += 1
-        baseline = self._baseline.value
-        if not self._free_splits and baseline is not None and \
-                self._overlapped_seconds < self._overlapped_splits * baseline:
-            # Overlapped splits ran faster than the baseline, which a write cannot cause: its
-            # samples were slow splits. Time a write-free split again now.
-            self._cycles_without_baseline = _BASELINE_MAX_AGE
+        baseline = self._update_baseline()
         if self._opening_blocked is not None and baseline is not None:
             extra = max(0.0, self._overlapped_seconds - self._overlapped_splits * baseline)
             self._cost.add(self._opening_blocked + extra)
@@ -133,6 +124,20 @@ class OverheadBudget:
         self._reset_cycle()
         self.interval = self._next_interval(baseline, self._cost.value)
         return self.interval
+
+    def _update_baseline(self) -> float | None:
+        """Take the cycle's write-free splits as a baseline sample; the baseline."""
+        if self._free_splits:
+            self._baseline.add(self._free_seconds / self._free_splits)
+            self._cycles_without_baseline = 0
+            return self._baseline.value
+        self._cycles_without_baseline += 1
+        baseline = self._baseline.value
+        if baseline is not None and self._overlapped_seconds < self._overlapped_splits * baseline:
+            # Overlapped splits ran faster than the baseline, which a write cannot cause: its
+            # samples were slow splits. Time a write-free split again now.
+            self._cycles_without_baseline = _BASELINE_MAX_AGE
+        return baseline
 
     def _next_interval(self, baseline: float | None, cost: float | None) -> int:
         if baseline is None or cost is None or baseline <= 0:

@@ -167,8 +167,7 @@ class RunCheckpointer:
             now = self._time_split()
             due = units_completed - self._units_at_last_save >= self._budget.interval or \
                 self._due_by_steps_or_time(optimizer_steps)
-            if due:
-                self._due_since = now
+            self._due_since = now if due else None  # a "yes" the ranks did not agree on is dropped
             return due
         every = self.policy.every_n_splits
         if isinstance(every, int) and units_completed % every == 0:

@@ -20,8 +20,8 @@ run directory under the current directory (or ``--dir``) on a real filesystem, d
 
 Runs are longer than there, so that "auto" can settle: the budget measures before it decides
 (the first split is not measured; the interval grows 1, 2, ... until a baseline split time and
-a checkpoint's cost are known, usually at the second checkpoint, after split 3; the estimates are
-medians of the last five checkpoints):
+a checkpoint's cost are known, usually at the second checkpoint, after split 3; the cost is a
+median, the baseline a minimum, over the last five checkpoints: see engine/checkpoint/budget.py):
 
 * ``small``: 32 batches, 256 splits of ~9 ms (``--quick``: 8 batches, 64 splits);
 * ``25M``: 5 batches, 20 splits of ~0.7 s (``--quick``: 2 batches, 8 splits). Only 16-24 splits
@@ -29,8 +29,12 @@ medians of the last five checkpoints):
   start of "auto" (checkpoints after splits 1 and 3, while it measures) and the run's final
   checkpoint (a run always ends with one; 300 MB written and fsynced, 1-2 s on this machine's
   disk, against ~14 s of training), both of which a long run amortizes. The steady-state line
-  (first to last split end, which leaves out the final checkpoint and its flush) shows the
-  cadence's own cost.
+  (first to last split end, which leaves out the final checkpoint and its flush) is closer to
+  the cadence's own cost, but still includes the start. Measured here at 02:40 UTC (a quiet
+  machine): each asynchronous checkpoint of the 25M model blocked ~60 ms (the copy) and slowed
+  the one split its write overlapped by ~70-100 ms, so "auto" settled at 5-7 splits; the run
+  wrote 5 checkpoints (after splits 1, 3, ~9, ~15 and the final one) for 1.1-1.4 s of extra
+  wall time, most of it the start and the final flush.
 
 Reported per model: the median wall time of each way, the medians of the per-round ratios
 auto-sync / none and auto-async / none, the steady-state per-split ratios, the interval reached

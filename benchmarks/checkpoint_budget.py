@@ -97,8 +97,8 @@ class CheckpointLog:
             return interval
 
         self._originals = [(RunCheckpointer, "save", save), (OverheadBudget, "record", record)]
-        RunCheckpointer.save = counted_save  # type: ignore[method-assign]
-        OverheadBudget.record = logged_record  # type: ignore[method-assign]
+        setattr(RunCheckpointer, "save", counted_save)
+        setattr(OverheadBudget, "record", logged_record)
 
     def uninstall(self) -> None:
         for owner, name, original in self._originals:
@@ -155,7 +155,7 @@ def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) 
     for index in range(repeats):
         order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
         results = {way: timed_run(workload, way, batches, work, log) for way in order}
-        equal = same_parameters([results[way].model for way in WAYS])
+        equal = same_parameters([model for model in (results[way].model for way in WAYS) if model is not None])
         print(f"  round {index + 1}: none {results['none'].seconds:.2f} s, "
               + ", ".join(f"{way} {results[way].seconds:.2f} s (interval {results[way].interval}, "
                           f"{results[way].checkpoints} checkpoints)" for way in WAYS[1:])

@@ -35,16 +35,16 @@ def splits(budget, free=(), overlapped=()):
         budget.note_split(seconds, overlapped=True)
 
 
-def settled_budget(blocked=0.0015, overlapped=0.012):
+def settled_budget():
     """A budget past its start, at max_overhead 0.1: baseline 10 ms, each checkpoint blocking
-    1.5 ms and slowing the next split to 12 ms (cost 3.5 ms: an interval of 4), five cycles
-    so that the medians' windows hold only these samples."""
+    1.5 ms and slowing the next split to 12 ms (cost 3.5 ms: an interval of 4), for six
+    cycles, so that the windows of five hold only these samples."""
     budget = OverheadBudget(0.1)
     splits(budget, free=[2.0])  # the first split of a run: first-call costs, not a sample
-    budget.record(blocked)
+    budget.record(0.0015)
     for _ in range(6):
-        splits(budget, free=[SPLIT, SPLIT], overlapped=[overlapped])
-        budget.record(blocked)
+        splits(budget, free=[SPLIT, SPLIT], overlapped=[0.012])
+        budget.record(0.0015)
     return budget
 
 
@@ -123,6 +123,19 @@ def test_a_lasting_change_of_cost_takes_over_at_the_third_checkpoint():
         splits(budget, free=[SPLIT, SPLIT], overlapped=[0.022])  # now 1.5 + 12 ms per checkpoint
         intervals.append(budget.record(0.0015))
     assert intervals == [4, 4, 14]
+
+
+def test_a_lasting_slowdown_of_training_raises_the_baseline_after_five_checkpoints():
+    budget = settled_budget()
+    intervals = []
+    for _ in range(7):  # splits now take 20 ms, 22 ms with a write in flight
+        splits(budget, free=[0.020, 0.020], overlapped=[0.022])
+        intervals.append(budget.record(0.0015))
+    # While the baseline stays at 10 ms (the smallest of its last five samples) a checkpoint
+    # seems to cost 1.5 + 12 ms: the cost's median takes that at the third cycle (14 splits of
+    # 1 ms). At the fifth the baseline is 20 ms (2 ms of budget per split) and the cost
+    # 1.5 + 2 ms, which the median takes two cycles later.
+    assert intervals == [4, 4, 14, 14, 7, 7, 2]
 
 
 def test_a_baseline_without_samples_is_refreshed_by_longer_intervals():

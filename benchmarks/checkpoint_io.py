@@ -12,7 +12,7 @@ interleaved (the order inside each pair alternates), over several repeats, media
    directory fsynced. ``os.sync()`` runs (untimed) before each timed write so that neither
    side pays for the other's dirty pages. Throughput ratio = raw time / checkpoint time
    (1.0 is as fast as the disk allows; the goal is >= 0.8).
-2. Load: ``CheckpointStore.load`` of the 100 MB checkpoint (read, CRC-32 verify, decode)
+2. Load: ``CheckpointStore.load`` of the 100 MB checkpoint (read, CRC-32C verify, decode)
    against a raw read of the same files (page cache warm on both sides).
 3. Resume: a subprocess that builds a model (the demo of ``engine.demo``, then the small and
    the 25M LSTM language models of benchmarks/checkpoint_overhead.py) and resumes it from a run
@@ -43,13 +43,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from typing import Any, Callable
 
 import torch
 
 import engine
 import progress
+from engine.checkpoint.checksum import checksum
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
@@ -215,13 +215,13 @@ def report_write(case: WriteCase, repeats: int) -> tuple[float, float]:
 
 
 def report_breakdown(case: WriteCase, repeats: int, extra_seconds: float) -> None:
-    """Where the checkpoint's extra time goes: encoding, the CRC-32 computed while writing, and
+    """Where the checkpoint's extra time goes: encoding, the CRC-32C computed while writing, and
     the rest (three more files, four more fsyncs, mkdir, rename, listing)."""
     encode_seconds = statistics.median(time_call(lambda: encode_state(case.state)) for _ in range(repeats))
     chunks = case.raw_chunks[:-1]
-    crc_seconds = statistics.median(time_call(lambda: crc32_of(chunks)) for _ in range(repeats))
+    crc_seconds = statistics.median(time_call(lambda: checksum(chunks)) for _ in range(repeats))
     print(f"  checkpoint - raw = {extra_seconds * 1e3:.1f} ms: encode_state {encode_seconds * 1e3:.1f} ms, "
-          f"crc32 of the data {crc_seconds * 1e3:.1f} ms ({case.total_bytes / 1e6 / crc_seconds:.0f} MB/s), "
+          f"CRC-32C of the data {crc_seconds * 1e3:.1f} ms ({case.total_bytes / 1e6 / crc_seconds:.0f} MB/s), "
           f"rest {(extra_seconds - encode_seconds - crc_seconds) * 1e3:.1f} ms "
           "(4 files and 6 fsyncs against 1 file and 2 fsyncs, mkdir, rename)")
 
@@ -232,11 +232,6 @@ def time_call(function: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-def crc32_of(chunks: list[Any]) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 # ---- loading ----------------------------------------------------------------------------------

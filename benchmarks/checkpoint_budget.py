@@ -16,7 +16,9 @@ The models, the data, the thread count and the round structure are those of
 rotating, after an untimed warm-up of each way (one split); each checkpointing run gets a fresh
 run directory under the current directory (or ``--dir``) on a real filesystem, deleted
 (untimed) after the run, with ``os.sync()`` (untimed) before every run. The script checks with
-``torch.equal`` that the ways end with identical parameters in every round.
+``torch.equal`` that the ways end with identical parameters in every round. Five rounds (three
+there): "auto" checkpoints far less often than every split, so its cost is a few percent, which
+load from other processes on a shared 2-core machine easily swamps in one round.
 
 Runs are longer than there, so that "auto" can settle: the budget measures before it decides
 (the first split is not measured; the interval grows 1, 2, ... until a baseline split time and
@@ -43,7 +45,7 @@ intervals "auto" chose in the last round's asynchronous run.
 
 Reproduce (from the repository root, in the environment of the README)::
 
-    python benchmarks/checkpoint_budget.py            # 3 rounds per model, ~3 min on 2 cores
+    python benchmarks/checkpoint_budget.py            # 5 rounds per model, ~5 min on 2 cores
     python benchmarks/checkpoint_budget.py --quick    # 1 round, shorter runs, under a minute
 
 The last two lines are ``small auto overhead ratio: X.XXX (async, max_overhead=0.05, interval N
@@ -201,12 +203,12 @@ def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[floa
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 3, 1 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 5, 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
     arguments = parser.parse_args()
     if arguments.repeats is None:
-        arguments.repeats = 1 if arguments.quick else 3
+        arguments.repeats = 1 if arguments.quick else 5
     if arguments.repeats < 1:
         parser.error("--repeats must be positive")
     return arguments

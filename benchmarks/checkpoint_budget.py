@@ -2,9 +2,12 @@
 no checkpoints, on the two models of ``benchmarks/checkpoint_overhead.py``.
 
 What is measured: the wall time of one training run (``engine.Trainer.fit``, Adam, TBPTT, one
-epoch, ``resume="off"``, model built outside the timing), three ways:
+epoch, ``resume="off"``, model built outside the timing), four ways:
 
 * ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
+* ``last-only``: ``CheckpointConfig(every_n_splits=None, keep_last=2, asynchronous=True)``: a
+  run dir and the one checkpoint every run ends with (which ``fit`` waits for), no cadence:
+  what any run with checkpoints pays once, which no interval can reduce;
 * ``auto-sync``: ``CheckpointConfig(every_n_splits="auto", max_overhead=0.05, keep_last=2)``,
   checkpoints written on the training thread;
 * ``auto-async``: the same with ``asynchronous=True`` (``max_in_flight=1``,
@@ -39,13 +42,14 @@ median, the baseline a minimum, over the last five checkpoints: see engine/check
   wall time, most of it the start and the final flush.
 
 Reported per model: the median wall time of each way, the medians of the per-round ratios
-auto-sync / none and auto-async / none, the steady-state per-split ratios, the interval reached
+auto-sync / none and auto-async / none (and last-only / none, and the auto ways / last-only: the
+cost of the cadence alone, which is what ``max_overhead`` bounds), the steady-state per-split ratios, the interval reached
 (``FitResult.checkpoint_interval``, median over rounds), the checkpoints written per run, and the
 intervals "auto" chose in the last round's asynchronous run.
 
 Reproduce (from the repository root, in the environment of the README)::
 
-    python benchmarks/checkpoint_budget.py            # 5 rounds per model, ~5 min on 2 cores
+    python benchmarks/checkpoint_budget.py            # 5 rounds per model, ~7 min on 2 cores
     python benchmarks/checkpoint_budget.py --quick    # 1 round, shorter runs, under a minute
 
 The last two lines are ``small auto overhead ratio: X.XXX (async, max_overhead=0.05, interval N
@@ -72,7 +76,8 @@ from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, Sp
 from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.policy import RunCheckpointer
 
-WAYS = ("none", "auto-sync", "auto-async")
+WAYS = ("none", "last-only", "auto-sync", "auto-async")
+AUTO_WAYS = ("auto-sync", "auto-async")
 MAX_OVERHEAD = 0.05
 
 
@@ -125,6 +130,8 @@ class RunResult:
 def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
     if way == "none":
         return None
+    if way == "last-only":
+        return engine.CheckpointConfig(every_n_splits=None, keep_last=2, asynchronous=True)
     return engine.CheckpointConfig(every_n_splits="auto", max_overhead=MAX_OVERHEAD, keep_last=2,
                                    asynchronous=way == "auto-async")
 
@@ -159,8 +166,9 @@ def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) 
         results = {way: timed_run(workload, way, batches, work, log) for way in order}
         equal = same_parameters([model for model in (results[way].model for way in WAYS) if model is not None])
         print(f"  round {index + 1}: none {results['none'].seconds:.2f} s, "
+              f"last-only {results['last-only'].seconds:.2f} s, "
               + ", ".join(f"{way} {results[way].seconds:.2f} s (interval {results[way].interval}, "
-                          f"{results[way].checkpoints} checkpoints)" for way in WAYS[1:])
+                          f"{results[way].checkpoints} checkpoints)" for way in AUTO_WAYS)
               + f"; parameters equal: {equal}")
         if not equal:
             raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
@@ -170,9 +178,9 @@ def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) 
     return rounds
 
 
-def median_ratio(rounds: list[dict[str, RunResult]], way: str, field: str = "seconds") -> float:
-    """Median of the per-round ratios ``way`` / none."""
-    return statistics.median(getattr(r[way], field) / getattr(r["none"], field) for r in rounds)
+def median_ratio(rounds: list[dict[str, RunResult]], way: str, field: str = "seconds", to: str = "none") -> float:
+    """Median of the per-round ratios ``way`` / ``to``."""
+    return statistics.median(getattr(r[way], field) / getattr(r[to], field) for r in rounds)
 
 
 def median_interval(rounds: list[dict[str, RunResult]], way: str) -> int:
@@ -184,16 +192,17 @@ def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[floa
     label = workload.label
     wall = {way: statistics.median(r[way].seconds for r in rounds) for way in WAYS}
     split = {way: statistics.median(r[way].per_split_seconds for r in rounds) for way in WAYS}
-    print(f"{label}: median wall time none {wall['none']:.3f} s, auto-sync {wall['auto-sync']:.3f} s, "
-          f"auto-async {wall['auto-async']:.3f} s")
+    print(f"{label}: median wall time " + ", ".join(f"{way} {wall[way]:.3f} s" for way in WAYS))
     print(f"{label}: ratio auto-sync/none {median_ratio(rounds, 'auto-sync'):.3f}, auto-async/none "
           f"{median_ratio(rounds, 'auto-async'):.3f} (medians of {len(rounds)} per-round ratios; goal <= "
-          f"{1 + MAX_OVERHEAD:.2f})")
-    print(f"{label}: steady state per split none {split['none'] * 1e3:.1f} ms, auto-sync "
-          f"{split['auto-sync'] * 1e3:.1f} ms, auto-async {split['auto-async'] * 1e3:.1f} ms; ratio auto-sync/none "
-          f"{median_ratio(rounds, 'auto-sync', 'per_split_seconds'):.3f}, auto-async/none "
+          f"{1 + MAX_OVERHEAD:.2f}); of which a run dir and its last checkpoint: last-only/none "
+          f"{median_ratio(rounds, 'last-only'):.3f}; the cadence alone: auto-sync/last-only "
+          f"{median_ratio(rounds, 'auto-sync', to='last-only'):.3f}, auto-async/last-only "
+          f"{median_ratio(rounds, 'auto-async', to='last-only'):.3f}")
+    print(f"{label}: steady state per split " + ", ".join(f"{way} {split[way] * 1e3:.1f} ms" for way in WAYS)
+          + f"; ratio auto-sync/none {median_ratio(rounds, 'auto-sync', 'per_split_seconds'):.3f}, auto-async/none "
           f"{median_ratio(rounds, 'auto-async', 'per_split_seconds'):.3f} (end of run left out)")
-    checkpoints = {way: statistics.median_low(r[way].checkpoints for r in rounds) for way in WAYS[1:]}
+    checkpoints = {way: statistics.median_low(r[way].checkpoints for r in rounds) for way in AUTO_WAYS}
     print(f"{label}: interval reached auto-sync {median_interval(rounds, 'auto-sync')} splits "
           f"({checkpoints['auto-sync']} checkpoints per run), auto-async {median_interval(rounds, 'auto-async')} "
           f"splits ({checkpoints['auto-async']} checkpoints per run); intervals chosen in the last auto-async run: "

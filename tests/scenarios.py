@@ -350,7 +350,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--async", dest="asynchronous", action="store_true")
-    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--every", type=lambda value: value if value == "auto" else int(value), default=1,
+                        help="checkpoint every N splits, or 'auto' (an overhead budget)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each split")
     parser.add_argument("--keep-last", type=int, default=3, help="0 keeps every checkpoint")
     parser.add_argument("--lease-expiry", type=float, default=None)

@@ -22,6 +22,7 @@ from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint
+from kill_helpers import run_until_done
 from resume_helpers import assert_same_run
 from scenarios import SCENARIOS, build, train_with_checkpoints
 
@@ -270,4 +271,18 @@ def test_a_run_checkpointed_by_budget_resumes_exactly(tmp_path, asynchronous):
         faults.clear()
     result = train_with_checkpoints("tbptt", run_dir, every="auto", asynchronous=asynchronous)
     assert result.resumed_from is not None
+    assert_same_run(reference, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", [[], ["--async"]])
+def test_sigkill_with_auto_checkpoints_resumes_exactly(tmp_path, mode):
+    """Each process is SIGKILLed after its fourth split (by then "auto" checkpointed after its
+    first and third), resumed, killed again...: the run ends bit-exact."""
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference)
+    run_dir = str(tmp_path / "run")
+    kills = run_until_done("tbptt", run_dir, "split_end_after_checkpoint:4:sigkill", "--every", "auto", *mode)
+    assert kills >= 5
     assert_same_run(reference, run_dir)

@@ -103,15 +103,15 @@ def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
 def encode_state(tree: Any) -> EncodedState:
     """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
     tensors: list[torch.Tensor] = []
-    plain = _to_plain(tree, "state", tensors, 0)
-    devices = [str(tensor.device) for tensor in tensors]
+    plain = _to_plain(tree, ("state",), tensors, 0)
     table: list[dict[str, Any]] = []
     layout = []
     offset = 0
     for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
+        device = tensor.device
         table.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset,
-                      "nbytes": nbytes, "device": devices[len(table)]})
+                      "nbytes": nbytes, "device": "cpu" if device.type == "cpu" else str(device)})
         layout.append((offset, nbytes))
         offset = _align(offset + nbytes)
     header = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": msgpack.packb(plain)})
@@ -122,51 +122,110 @@ def _align(offset: int) -> int:
     return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
-def _to_plain(value: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
+# Where a value sits in the tree, for error messages only: ("state",) or (parent path, key or
+# index). The text is built only when an error needs it: a checkpoint walks every node.
+_Path = tuple
+
+
+def _path_text(path: _Path) -> str:
+    parts = []
+    while len(path) == 2:
+        path, key = path
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    text = path[0] + "".join(reversed(parts))
+    return text if len(text) <= 100 else f"{text[:50]}...{text[-40:]}"
+
+
+_SCALARS = frozenset((type(None), bool, str, bytes))
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+# The msgpack payloads of the first tensor indexes (a reference is one per tensor per checkpoint).
+_INDEX_PAYLOADS = [msgpack.packb(index) for index in range(1024)]
+
+
+def _to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth: int) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is int:
+        if not -(1 << 63) <= value < (1 << 64):
+            raise CheckpointWriteError(f"cannot store {_path_text(path)}: int {value} does not fit in 64 bits")
+        return value
+    if kind is float:
+        return value
+    if kind in _TENSOR_TYPES:
+        return _tensor_reference(value, path, tensors)
+    if kind is dict or kind is collections.OrderedDict:
+        return _dict_to_plain(value, path, tensors, _deeper(depth, path))
+    if kind is list:
+        depth = _deeper(depth, path)
+        return [_to_plain(item, (path, index), tensors, depth) for index, item in enumerate(value)]
+    return _other_to_plain(value, path, tensors, depth)
+
+
+def _deeper(depth: int, path: _Path) -> int:
+    depth += 1
+    if depth > MAX_NESTING:
+        raise CheckpointWriteError(
+            f"cannot store {_path_text(path)}: containers nest more than {MAX_NESTING} levels deep "
+            "(a reference cycle, or a structure to flatten before it is checkpointed)"
+        )
+    return depth
+
+
+def _dict_to_plain(value: dict, path: _Path, tensors: list[torch.Tensor], depth: int) -> dict:
+    plain = {}
+    for key, item in value.items():
+        if type(key) not in _KEY_TYPES and not isinstance(key, (str, int, float, bool)) and key is not None:
+            raise CheckpointWriteError(
+                f"cannot store {_path_text(path)}: dict key {key!r} of type {type(key).__name__}")
+        plain[key] = _to_plain(item, (path, key), tensors, depth)
+    return plain
+
+
+_KEY_TYPES = frozenset((str, int, float, bool, type(None)))
+
+
+def _tensor_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
+    index = _add_tensor(tensor, path, tensors)
+    payload = _INDEX_PAYLOADS[index] if index < len(_INDEX_PAYLOADS) else msgpack.packb(index)
+    return msgpack.ExtType(_EXT_TENSOR, payload)
+
+
+def _other_to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth: int) -> Any:
+    """Subclasses of the plain types (an int enum, a float64 of NumPy, a namedtuple, ...)."""
     if value is None or isinstance(value, (bool, str, bytes)):
         return value
     if isinstance(value, int):
         if not -(1 << 63) <= value < (1 << 64):
-            raise CheckpointWriteError(f"cannot store {path}: int {value} does not fit in 64 bits")
+            raise CheckpointWriteError(f"cannot store {_path_text(path)}: int {value} does not fit in 64 bits")
         return int(value)
     if isinstance(value, float):
         return float(value)
     if isinstance(value, torch.Tensor):
-        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(_add_tensor(value, path, tensors)))
-    if isinstance(value, (dict, list, tuple)):
-        depth += 1
-        if depth > MAX_NESTING:
-            where = path if len(path) <= 100 else f"{path[:50]}...{path[-40:]}"
-            raise CheckpointWriteError(
-                f"cannot store {where}: containers nest more than {MAX_NESTING} levels deep "
-                "(a reference cycle, or a structure to flatten before it is checkpointed)"
-            )
+        return _tensor_reference(value, path, tensors)
     if isinstance(value, dict):
-        plain = {}
-        for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool)) and key is not None:
-                raise CheckpointWriteError(f"cannot store {path}: dict key {key!r} of type {type(key).__name__}")
-            plain[key] = _to_plain(item, f"{path}.{key}", tensors, depth)
-        return plain
+        return _dict_to_plain(value, path, tensors, _deeper(depth, path))
     if isinstance(value, list):
-        return [_to_plain(item, f"{path}[{i}]", tensors, depth) for i, item in enumerate(value)]
+        depth = _deeper(depth, path)
+        return [_to_plain(item, (path, index), tensors, depth) for index, item in enumerate(value)]
     if isinstance(value, tuple):
-        items = [_to_plain(item, f"{path}[{i}]", tensors, depth) for i, item in enumerate(value)]
+        depth = _deeper(depth, path)
+        items = [_to_plain(item, (path, index), tensors, depth) for index, item in enumerate(value)]
         if hasattr(value, "_fields"):  # a namedtuple: keep its name and field names
             payload = [type(value).__name__, list(value._fields), items]
             return msgpack.ExtType(_EXT_NAMEDTUPLE, msgpack.packb(payload))
         return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(items))
     raise CheckpointWriteError(
-        f"cannot store {path}: values of type {type(value).__name__} are not supported "
+        f"cannot store {_path_text(path)}: values of type {type(value).__name__} are not supported "
         "(expected tensors, numbers, strings, bytes, None, and lists/tuples/dicts of them)"
     )
 
 
-def _add_tensor(tensor: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> int:
+def _add_tensor(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> int:
     if tensor.layout != torch.strided or tensor.is_quantized:
-        raise CheckpointWriteError(f"cannot store {path}: tensor layout {tensor.layout} is not supported")
+        raise CheckpointWriteError(f"cannot store {_path_text(path)}: tensor layout {tensor.layout} is not supported")
     if tensor.dtype not in _DTYPE_NAMES:
-        raise CheckpointWriteError(f"cannot store {path}: dtype {tensor.dtype} is not supported")
+        raise CheckpointWriteError(f"cannot store {_path_text(path)}: dtype {tensor.dtype} is not supported")
     tensors.append(tensor.detach().resolve_conj().resolve_neg().contiguous())
     return len(tensors) - 1
 

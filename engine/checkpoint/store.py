@@ -234,7 +234,10 @@ class CheckpointStore:
                 # files' descriptors again when they were not synced above: fsync is cheap
                 # on a clean file).
                 if self.durable:
-                    local.start_sync([directory, *also_sync]).wait()
+                    if overlap:
+                        local.start_sync([directory, *also_sync]).wait()
+                    else:
+                        local.sync([directory, *also_sync])
                 faults.reach("checkpoint_before_rename")
                 if fence is not None:
                     fence()

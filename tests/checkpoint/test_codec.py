@@ -515,3 +515,25 @@ def test_latest_skips_a_hostile_newest_checkpoint_and_uses_the_previous_one(tmp_
     assert loaded is not None and loaded.name == good
     assert torch.equal(loaded.state["weight"], good_weight)
     assert not marker.exists()
+
+
+def test_subclasses_of_the_plain_types_are_stored_as_their_base_type():
+    """The encoder dispatches on exact types first; subclasses take the general path and come
+    back as the plain type (an OrderedDict as a dict, an IntEnum as an int, ...)."""
+    import collections
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    Pair = collections.namedtuple("Pair", "left right")
+    weight = torch.nn.Parameter(torch.randn(2, 3))
+    tree = {"ordered": collections.OrderedDict(a=1, b=2.5), "level": Level.HIGH, "float64": numpy.float64(0.25),
+            "parameter": weight, "pair": Pair(1, torch.arange(3)), True: None, None: "none", 7: [1.5]}
+    back = _round_trip(tree)
+    assert type(back["ordered"]) is dict and back["ordered"] == {"a": 1, "b": 2.5}
+    assert type(back["level"]) is int and back["level"] == 3
+    assert type(back["float64"]) is float and back["float64"] == 0.25
+    assert type(back["parameter"]) is torch.Tensor and torch.equal(back["parameter"], weight.detach())
+    assert back["pair"].left == 1 and torch.equal(back["pair"].right, torch.arange(3))
+    assert back[True] is None and back[None] == "none" and back[7] == [1.5]

@@ -195,6 +195,7 @@ class TierWriter:
         self._keep_last = retention.keep_last  # best checkpoints are kept in the durable tier
         self._generation = generation
         self._next_sequence = max(fast.next_sequence(), durable.next_sequence())
+        self._fence = fence
         self.promoter = DurablePromoter(fast, durable, retention, also_sync, fence, generation)
         self.newest: str | None = None
 
@@ -217,6 +218,12 @@ class TierWriter:
         self.promoter.check()
 
     def close(self) -> None:
-        """Make the newest checkpoint durable and wait for the durable tier."""
+        """Make the newest checkpoint durable, wait for the durable tier, then apply the fast
+        tier's retention once more: checkpoints it kept while they were being copied are no
+        longer needed there."""
         self.promoter.close(self.newest)
+        if self.newest is not None:
+            if self._fence is not None:
+                self._fence()
+            self._fast.apply_retention(self._keep_last, self._generation)
         self._fast.close()

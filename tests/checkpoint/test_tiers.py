@@ -64,6 +64,32 @@ def test_a_kill_resumes_from_the_fast_tier_at_the_interrupted_split(tmp_path, re
     assert_same_run(reference, run_dir)
 
 
+# First split, a batch's last split, an epoch's last split (epoch-end work follows), the run's
+# last split (its final checkpoint is made durable at the end): cursor after each.
+BOUNDARIES = [(1, Cursor(0, 0, 0, 0)), (8, Cursor(0, 1, 3, 0)), (12, Cursor(0, 2, 3, 0)), (24, Cursor(1, 2, 3, 0))]
+
+
+@pytest.mark.parametrize("split, cursor", BOUNDARIES, ids=[str(split) for split, _ in BOUNDARIES])
+def test_a_kill_after_a_boundary_resumes_from_the_fast_tier_exactly(split, cursor, tmp_path, reference):
+    run_dir, fast = paths(tmp_path)
+    killed(run_dir, fast, f"split_end_after_checkpoint:{split}:sigkill")
+    assert newest(fast).progress.cursor == cursor
+    resume(run_dir, fast)
+    assert_same_run(reference, run_dir)
+
+
+def test_retention_keeps_the_newest_checkpoints_of_both_tiers_and_they_verify(tmp_path):
+    run_dir, fast = paths(tmp_path)
+    resume(run_dir, fast, keep_last=2)
+    for directory in (run_dir, fast):
+        store = CheckpointStore(Storage(directory), create=False)
+        names = store.committed_names()
+        assert 1 <= len(names) <= 2, (directory, names)
+        for name in names:
+            store.load(name)  # verifies
+    assert CheckpointStore(Storage(fast), create=False).names()[-1] == newest(run_dir).name
+
+
 def test_a_lost_node_resumes_from_the_durable_tier(tmp_path, reference):
     run_dir, fast = paths(tmp_path)
     killed(run_dir, fast, "split_end_after_checkpoint:10:sigkill", "--sleep", "0.05")

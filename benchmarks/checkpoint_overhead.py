@@ -35,7 +35,9 @@ and where each checkpoint's time goes, from timers wrapped (in this script only)
 ``FitRun._save`` (everything the training thread spends on one checkpoint), ``encode_state``,
 ``BackgroundWriter.submit`` (waiting for a free buffer set, then the copy),
 ``SnapshotBuffers.capture`` (the copy) and ``_Committer.commit`` (the write, in the background
-thread when asynchronous). The script checks with ``torch.equal`` that the ways end with
+thread when asynchronous), and the process CPU time per checkpoint (every thread: the run's CPU
+time minus that of the run without checkpoints in the same round, over the checkpoints of a
+run), a figure that other processes on a shared machine disturb less than wall time. The script checks with ``torch.equal`` that the ways end with
 identical parameters in every round: checkpoints must not change training.
 
 Blocking against a plain copy: for each model, after its runs, ``encode_state`` of the state
@@ -229,6 +231,9 @@ class RunResult:
     per_split_seconds: float
     timers: dict[str, list[float]]
     model: LanguageModel | None
+    # Process CPU time (every thread, user and system) of the run: less sensitive than wall
+    # time to what other processes do on a shared machine.
+    cpu_seconds: float = 0.0
 
 
 def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.CheckpointConfig | None:
@@ -283,15 +288,15 @@ def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, tim
         callbacks.append(CopyFloor(model, optimizers))
     os.sync()
     timers.take()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     engine.Trainer(config, callbacks=callbacks).fit(model, batches, resume="off")
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     recorded = timers.take()
     if run_dir is not None:
         shutil.rmtree(run_dir)
     if local_tier is not None:
         shutil.rmtree(local_tier)
-    return RunResult(seconds, clock.per_split_seconds(), recorded, model)
+    return RunResult(seconds, clock.per_split_seconds(), recorded, model, cpu_seconds)
 
 
 def same_parameters(models: list[torch.nn.Module]) -> bool:
@@ -365,6 +370,11 @@ def report_checkpoint_breakdown(workload: Workload, rounds: list[dict[str, RunRe
 
     print(f"{workload.label}: per sync checkpoint, training thread blocked {ms('sync', 'save'):.1f} ms "
           f"(encode {ms('sync', 'encode'):.1f} ms, write and commit {ms('sync', 'commit'):.1f} ms)")
+    checkpoints = len(rounds[0]["sync"].timers.get("save", [])) or 1
+    cpu = {way: statistics.median((r[way].cpu_seconds - r["none"].cpu_seconds) / checkpoints for r in rounds) * 1e3
+           for way in ("sync", "async", "fast")}
+    print(f"{workload.label}: CPU time per checkpoint (process, every thread, minus the run without checkpoints; "
+          f"medians per round): sync {cpu['sync']:.1f} ms, async {cpu['async']:.1f} ms, fast tier {cpu['fast']:.1f} ms")
     capture, submit = ms("async", "capture"), ms("async", "submit")
     print(f"{workload.label}: per async checkpoint, training thread blocked {ms('async', 'save'):.1f} ms "
           f"(encode {ms('async', 'encode'):.1f} ms, submit {submit:.1f} ms = copy into buffers {capture:.1f} ms "

@@ -138,6 +138,7 @@ def _path_text(path: _Path) -> str:
 
 _SCALARS = frozenset((type(None), bool, str, bytes))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_KEY_TYPES = frozenset((str, int, float, bool, type(None)))
 # The msgpack payloads of the first tensor indexes (a reference is one per tensor per checkpoint).
 _INDEX_PAYLOADS = [msgpack.packb(index) for index in range(1024)]
 
@@ -181,8 +182,6 @@ def _dict_to_plain(value: dict, path: _Path, tensors: list[torch.Tensor], depth:
         plain[key] = _to_plain(item, (path, key), tensors, depth)
     return plain
 
-
-_KEY_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def _tensor_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:

@@ -63,7 +63,7 @@ class SnapshotBuffers:
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
-        self._key: tuple | None = None
+        self._key: tuple = ()
         self._copied: list[torch.cuda.Event] = []
 
     @property
@@ -73,14 +73,13 @@ class SnapshotBuffers:
 
     def capture(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Copy ``tensors`` into the buffer at ``layout``'s (offset, nbytes); their views."""
-        pinned = any(tensor.device.type == "cuda" for tensor in tensors)
-        key = (tuple((tensor.dtype, tensor.shape) for tensor in tensors), tuple(layout), pinned)
+        # The layout follows from the dtypes and shapes (engine.checkpoint.codec.encode_state).
+        key = tuple((tensor.dtype, tensor.shape, tensor.device.type == "cuda") for tensor in tensors)
         if key != self._key:
-            self._allocate(tensors, layout, pinned)
+            self._allocate(tensors, layout, pinned=any(from_cuda for *_, from_cuda in key))
             self._key = key
         devices: set[torch.device] = set()
-        for view, tensor in zip(self._views, tensors):
-            from_cuda = tensor.device.type == "cuda"
+        for view, tensor, (*_, from_cuda) in zip(self._views, tensors, key):
             view.copy_(tensor, non_blocking=from_cuda)
             if from_cuda:
                 devices.add(tensor.device)

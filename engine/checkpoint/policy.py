@@ -54,7 +54,7 @@ class RunCheckpointer:
         self._budget = OverheadBudget(policy.max_overhead) if policy.every_n_splits == "auto" else None
         self._units_at_last_save = 0
         # "auto" timing: when the split being timed started, when due_at_split said yes, and
-        # whether a background write was in flight since a given time (None: synchronous).
+        # whether background checkpoint work ran since a given time (None: none runs).
         self._split_started = time.monotonic()
         self._due_since: float | None = None
         self._wrote_since: Callable[[float], bool] | None = None
@@ -131,14 +131,27 @@ class RunCheckpointer:
                                             policy.max_in_flight, policy.when_behind, self._group)
         else:
             self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group)
-        if isinstance(self._writer, BackgroundWriter):
-            self._wrote_since = self._writer.wrote_since
-        self._split_started = time.monotonic()
         if self._fast is not None:
             self._units_at_last_durable = resumed_mark[0] if resumed_mark is not None else 0
             self._tiers = TierWriter(self._fast.store, self.store, retention, also_sync,
                                      self._lease.verify, self._lease.generation)
             self._writer.tiers = self._tiers
+        self._wrote_since = self._background_work_detector()
+        self._split_started = time.monotonic()
+
+    def _background_work_detector(self) -> Callable[[float], bool] | None:
+        """What tells "auto" whether a split overlapped background checkpoint work: the
+        background writer's writes, and the fast tier's copies into the durable tier (both
+        compete with training). None when nothing runs in the background."""
+        detectors = []
+        if isinstance(self._writer, BackgroundWriter):
+            detectors.append(self._writer.wrote_since)
+        if self._tiers is not None:
+            detectors.append(self._tiers.promoter.copied_since)
+        if len(detectors) < 2:
+            return detectors[0] if detectors else None
+        wrote_since, copied_since = detectors
+        return lambda since: wrote_since(since) or copied_since(since)
 
     def holds(self, mark: BoundaryMark) -> bool:
         """Whether the last checkpoint saved (or resumed from) was taken at boundary ``mark``."""

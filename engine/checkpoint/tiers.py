@@ -22,8 +22,10 @@ deleted unread. It then records its own generation there before writing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
+import time
 import warnings
 from typing import Any, Callable
 
@@ -143,7 +145,8 @@ class DurablePromoter:
                     self._condition.wait()
                 if self._wanted is None:
                     return
-                name, self._wanted, self._busy = self._wanted, None, self._wanted
+                name = self._busy = self._wanted  # _busy before _wanted drops: see copied_since
+                self._wanted = None
             try:
                 if self._fence is not None:
                     self._fence()
@@ -158,8 +161,19 @@ class DurablePromoter:
                         self._error = error
             finally:
                 with self._condition:
+                    self.last_copy_end = time.monotonic()  # before _busy drops: see copied_since
                     self._busy = None
                     self._condition.notify_all()
+
+    # When the last copy ended (time.monotonic()); -inf before the first.
+    last_copy_end = -math.inf
+
+    def copied_since(self, since: float) -> bool:
+        """Whether a copy into the durable tier was requested or running at any moment after
+        ``since`` (a ``time.monotonic()`` reading): whether a split that started at ``since``
+        overlapped one. Lock-free (once per split): read in the reverse order of the writes in
+        :meth:`_work`."""
+        return self._wanted is not None or self._busy is not None or self.last_copy_end >= since
 
     def check(self) -> None:
         """Raise, on the calling thread, an error the background copy met."""

@@ -21,7 +21,9 @@ from engine.checkpoint.codec import encode_state
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import DurablePromoter
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint
+from progress import ProgressTree, encode_tree
 from kill_helpers import run_until_done
 from resume_helpers import assert_same_run
 from scenarios import SCENARIOS, build, train_with_checkpoints
@@ -205,6 +207,38 @@ def test_the_background_writer_reports_when_it_was_writing():
         writer.close()
 
 
+def test_the_durable_tier_promoter_reports_when_it_was_copying(tmp_path):
+    fast = CheckpointStore(Storage(str(tmp_path / "fast")))
+    durable = CheckpointStore(Storage(f"memory://budget-{uuid.uuid4().hex}"))
+    name = fast.write(encode_state({"weights": torch.zeros(3)}), encode_tree(ProgressTree()), None, 1)
+    entered, leave = threading.Event(), threading.Event()
+    original = durable.copy_from
+
+    def copy_from(*args, **kwargs):
+        entered.set()
+        assert leave.wait(30)
+        return original(*args, **kwargs)
+
+    durable.copy_from = copy_from
+    promoter = DurablePromoter(fast, durable, Retention(keep_last=None), lambda: [], None, None)
+    try:
+        before = time.monotonic()
+        assert not promoter.copied_since(before)  # nothing requested yet
+        promoter.request(name)
+        assert promoter.copied_since(before)  # requested or being copied
+        assert entered.wait(30)
+        assert promoter.copied_since(time.monotonic())  # being copied
+        leave.set()
+        promoter.close(None)
+        after = time.monotonic()
+        assert durable.names() == [name]
+        assert promoter.copied_since(before)  # it ended after ``before``
+        assert not promoter.copied_since(after)
+    finally:
+        leave.set()
+        promoter.close(None)
+
+
 # ---- end to end ---------------------------------------------------------------------------------
 def cpu_hungry_writes(monkeypatch):
     """Each checkpoint write first runs 0.3 s (on this machine; hundreds of times a split of the
@@ -220,10 +254,11 @@ def cpu_hungry_writes(monkeypatch):
     monkeypatch.setattr(CheckpointStore, "write", write)
 
 
-def auto_interval(tmp_path, when_behind, fast_tier):
+def auto_interval(tmp_path, when_behind, fast_tier, asynchronous=True, durable_every_n_splits=6):
     model, loader = build("tbptt")
-    tier = dict(local_tier=str(tmp_path / f"tier-{uuid.uuid4().hex}"), durable_every_n_splits=6) if fast_tier else {}
-    checkpoint = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.5, asynchronous=True,
+    tier = dict(local_tier=str(tmp_path / f"tier-{uuid.uuid4().hex}"),
+                durable_every_n_splits=durable_every_n_splits) if fast_tier else {}
+    checkpoint = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.5, asynchronous=asynchronous,
                                          when_behind=when_behind, keep_last=2, **tier)
     run_dir = str(tmp_path / f"run-{uuid.uuid4().hex}") if fast_tier else f"memory://budget-{uuid.uuid4().hex}"
     config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
@@ -240,6 +275,33 @@ def test_auto_checkpoints_less_often_when_background_writes_slow_training(monkey
     cpu_hungry_writes(monkeypatch)
     slowed = auto_interval(tmp_path, when_behind, fast_tier)
     assert plain < slowed == AUTO_MAX_INTERVAL
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_splits_that_ran_during_a_copy_into_the_durable_tier_are_not_write_free(monkeypatch, tmp_path,
+                                                                                 asynchronous):
+    # The copy runs in the background even when the fast tier is written synchronously: the
+    # splits it overlaps are part of its cost, never a baseline sample.
+    original_copy, original_note = CheckpointStore.copy_from, OverheadBudget.note_split
+    copying, noted = threading.Event(), []
+
+    def copy_from(self, *args, **kwargs):
+        copying.set()
+        time.sleep(0.2)
+        try:
+            return original_copy(self, *args, **kwargs)
+        finally:
+            copying.clear()
+
+    def note_split(self, seconds, overlapped):
+        noted.append((copying.is_set(), overlapped))
+        return original_note(self, seconds, overlapped)
+
+    monkeypatch.setattr(CheckpointStore, "copy_from", copy_from)
+    monkeypatch.setattr(OverheadBudget, "note_split", note_split)
+    auto_interval(tmp_path, "wait", True, asynchronous, durable_every_n_splits=1)
+    during_a_copy = [overlapped for copy_running, overlapped in noted if copy_running]
+    assert during_a_copy and all(during_a_copy)
 
 
 @pytest.mark.parametrize("settings, field", [(dict(every_n_splits="sometimes"), "every_n_splits"),

@@ -59,7 +59,6 @@ the wall-time ratio auto-async / none and the interval reached.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import shutil
@@ -72,7 +71,8 @@ import torch
 
 import engine
 from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, SplitClock, Workload,
-                                 filesystem_type, fresh_model, make_batches, same_parameters)
+                                 filesystem_type, fresh_model, make_batches, parse_arguments,
+                                 same_parameters)
 from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.policy import RunCheckpointer
 
@@ -210,19 +210,6 @@ def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[floa
     return median_ratio(rounds, "auto-async"), median_interval(rounds, "auto-async")
 
 
-def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 5, 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
-    parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
-    arguments = parser.parse_args()
-    if arguments.repeats is None:
-        arguments.repeats = 1 if arguments.quick else 5
-    if arguments.repeats < 1:
-        parser.error("--repeats must be positive")
-    return arguments
-
-
 def workloads(quick: bool) -> list[Workload]:
     if quick:
         return [dataclasses.replace(SMALL, batches=8), dataclasses.replace(LARGE, batches=2)]
@@ -230,7 +217,7 @@ def workloads(quick: bool) -> list[Workload]:
 
 
 def main() -> None:
-    arguments = parse_arguments()
+    arguments = parse_arguments(__doc__, default_repeats=5)
     torch.set_num_threads(THREADS)
     work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_budget-", dir=arguments.dir or os.getcwd()))
     kind = filesystem_type(work)

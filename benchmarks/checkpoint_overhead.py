@@ -451,14 +451,16 @@ def report_blocking(workload: Workload, rounds: list[dict[str, RunResult]] | Non
 
 
 # ---- entry point --------------------------------------------------------------------------------
-def parse_arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds per model (default 3, 1 with --quick)")
+def parse_arguments(description: str = __doc__, default_repeats: int = 3) -> argparse.Namespace:
+    """The options of the checkpoint benchmarks (this one and checkpoint_budget.py)."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"interleaved rounds per model (default {default_repeats}, 1 with --quick)")
     parser.add_argument("--quick", action="store_true", help="one round of shorter runs, for tests")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
     arguments = parser.parse_args()
     if arguments.repeats is None:
-        arguments.repeats = 1 if arguments.quick else 3
+        arguments.repeats = 1 if arguments.quick else default_repeats
     if arguments.repeats < 1:
         parser.error("--repeats must be positive")
     return arguments

@@ -92,7 +92,9 @@ def test_retention_keeps_the_newest_checkpoints_of_both_tiers_and_they_verify(tm
 
 def test_a_lost_node_resumes_from_the_durable_tier(tmp_path, reference):
     run_dir, fast = paths(tmp_path)
-    killed(run_dir, fast, "split_end_after_checkpoint:10:sigkill", "--sleep", "0.05")
+    # Killed six splits (0.6 s of sleep, at least) after the 4th checkpoint's durable copy was
+    # requested: time enough for it on a loaded machine.
+    killed(run_dir, fast, "split_end_after_checkpoint:10:sigkill", "--sleep", "0.1")
     in_durable = newest(run_dir)
     assert in_durable is not None and in_durable.name < newest(fast).name
     shutil.rmtree(os.path.dirname(fast))  # the node is gone, and its /dev/shm with it

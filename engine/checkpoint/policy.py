@@ -58,6 +58,7 @@ class RunCheckpointer:
         self._split_started = time.monotonic()
         self._due_since: float | None = None
         self._wrote_since: Callable[[float], bool] | None = None
+        self._resumed_name: str | None = None
         if policy.local_tier is not None and group is not None:
             raise ConfigError("CheckpointConfig.local_tier is not supported with several processes yet; "
                               "leave it unset under torchrun")
@@ -95,8 +96,11 @@ class RunCheckpointer:
         ``validate``; a run dir whose every checkpoint is invalid is refused, never restarted
         silently."""
         if self._group is not None:
-            return self._group.select(functools.partial(self._select, resume, validate), self.store, validate)
-        return self._select(resume, validate)
+            loaded = self._group.select(functools.partial(self._select, resume, validate), self.store, validate)
+        else:
+            loaded = self._select(resume, validate)
+        self._resumed_name = None if loaded is None else loaded.name
+        return loaded
 
     def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         if resume == "off":
@@ -122,6 +126,12 @@ class RunCheckpointer:
         checkpoint resumed from, which therefore needs no new checkpoint."""
         self._steps_at_last_save = optimizer_steps
         self._mark_of_last_save = resumed_mark
+        if self._fast is not None and self._resumed_name is not None and \
+                self._resumed_name not in self.store.committed_names():
+            # Resumed from a checkpoint only the fast tier holds (its copy to the durable tier
+            # died with the process): the boundary is not held durably, so the run's last
+            # checkpoint is written again even at this boundary, and reaches the durable tier.
+            self._mark_of_last_save = None
         self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         policy = self.policy

@@ -206,6 +206,26 @@ def test_the_last_checkpoint_of_a_run_reaches_the_durable_tier(tmp_path):
     assert newest(run_dir).name == result.last_checkpoint == newest(fast).name
 
 
+def test_a_run_killed_while_copying_its_last_checkpoint_to_the_durable_tier_completes_the_copy(tmp_path, reference):
+    """The process dies inside the durable copy of the run's last checkpoint, after training
+    ended: the resumed run has nothing left to train, and still makes that state durable
+    (before, it resumed at the end and stopped, leaving the durable tier behind for good)."""
+    counted = train_with_checkpoints("tbptt", str(tmp_path / "counted"), tier=(str(tmp_path / "counted-fast"), 1000))
+    fast_commits = int(counted.last_checkpoint[len("ckpt-"):])  # the commit after them is the durable copy
+    run_dir, fast = paths(tmp_path)
+    process = run_scenario("tbptt", run_dir, f"checkpoint_before_rename:{fast_commits + 1}:sigkill",
+                           "--local-tier", fast, "--durable-every", "1000")
+    assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+    end = newest(fast)
+    assert end.name == counted.last_checkpoint and end.progress.cursor == Cursor(1, 2, 3, 0)
+    assert newest(run_dir) is None or newest(run_dir).name < end.name
+    result = resume(run_dir, fast, durable_every=1000)
+    assert result.resumed_from == end.name
+    assert newest(run_dir).progress.cursor == end.progress.cursor
+    shutil.rmtree(os.path.dirname(fast))  # then the node is lost: the durable tier has it all
+    assert_same_run(reference, run_dir)
+
+
 @pytest.mark.parametrize("settings, field", [
     (dict(durable_every_n_splits=4), "durable_every_n_splits"),
     (dict(local_tier="/dev/shm/x"), "durable_every_n_splits and/or"),

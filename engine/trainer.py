@@ -16,7 +16,7 @@ from engine.distributed.preemption_marker import preempted_exit_status
 from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.run import FitRun
-from engine.run.run_dir import check_run_dir
+from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
 from engine.checkpoint.storage import Storage
 
@@ -80,6 +80,8 @@ class Trainer:
         check_reiterable(train_data, self.config.max_epochs)
         storage = None
         if self.config.run_dir is not None:
+            if self.config.checkpoint is not None and self.config.checkpoint.local_tier is not None:
+                check_local_tier(self.config.checkpoint.local_tier, self.config.run_dir)
             check_run_dir(self.config.run_dir)
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)

@@ -35,6 +35,7 @@ from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
+from engine.run.module_checks import check_optimizer_setup, check_trainable
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from progress import Cursor
 
@@ -52,7 +53,9 @@ class FitRun:
         self.distributed = distributed.join(self.device)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
+        check_trainable(module)
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
+        check_optimizer_setup(module, self.setup)
         self.logger = MetricLogger()
         bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()

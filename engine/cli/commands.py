@@ -126,6 +126,7 @@ def run_plot(run_dir: str, out: str | None) -> int:
     """``plot``: draw the run's curves into a PNG file."""
     from engine.cli.plot import plot_run
 
+    check_existing_run_dir(run_dir)
     if out is None:
         if "://" in run_dir:
             raise ConfigError(f"plot: {run_dir} is not a local directory; name the picture with --out FILE.png")

@@ -44,6 +44,9 @@ class Trainer:
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
             raise ConfigError(f"Trainer: config must be a TrainerConfig, got {type(config).__name__}")
+        if isinstance(callbacks, Callback) or not isinstance(callbacks, collections.abc.Iterable):
+            raise ConfigError(f"Trainer: callbacks must be a list of engine.Callback objects, got {callbacks!r}; "
+                              "wrap a single callback in a list: callbacks=[callback]")
         for callback in callbacks:
             if not isinstance(callback, Callback):
                 raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
@@ -72,6 +75,12 @@ class Trainer:
         if isinstance(val_data, (str, bytes)):
             raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
                               "(pass resume= as a keyword)")
+        if val_data is not None and not isinstance(val_data, collections.abc.Iterable):
+            raise DataError(f"fit: val_data must be re-iterable batches (a DataLoader or a list), got "
+                            f"{type(val_data).__name__}")
+        if val_data is None and self.config.val_every_n_steps is not None:
+            raise ConfigError(f"TrainerConfig.val_every_n_steps={self.config.val_every_n_steps!r} but fit got no "
+                              "val_data, so no validation would run; pass val_data to fit or drop val_every_n_steps")
         # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
         if isinstance(val_data, collections.abc.Iterator):
             raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "

@@ -1,0 +1,65 @@
+"""Wrong arguments to Trainer, fit and split_along_time are typed errors raised before training,
+not a TypeError from inside the engine (or, for val_data, after the first epoch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+
+
+class Validated(engine.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+        self.steps = 0
+
+    def training_step(self, batch):
+        self.steps += 1
+        return self.layer(batch).pow(2).mean()
+
+    def validation_step(self, batch):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _rows():
+    return [torch.randn(2, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _config(**overrides):
+    settings = {"max_epochs": 1, "progress_bar": "off"}
+    settings.update(overrides)
+    return engine.TrainerConfig(**settings)
+
+
+@pytest.mark.parametrize("callbacks", [None, engine.EarlyStopping("val_loss")])
+def test_callbacks_that_are_not_a_list_are_a_config_error(callbacks):
+    with pytest.raises(engine.ConfigError, match=r"callbacks=\[callback\]"):
+        engine.Trainer(_config(), callbacks=callbacks)
+
+
+def test_val_data_that_is_not_iterable_is_refused_before_training():
+    module = Validated()
+    with pytest.raises(engine.DataError, match="val_data.*int"):
+        engine.Trainer(_config()).fit(module, _rows(), 3)
+    assert module.steps == 0
+
+
+def test_val_every_n_steps_without_val_data_is_refused_before_training():
+    module = Validated()
+    with pytest.raises(engine.ConfigError, match="TrainerConfig.val_every_n_steps=2.*no val_data"):
+        engine.Trainer(_config(val_every_n_steps=2)).fit(module, _rows())
+    assert module.steps == 0
+    assert engine.Trainer(_config(val_every_n_steps=2)).fit(module, _rows(), _rows()).metrics["val_loss"] >= 0
+
+
+@pytest.mark.parametrize("split_length, time_dim", [(0, 1), (-2, 1), (2.0, 1), (True, 1), (2, 1.0), (2, "1")])
+def test_split_along_time_with_bad_arguments_is_a_split_error(split_length, time_dim):
+    with pytest.raises(engine.SplitError, match="split_along_time") as caught:
+        engine.split_along_time(torch.zeros(2, 4, 3), split_length, time_dim)
+    assert repr(split_length) in str(caught.value) or repr(time_dim) in str(caught.value)

@@ -120,6 +120,15 @@ class CheckpointConfig:
     max_overhead: float = 0.05
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and their combinations; ``Trainer.fit`` calls it again, so that a
+        field changed after construction is checked too.
+
+        Raises:
+            ConfigError: naming the field, the value and what was expected.
+        """
         owner = "CheckpointConfig"
         if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
             raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
@@ -255,6 +264,15 @@ class TrainerConfig:
     distributed_sampler: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and the checkpoint policy's); ``Trainer.fit`` calls it again, so
+        that a field changed after construction is checked too.
+
+        Raises:
+            ConfigError: naming the field, the value and what was expected.
+        """
         owner = "TrainerConfig"
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"{owner}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
@@ -290,6 +308,8 @@ class TrainerConfig:
             raise ConfigError(f"{owner}.requeue_command: expected a shell command string or None, got {self.requeue_command!r}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(f"{owner}.checkpoint: expected a CheckpointConfig or None, got {self.checkpoint!r}")
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
         if self.checkpoint is not None and self.run_dir is None and not self.checkpoint._implied_by_default:
             raise ConfigError(
                 f"{owner}.checkpoint: {self.checkpoint!r} was given but run_dir is None, so no checkpoint "

@@ -85,6 +85,7 @@ class Trainer:
         if isinstance(val_data, collections.abc.Iterator):
             raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
                             "pass a DataLoader or a list")
+        self.config.validate()  # again: a field may have been changed since the config was built
         faults.arm_from_environment()
         check_reiterable(train_data, self.config.max_epochs)
         storage = None

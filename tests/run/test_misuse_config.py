@@ -156,3 +156,25 @@ def test_local_tier_beside_the_checkpoints_in_the_run_dir_works_and_is_reused(tm
     assert first.last_checkpoint is not None
     again = engine.Trainer(_tier_config(run_dir, run_dir / "fast")).fit(Plain(), _rows())
     assert again.resumed_from == first.last_checkpoint
+
+
+@pytest.mark.parametrize("field, value", [("max_epochs", 0), ("max_epochs", "2"), ("accumulate_grad", 0),
+                                          ("checkpoint", {"every_n_splits": 1})])
+def test_trainer_config_field_changed_after_construction_is_checked_by_fit(tmp_path, field, value):
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), progress_bar="off")
+    setattr(config, field, value)
+    with pytest.raises(engine.ConfigError) as caught:
+        engine.Trainer(config).fit(Plain(), _rows())
+    assert f"TrainerConfig.{field}" in str(caught.value) and repr(value) in str(caught.value)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("field, value", [("keep_last", 0), ("every_n_splits", 0), ("asynchronous", "yes")])
+def test_checkpoint_config_field_changed_after_construction_is_checked_by_fit(tmp_path, field, value):
+    policy = engine.CheckpointConfig()
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), checkpoint=policy, progress_bar="off")
+    setattr(policy, field, value)
+    with pytest.raises(engine.ConfigError) as caught:
+        engine.Trainer(config).fit(Plain(), _rows())
+    assert f"CheckpointConfig.{field}" in str(caught.value) and repr(value) in str(caught.value)
+    assert not (tmp_path / "run").exists()

@@ -12,6 +12,7 @@ The order at each boundary, in one place:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -139,6 +140,8 @@ class FitRun:
             self._start_fresh()
             return
         self.checkpoints.acquire()
+        if resume == "off":
+            self._warn_fresh_over_checkpoints()
         loaded = self.checkpoints.select(resume, run_state.validate)
         if loaded is None:
             self._start_fresh()
@@ -157,6 +160,17 @@ class FitRun:
             if reason is not None:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _warn_fresh_over_checkpoints(self) -> None:
+        """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""
+        assert self.checkpoints is not None and self.config.checkpoint is not None
+        keep_last = self.config.checkpoint.keep_last
+        existing = sorted(self.checkpoints.store.committed_names())
+        if existing and keep_last is not None:
+            warnings.warn(f"resume='off': starting a fresh run in {self.config.run_dir}, which holds {len(existing)} "
+                          f"checkpoint(s) of an earlier run (newest {existing[-1]}); retention (keep_last={keep_last}) "
+                          "deletes them as this run commits new ones. To keep them, stop now and use another run_dir",
+                          stacklevel=5)
 
     def _start_fresh(self) -> None:
         self.display.start(self.config.run_dir, None)

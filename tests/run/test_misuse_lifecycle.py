@@ -113,3 +113,16 @@ def test_ctrl_c_inside_the_step_leaves_a_run_that_resumes_exactly(tmp_path):
     assert result.resumed_from is not None and result.optimizer_steps == 12
     for mine, theirs in zip(resumed.parameters(), reference.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+def test_resume_off_over_earlier_checkpoints_warns_that_retention_deletes_them(tmp_path):
+    keep_all = engine.CheckpointConfig(keep_last=None)
+    engine.Trainer(_config(tmp_path, checkpoint=keep_all)).fit(Plain(), _rows())
+    with pytest.warns(UserWarning, match=r"resume='off'.*holds 7 checkpoint\(s\).*newest ckpt-0000000007.*keep_last=2"):
+        engine.Trainer(_config(tmp_path, checkpoint=engine.CheckpointConfig(keep_last=2))).fit(Plain(), _rows(),
+                                                                                               resume="off")
+
+
+def test_resume_off_in_a_new_run_dir_does_not_warn(tmp_path, recwarn):
+    engine.Trainer(_config(tmp_path)).fit(Plain(), _rows(), resume="off")
+    assert not [w for w in recwarn if "resume='off'" in str(w.message)]

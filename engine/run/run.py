@@ -78,7 +78,7 @@ class FitRun:
                             if storage is not None and config.checkpoint else None)
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
-        self.view = RunView(self.status, self.stop.request)
+        self.view = RunView(self.status, self._stop_requested_by_callback)
         self.display = Display(config.progress_bar if writes_metrics else "off", config.log_every_seconds,
                                self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
@@ -160,6 +160,13 @@ class FitRun:
             if reason is not None:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _stop_requested_by_callback(self, reason: object) -> None:
+        # A None reason would read as "no stop requested", and FitResult.stop_reason is a str.
+        if not isinstance(reason, str) or not reason.strip():
+            raise ModuleContractError(f"RunView.request_stop: the reason must be a non-empty string saying why the "
+                                      f"run stops, got {reason!r}")
+        self.stop.request(reason)
 
     def _warn_fresh_over_checkpoints(self) -> None:
         """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""

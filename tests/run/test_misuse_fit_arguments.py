@@ -63,3 +63,25 @@ def test_split_along_time_with_bad_arguments_is_a_split_error(split_length, time
     with pytest.raises(engine.SplitError, match="split_along_time") as caught:
         engine.split_along_time(torch.zeros(2, 4, 3), split_length, time_dim)
     assert repr(split_length) in str(caught.value) or repr(time_dim) in str(caught.value)
+
+
+class StopWith(engine.Callback):
+    def __init__(self, reason) -> None:
+        self.reason = reason
+
+    def on_split_end(self, view):
+        view.request_stop(self.reason)
+
+
+@pytest.mark.parametrize("reason", [None, 3, "", "  "])
+def test_request_stop_without_a_reason_string_is_a_contract_error(reason):
+    # None used to be ignored silently (the run went on), 3 became FitResult.stop_reason.
+    with pytest.raises(engine.ModuleContractError, match="RunView.request_stop") as caught:
+        engine.Trainer(_config(), callbacks=[StopWith(reason)]).fit(Validated(), _rows())
+    assert repr(reason) in str(caught.value)
+
+
+def test_request_stop_with_a_reason_stops_and_reports_it():
+    module = Validated()
+    result = engine.Trainer(_config(), callbacks=[StopWith("enough")]).fit(module, _rows())
+    assert result.stop_reason == "enough" and module.steps == 1

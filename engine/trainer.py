@@ -11,7 +11,7 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
-from engine.data.checks import check_reiterable
+from engine.data.checks import check_batch_source, check_reiterable
 from engine.distributed.preemption_marker import preempted_exit_status
 from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
@@ -87,6 +87,7 @@ class Trainer:
                             "pass a DataLoader or a list")
         self.config.validate()  # again: a field may have been changed since the config was built
         faults.arm_from_environment()
+        check_batch_source(train_data)
         check_reiterable(train_data, self.config.max_epochs)
         storage = None
         if self.config.run_dir is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Set
 from typing import Any
 
 from engine.errors import DataError
@@ -24,3 +24,27 @@ def check_reiterable(train_data: Any, max_epochs: int | None) -> None:
         "for each epoch: a torch DataLoader, a list of batches, or an object whose __iter__ returns a new "
         "iterator (for a generator function, a class with __iter__ calling it); or set max_epochs=1"
     )
+
+
+def check_batch_source(train_data: Any) -> None:
+    """Refuse containers that iterate but are almost surely not batches: a string or bytes (its
+    characters), a dict (its keys), a set (in an order that changes between processes, so a
+    resume would not continue the same epoch), and a map-style Dataset that is not wrapped in a
+    DataLoader.
+
+    Raises:
+        DataError: naming the type and what to pass instead.
+    """
+    if isinstance(train_data, (str, bytes, bytearray)):
+        raise DataError(f"the training data is a {type(train_data).__name__} ({train_data[:40]!r}): iterating it "
+                        "yields single characters, not batches; pass a DataLoader or a list of batches")
+    if isinstance(train_data, Mapping):
+        raise DataError(f"the training data is a {type(train_data).__name__}: iterating it yields its keys "
+                        f"({list(train_data)[:3]!r}...), not batches; pass a list of batches (e.g. [batch_dict]) "
+                        "or a DataLoader")
+    if isinstance(train_data, Set):
+        raise DataError(f"the training data is a {type(train_data).__name__}: its order is not fixed, so a resumed "
+                        "run would not continue the same epoch; pass a list of batches or a DataLoader")
+    if not hasattr(train_data, "__iter__") and hasattr(train_data, "__getitem__") and hasattr(train_data, "__len__"):
+        raise DataError(f"the training data is a {type(train_data).__name__}, a dataset of samples, not of batches; "
+                        "wrap it in torch.utils.data.DataLoader(dataset, batch_size=...)")

@@ -85,3 +85,20 @@ def test_request_stop_with_a_reason_stops_and_reports_it():
     module = Validated()
     result = engine.Trainer(_config(), callbacks=[StopWith("enough")]).fit(module, _rows())
     assert result.stop_reason == "enough" and module.steps == 1
+
+
+@pytest.mark.parametrize("data, says", [("abc", "single characters"), (b"abc", "single characters"),
+                                        ({"x": torch.zeros(2, 3)}, "yields its keys"),
+                                        (frozenset({1, 2}), "order is not fixed"),
+                                        (torch.utils.data.TensorDataset(torch.zeros(4, 3)), "wrap it in torch.utils.data.DataLoader")])
+def test_data_that_iterates_but_is_not_batches_is_a_data_error_before_training(data, says):
+    module = Validated()
+    with pytest.raises(engine.DataError, match=says) as caught:
+        engine.Trainer(_config()).fit(module, data)
+    assert type(data).__name__ in str(caught.value)
+    assert module.steps == 0
+
+
+def test_a_tensor_or_a_tuple_of_batches_still_trains():
+    assert engine.Trainer(_config()).fit(Validated(), torch.zeros(4, 2, 3)).optimizer_steps == 4
+    assert engine.Trainer(_config()).fit(Validated(), tuple(_rows())).optimizer_steps == 3

@@ -172,7 +172,6 @@ class CheckpointConfig:
                 raise ConfigError(f"{owner}.local_tier={self.local_tier!r}: say how often checkpoints reach the run dir "
                                   "with durable_every_n_splits and/or durable_every_seconds")
 
-
     def _check_combinations(self) -> None:
         """Refuse a field set to a non-default value that the rest of the policy would ignore."""
         owner = "CheckpointConfig"

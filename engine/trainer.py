@@ -70,8 +70,9 @@ class Trainer:
         Returns:
             a :class:`engine.FitResult`.
         """
-        if not isinstance(resume, str):
-            raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name, got {resume!r}")
+        if not isinstance(resume, str) or (resume not in ("auto", "latest", "off") and not resume.startswith("ckpt-")):
+            raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name ckpt-NNNNNNNNNN, "
+                              f"got {resume!r}")
         if isinstance(val_data, (str, bytes)):
             raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
                               "(pass resume= as a keyword)")

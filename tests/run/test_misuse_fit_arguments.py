@@ -102,3 +102,13 @@ def test_data_that_iterates_but_is_not_batches_is_a_data_error_before_training(d
 def test_a_tensor_or_a_tuple_of_batches_still_trains():
     assert engine.Trainer(_config()).fit(Validated(), torch.zeros(4, 2, 3)).optimizer_steps == 4
     assert engine.Trainer(_config()).fit(Validated(), tuple(_rows())).optimizer_steps == 3
+
+
+@pytest.mark.parametrize("resume", ["Auto", "yes", "latest ", "../other-run", ""])
+def test_resume_that_is_no_keyword_nor_checkpoint_name_lists_the_choices(tmp_path, resume):
+    # Without a run_dir this used to say that resume='yes' "needs TrainerConfig.run_dir".
+    for run_dir in (None, str(tmp_path / "run")):
+        with pytest.raises(engine.ConfigError, match="'auto', 'latest', 'off' or a checkpoint name") as caught:
+            engine.Trainer(_config(run_dir=run_dir)).fit(Validated(), _rows(), resume=resume)
+        assert repr(resume) in str(caught.value)
+    assert not (tmp_path / "run").exists()

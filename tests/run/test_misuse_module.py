@@ -210,3 +210,35 @@ def test_iterable_dataset_without_length_trains_every_epoch():
 
     loader = torch.utils.data.DataLoader(Stream(), batch_size=2)
     assert _fit(Plain(), loader, max_epochs=2).optimizer_steps == 6
+
+
+class LogsInBoth(Plain):
+    def __init__(self, training_name, validation_name) -> None:
+        super().__init__()
+        self.training_name, self.validation_name = training_name, validation_name
+
+    def training_step(self, batch):
+        loss = super().training_step(batch)
+        self.log(self.training_name, 1000.0)
+        return loss
+
+    def validation_step(self, batch):
+        self.log(self.validation_name, 0.5)
+        return self.layer(batch).pow(2).mean()
+
+
+@pytest.mark.parametrize("training_name, validation_name", [("val_loss", "acc"), ("acc", "acc")])
+def test_a_metric_name_logged_in_training_and_validation_is_refused(training_name, validation_name):
+    # Before, the training value and the validation value overwrote each other in what
+    # CheckpointConfig(monitor=...) and EarlyStopping read: the best checkpoints could follow 1000.0.
+    module = LogsInBoth(training_name, validation_name)
+    trainer = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off"))
+    name = "val_loss" if training_name == "val_loss" else validation_name
+    with pytest.raises(engine.ModuleContractError, match=f"log\\('{name}'\\) in validation"):
+        trainer.fit(module, _rows(), _rows())
+
+
+def test_distinct_training_and_validation_names_are_both_kept():
+    result = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(
+        LogsInBoth("train_acc", "val_acc"), _rows(), _rows())
+    assert result.metrics["train_acc"] == 1000.0 and result.metrics["val_acc"] == 0.5

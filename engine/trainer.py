@@ -82,6 +82,9 @@ class Trainer:
         if val_data is None and self.config.val_every_n_steps is not None:
             raise ConfigError(f"TrainerConfig.val_every_n_steps={self.config.val_every_n_steps!r} but fit got no "
                               "val_data, so no validation would run; pass val_data to fit or drop val_every_n_steps")
+        if val_data is not None and not self.config.val_at_epoch_end and self.config.val_every_n_steps is None:
+            raise ConfigError("fit got val_data but TrainerConfig.val_at_epoch_end=False and val_every_n_steps=None, "
+                              "so no validation would run; set val_every_n_steps, val_at_epoch_end=True, or drop val_data")
         # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
         if isinstance(val_data, collections.abc.Iterator):
             raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "

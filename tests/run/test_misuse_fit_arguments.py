@@ -112,3 +112,12 @@ def test_resume_that_is_no_keyword_nor_checkpoint_name_lists_the_choices(tmp_pat
             engine.Trainer(_config(run_dir=run_dir)).fit(Validated(), _rows(), resume=resume)
         assert repr(resume) in str(caught.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_val_data_that_would_never_be_validated_is_refused():
+    module = Validated()
+    with pytest.raises(engine.ConfigError, match="val_at_epoch_end=False and val_every_n_steps=None"):
+        engine.Trainer(_config(val_at_epoch_end=False)).fit(module, _rows(), _rows())
+    assert module.steps == 0
+    result = engine.Trainer(_config(val_at_epoch_end=False, val_every_n_steps=3)).fit(module, _rows(), _rows())
+    assert "val_loss" in result.metrics

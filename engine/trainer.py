@@ -15,6 +15,7 @@ from engine.data.checks import check_batch_source, check_reiterable
 from engine.distributed.preemption_marker import preempted_exit_status
 from engine.errors import ConfigError, DataError
 from engine.faults.faulty_fs import filesystem_for
+from engine.run.module_checks import check_module
 from engine.run.run import FitRun
 from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
@@ -91,6 +92,7 @@ class Trainer:
                             "pass a DataLoader or a list")
         self.config.validate()  # again: a field may have been changed since the config was built
         faults.arm_from_environment()
+        check_module(module)
         check_batch_source(train_data)
         check_reiterable(train_data, self.config.max_epochs)
         storage = None

@@ -11,8 +11,19 @@ from engine.errors import ModuleContractError
 from engine.optim_setup import OptimizerSetup
 
 
-def check_trainable(module: torch.nn.Module) -> None:
-    """Refuse a module with no parameter, or none that requires grad, before its optimizers are made."""
+def check_module(module: object) -> None:
+    """Refuse what is not a trainable module: not an nn.Module, no ``training_step`` or
+    ``configure_optimizers``, no parameter, or none that requires grad. Reads only; ``fit`` runs
+    it before it creates the run directory."""
+    if not isinstance(module, torch.nn.Module):
+        raise ModuleContractError(f"fit expects a torch.nn.Module (subclass engine.Module), got {type(module).__name__}")
+    for method in ("training_step", "configure_optimizers"):
+        if not callable(getattr(module, method, None)):
+            raise ModuleContractError(f"{type(module).__name__} has no {method}() method (subclass engine.Module)")
+    _check_trainable(module)
+
+
+def _check_trainable(module: torch.nn.Module) -> None:
     name = type(module).__name__
     parameters = list(module.parameters())
     if not parameters:

@@ -36,7 +36,7 @@ from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
-from engine.run.module_checks import check_optimizer_setup, check_trainable
+from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from progress import Cursor
 
@@ -46,7 +46,7 @@ class FitRun:
 
     def __init__(self, config: TrainerConfig, callbacks: Sequence[Callback], module: torch.nn.Module,
                  train_data: Iterable[Any], storage: Storage | None, val_data: Iterable[Any] | None = None) -> None:
-        _check_module(module)
+        check_module(module)
         self.config = config
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
@@ -54,7 +54,6 @@ class FitRun:
         self.distributed = distributed.join(self.device)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
-        check_trainable(module)
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
         check_optimizer_setup(module, self.setup)
         self.logger = MetricLogger()
@@ -298,11 +297,3 @@ class FitRun:
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, torch.nn.Module):
-        raise ModuleContractError(f"fit expects a torch.nn.Module (subclass engine.Module), got {type(module).__name__}")
-    for method in ("training_step", "configure_optimizers"):
-        if not callable(getattr(module, method, None)):
-            raise ModuleContractError(f"{type(module).__name__} has no {method}() method (subclass engine.Module)")

@@ -242,3 +242,11 @@ def test_distinct_training_and_validation_names_are_both_kept():
     result = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(
         LogsInBoth("train_acc", "val_acc"), _rows(), _rows())
     assert result.metrics["train_acc"] == 1000.0 and result.metrics["val_acc"] == 0.5
+
+
+@pytest.mark.parametrize("make", [NoParameters, lambda: nn.Linear(3, 1)], ids=["no-parameters", "no-training-step"])
+def test_module_errors_come_before_the_run_dir_is_created(tmp_path, make):
+    run_dir = tmp_path / "run"
+    with pytest.raises(engine.ModuleContractError):
+        _fit(make(), _rows(), run_dir=str(run_dir))
+    assert not run_dir.exists()

@@ -29,8 +29,8 @@ def check_reiterable(train_data: Any, max_epochs: int | None) -> None:
 def check_batch_source(train_data: Any) -> None:
     """Refuse containers that iterate but are almost surely not batches: a string or bytes (its
     characters), a dict (its keys), a set (in an order that changes between processes, so a
-    resume would not continue the same epoch), and a map-style Dataset that is not wrapped in a
-    DataLoader.
+    resume would not continue the same epoch), a map-style Dataset that is not wrapped in a
+    DataLoader, and data of length 0 (before anything is written to the run directory).
 
     Raises:
         DataError: naming the type and what to pass instead.
@@ -45,6 +45,12 @@ def check_batch_source(train_data: Any) -> None:
     if isinstance(train_data, Set):
         raise DataError(f"the training data is a {type(train_data).__name__}: its order is not fixed, so a resumed "
                         "run would not continue the same epoch; pass a list of batches or a DataLoader")
+    try:
+        empty = len(train_data) == 0
+    except TypeError:  # no length (an IterableDataset's DataLoader, a generator): found out when iterated
+        empty = False
+    if empty:
+        raise DataError("the training data is empty: len(train_data) is 0")
     if not hasattr(train_data, "__iter__") and hasattr(train_data, "__getitem__") and hasattr(train_data, "__len__"):
         raise DataError(f"the training data is a {type(train_data).__name__}, a dataset of samples, not of batches; "
                         "wrap it in torch.utils.data.DataLoader(dataset, batch_size=...)")

@@ -121,3 +121,11 @@ def test_val_data_that_would_never_be_validated_is_refused():
     assert module.steps == 0
     result = engine.Trainer(_config(val_at_epoch_end=False, val_every_n_steps=3)).fit(module, _rows(), _rows())
     assert "val_loss" in result.metrics
+
+
+@pytest.mark.parametrize("data", [[], torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 3)))],
+                         ids=["empty-list", "empty-dataloader"])
+def test_empty_data_is_refused_before_the_run_dir_is_created(tmp_path, data):
+    with pytest.raises(engine.DataError, match="empty"):
+        engine.Trainer(_config(run_dir=str(tmp_path / "run"))).fit(Validated(), data)
+    assert not (tmp_path / "run").exists()

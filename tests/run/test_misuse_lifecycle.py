@@ -126,3 +126,12 @@ def test_resume_off_over_earlier_checkpoints_warns_that_retention_deletes_them(t
 def test_resume_off_in_a_new_run_dir_does_not_warn(tmp_path, recwarn):
     engine.Trainer(_config(tmp_path)).fit(Plain(), _rows(), resume="off")
     assert not [w for w in recwarn if "resume='off'" in str(w.message)]
+
+
+def test_export_weights_into_a_missing_directory_is_a_config_error(tmp_path):
+    engine.Trainer(_config(tmp_path / "run")).fit(Plain(), _rows())
+    target = tmp_path / "missing" / "model.pt"
+    with pytest.raises(engine.ConfigError, match="does not exist; create it first") as caught:
+        engine.export_weights(str(tmp_path / "run"), str(target))
+    assert str(target) in str(caught.value)
+    assert engine.export_weights(str(tmp_path / "run"), str(tmp_path / "model.pt")).startswith("ckpt-")

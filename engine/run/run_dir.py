@@ -49,9 +49,10 @@ def check_run_dir(url: str, field: str = "TrainerConfig.run_dir") -> None:
 
 
 def check_local_tier(local_tier: str, run_dir: str, field: str = "CheckpointConfig.local_tier") -> None:
-    """Refuse a fast-tier directory that would destroy checkpoints: the run directory itself, one
-    nested in the other's ``checkpoints`` directory, or a directory that holds another run's
-    checkpoints (the fast tier deletes checkpoints it did not write). Reads only.
+    """Refuse a fast-tier directory that would destroy checkpoints or defeat its purpose: the run
+    directory itself or a directory inside it, one holding the run directory in its
+    ``checkpoints`` directory, or a directory that holds another run's checkpoints (the fast tier
+    deletes checkpoints it did not write). Reads only.
 
     Raises:
         ConfigError: naming ``local_tier`` and what to do.
@@ -63,11 +64,15 @@ def check_local_tier(local_tier: str, run_dir: str, field: str = "CheckpointConf
         if tier == run:
             raise ConfigError(f"{field}: {local_tier!r} is the run directory itself; give the fast tier a "
                               "directory of its own (e.g. under /dev/shm)")
-        for inner, outer in ((tier, run), (run, tier)):
-            if _is_within(inner, os.path.join(outer, CHECKPOINT_DIR)):
-                raise ConfigError(f"{field}: {local_tier!r} and TrainerConfig.run_dir {run_dir!r} lie inside each "
-                                  f"other's {CHECKPOINT_DIR!r} directory, where each deletes checkpoints it did not "
-                                  "write; give the fast tier a directory of its own (e.g. under /dev/shm)")
+        if _is_within(tier, run):
+            raise ConfigError(f"{field}: {local_tier!r} lies inside TrainerConfig.run_dir {run_dir!r}: the fast tier "
+                              "is node-local storage apart from the run directory (inside it, every checkpoint would "
+                              "be written twice to the same filesystem, next to the run's own checkpoints); give the "
+                              "fast tier a directory of its own (e.g. /dev/shm/<run name>)")
+        if _is_within(run, os.path.join(tier, CHECKPOINT_DIR)):
+            raise ConfigError(f"{field}: TrainerConfig.run_dir {run_dir!r} lies inside the {CHECKPOINT_DIR!r} "
+                              f"directory of the fast tier {local_tier!r}, where the fast tier deletes checkpoints "
+                              "it did not write; give the fast tier a directory of its own (e.g. under /dev/shm)")
     if not os.path.isdir(tier) or os.path.exists(os.path.join(tier, MARKER_FILE)):
         return
     run_files = [name for name in FILE_ENTRIES if os.path.exists(os.path.join(tier, name))]

@@ -136,12 +136,11 @@ def test_local_tier_that_is_another_runs_directory_is_refused_and_its_checkpoint
     assert not (tmp_path / "mine").exists()
 
 
-@pytest.mark.parametrize("where", ["run", "run/checkpoints", "run/checkpoints/fast"])
-def test_local_tier_at_or_inside_the_run_dirs_checkpoints_is_refused_before_any_write(tmp_path, where):
+@pytest.mark.parametrize("where", ["run", "run/fast", "run/checkpoints", "run/checkpoints/fast"])
+def test_local_tier_at_or_inside_the_run_dir_is_refused_before_any_write(tmp_path, where):
     run_dir = tmp_path / "run"
-    tier = tmp_path / where
     with pytest.raises(engine.ConfigError, match="CheckpointConfig.local_tier"):
-        engine.Trainer(_tier_config(run_dir, tier)).fit(Plain(), _rows())
+        engine.Trainer(_tier_config(run_dir, tmp_path / where)).fit(Plain(), _rows())
     assert not run_dir.exists()
 
 
@@ -150,11 +149,11 @@ def test_run_dir_inside_the_local_tiers_checkpoints_is_refused(tmp_path):
         engine.Trainer(_tier_config(tmp_path / "tier" / "checkpoints" / "run", tmp_path / "tier")).fit(Plain(), _rows())
 
 
-def test_local_tier_beside_the_checkpoints_in_the_run_dir_works_and_is_reused(tmp_path):
-    run_dir = tmp_path / "run"
-    first = engine.Trainer(_tier_config(run_dir, run_dir / "fast")).fit(Plain(), _rows())
+def test_local_tier_apart_from_the_run_dir_works_and_is_reused(tmp_path):
+    run_dir, tier = tmp_path / "run", tmp_path / "node" / "fast"
+    first = engine.Trainer(_tier_config(run_dir, tier)).fit(Plain(), _rows())
     assert first.last_checkpoint is not None
-    again = engine.Trainer(_tier_config(run_dir, run_dir / "fast")).fit(Plain(), _rows())
+    again = engine.Trainer(_tier_config(run_dir, tier)).fit(Plain(), _rows())
     assert again.resumed_from == first.last_checkpoint
 
 

@@ -67,7 +67,10 @@ class CheckpointConfig:
             newer one is committed). None keeps all.
         asynchronous: snapshot on the training thread, write in a background thread.
         max_in_flight: with ``asynchronous``, how many snapshots may exist at once (being
-            written or queued); each holds a reusable copy of the state's tensors.
+            written or queued); each holds a reusable copy of the state's tensors. This field,
+            ``when_behind``, ``mode``, ``keep_best`` and ``max_overhead`` are refused at a
+            non-default value when the field they apply to (``asynchronous``, ``monitor``,
+            ``every_n_splits="auto"``) is not set.
         when_behind: with ``asynchronous`` and ``max_in_flight`` snapshots in flight: ``"wait"``
             blocks training until the writer frees one; ``"skip"`` never blocks: the newest
             snapshot replaces the oldest queued one, or, when every snapshot is being written,
@@ -91,7 +94,9 @@ class CheckpointConfig:
             in the background every ``durable_every_n_splits`` splits and/or
             ``durable_every_seconds`` seconds, and always for the run's last checkpoint and a
             preemption checkpoint. Resume takes the newest valid checkpoint of either tier. One
-            directory per run; see docs/checkpoint-format.md.
+            directory per run, outside ``run_dir``: ``fit`` refuses one inside it or holding another
+            run's checkpoints (the fast tier deletes checkpoints it did not write); see
+            docs/checkpoint-format.md.
         durable_every_n_splits: with ``local_tier``, copy a checkpoint to the run dir when the
             count of completed splits crosses a multiple of N.
         durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T

@@ -15,6 +15,8 @@ StepCall = Callable[[Any, Hidden, int], Any]
 
 
 INDEX_PARAMETERS = ("batch_idx", "split_idx")
+# What Lightning 1.x called the arguments the engine passes by keyword.
+_LIGHTNING_NAMES = {"hidden": "hiddens", "optimizer_index": "optimizer_idx"}
 
 
 def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
@@ -71,9 +73,11 @@ def _check_accepts(parameters: Mapping[str, inspect.Parameter] | None, names: tu
     for name in names:
         if name not in parameters or parameters[name].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                                    inspect.Parameter.KEYWORD_ONLY):
+            lightning_name = _LIGHTNING_NAMES[name]
+            advice = (f"rename Lightning's {lightning_name!r} to {name!r}" if lightning_name in parameters
+                      else "add the parameter to the step's signature")
             raise ModuleContractError(f"training_step{inspect.Signature(list(parameters.values()))} has no parameter "
-                                      f"{name!r}, but {because}, so the engine passes {name}= to it; add the "
-                                      "parameter to the step's signature")
+                                      f"{name!r}, but {because}, so the engine passes {name}= to it; {advice}")
 
 
 def _step_call_with_indices(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
@@ -97,6 +101,10 @@ def _step_call_with_indices(training_step: Callable[..., Any], tbptt: bool, seve
 
 def read_tbptt_output(output: Any) -> tuple[torch.Tensor, Hidden]:
     """A TBPTT step returns ``(loss, hidden)``."""
+    if isinstance(output, dict):
+        raise ModuleContractError(
+            f"training_step returned a dict with keys {sorted(map(str, output))}; with TBPTT return the tuple "
+            "(loss, hidden) (Lightning's {'loss': loss, 'hiddens': hiddens} becomes (loss, hiddens))")
     if not isinstance(output, (tuple, list)) or len(output) != 2:
         raise ModuleContractError(
             "training_step must return (loss, hidden) when TBPTT is on "
@@ -118,6 +126,10 @@ def read_plain_output(output: Any) -> tuple[torch.Tensor, Hidden]:
             f"training_step returned {_describe(output)} but TBPTT is off (tbptt_split_length is None): "
             "return the loss alone, or set tbptt_split_length to carry hidden state"
         )
+    if isinstance(output, dict):
+        raise ModuleContractError(
+            f"training_step returned a dict with keys {sorted(map(str, output))}; return the loss tensor itself "
+            "(Lightning's {'loss': loss} becomes loss; log other values with self.log)")
     return check_loss(output), None
 
 

@@ -250,3 +250,28 @@ def test_module_errors_come_before_the_run_dir_is_created(tmp_path, make):
     with pytest.raises(engine.ModuleContractError):
         _fit(make(), _rows(), run_dir=str(run_dir))
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("returned", [lambda loss: {"loss": loss}, lambda loss: {"los": loss}])
+def test_a_step_returning_a_dict_is_told_to_return_the_loss(returned):
+    with pytest.raises(engine.ModuleContractError, match=r"returned a dict with keys \['loss?s?'\]; return the loss tensor"):
+        _fit(Returns(returned), _rows())
+
+
+def test_a_tbptt_step_returning_lightnings_dict_is_told_to_return_a_tuple():
+    class LightningStyle(Recurrent):
+        def training_step(self, batch, hidden):
+            loss, hidden = super().training_step(batch, hidden)
+            return {"loss": loss, "hiddens": hidden}
+
+    with pytest.raises(engine.ModuleContractError, match=r"keys \['hiddens', 'loss'\]; with TBPTT return the tuple"):
+        _fit(LightningStyle(), _sequences())
+
+
+def test_lightnings_hiddens_parameter_is_named_with_its_new_name():
+    class LightningStyle(Recurrent):
+        def training_step(self, batch, batch_idx, hiddens):
+            return super().training_step(batch, hiddens)
+
+    with pytest.raises(engine.ModuleContractError, match="rename Lightning's 'hiddens' to 'hidden'"):
+        _fit(LightningStyle(), _sequences())

@@ -11,9 +11,9 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
-from engine.data.checks import check_batch_source, check_reiterable
+from engine.data.checks import check_batch_source, check_reiterable, check_val_data
 from engine.distributed.preemption_marker import preempted_exit_status
-from engine.errors import ConfigError, DataError
+from engine.errors import ConfigError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.module_checks import check_module
 from engine.run.run import FitRun
@@ -74,23 +74,8 @@ class Trainer:
         if not isinstance(resume, str) or (resume not in ("auto", "latest", "off") and not resume.startswith("ckpt-")):
             raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name ckpt-NNNNNNNNNN, "
                               f"got {resume!r}")
-        if isinstance(val_data, (str, bytes)):
-            raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
-                              "(pass resume= as a keyword)")
-        if val_data is not None and not isinstance(val_data, collections.abc.Iterable):
-            raise DataError(f"fit: val_data must be re-iterable batches (a DataLoader or a list), got "
-                            f"{type(val_data).__name__}")
-        if val_data is None and self.config.val_every_n_steps is not None:
-            raise ConfigError(f"TrainerConfig.val_every_n_steps={self.config.val_every_n_steps!r} but fit got no "
-                              "val_data, so no validation would run; pass val_data to fit or drop val_every_n_steps")
-        if val_data is not None and not self.config.val_at_epoch_end and self.config.val_every_n_steps is None:
-            raise ConfigError("fit got val_data but TrainerConfig.val_at_epoch_end=False and val_every_n_steps=None, "
-                              "so no validation would run; set val_every_n_steps, val_at_epoch_end=True, or drop val_data")
-        # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
-        if isinstance(val_data, collections.abc.Iterator):
-            raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
-                            "pass a DataLoader or a list")
         self.config.validate()  # again: a field may have been changed since the config was built
+        check_val_data(val_data, self.config.val_at_epoch_end, self.config.val_every_n_steps)
         faults.arm_from_environment()
         check_module(module)
         check_batch_source(train_data)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Set
+from collections.abc import Iterable, Iterator, Mapping, Set
 from typing import Any
 
-from engine.errors import DataError
+from engine.errors import ConfigError, DataError
 
 
 def check_reiterable(train_data: Any, max_epochs: int | None) -> None:
@@ -54,3 +54,32 @@ def check_batch_source(train_data: Any) -> None:
     if not hasattr(train_data, "__iter__") and hasattr(train_data, "__getitem__") and hasattr(train_data, "__len__"):
         raise DataError(f"the training data is a {type(train_data).__name__}, a dataset of samples, not of batches; "
                         "wrap it in torch.utils.data.DataLoader(dataset, batch_size=...)")
+
+
+def check_val_data(val_data: Any, val_at_epoch_end: bool, val_every_n_steps: int | None) -> None:
+    """Refuse validation data that cannot be used or would never be used, and validation asked
+    for without data.
+
+    Raises:
+        ConfigError: a string where val_data goes (resume passed positionally?), or val_data
+            and the TrainerConfig validation fields disagree.
+        DataError: val_data is not iterable, or is a one-shot iterator.
+    """
+    if isinstance(val_data, (str, bytes)):
+        raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
+                          "(pass resume= as a keyword)")
+    if val_data is None:
+        if val_every_n_steps is not None:
+            raise ConfigError(f"TrainerConfig.val_every_n_steps={val_every_n_steps!r} but fit got no val_data, so no "
+                              "validation would run; pass val_data to fit or drop val_every_n_steps")
+        return
+    if not isinstance(val_data, Iterable):
+        raise DataError(f"fit: val_data must be re-iterable batches (a DataLoader or a list), got "
+                        f"{type(val_data).__name__}")
+    if not val_at_epoch_end and val_every_n_steps is None:
+        raise ConfigError("fit got val_data but TrainerConfig.val_at_epoch_end=False and val_every_n_steps=None, "
+                          "so no validation would run; set val_every_n_steps, val_at_epoch_end=True, or drop val_data")
+    # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
+    if isinstance(val_data, Iterator):
+        raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
+                        "pass a DataLoader or a list")

@@ -275,3 +275,19 @@ def test_lightnings_hiddens_parameter_is_named_with_its_new_name():
 
     with pytest.raises(engine.ModuleContractError, match="rename Lightning's 'hiddens' to 'hidden'"):
         _fit(LightningStyle(), _sequences())
+
+
+@pytest.mark.parametrize("returned, shown", [
+    (lambda module: [[torch.optim.SGD(module.parameters(), lr=0.1)]], "got list[list[SGD]]"),
+    (lambda module: torch.optim.SGD, "got the class SGD (not an instance: call it"),
+    (lambda module: ([torch.optim.SGD(module.parameters(), lr=0.1)], None), "got tuple[list[SGD], None]"),
+])
+def test_odd_configure_optimizers_results_are_described_in_one_line(returned, shown):
+    class Odd(Plain):
+        def configure_optimizers(self):
+            return returned(self)
+
+    with pytest.raises(engine.ModuleContractError) as caught:
+        _fit(Odd(), _rows())
+    assert shown in str(caught.value)
+    assert "\n" not in str(caught.value)  # an optimizer's repr spans lines ("Parameter Group 0 ...")

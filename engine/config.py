@@ -35,6 +35,12 @@ def _positive_number_or_none(owner: str, name: str, value: object) -> None:
         raise ConfigError(f"{owner}.{name}: expected a positive finite number or None, got {value!r}")
 
 
+def _bool(owner: str, name: str, value: object) -> None:
+    # Not ``value in (True, False)``: 1 == True, and a 0 or "no" would be taken for a flag.
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name}: expected True or False, got {value!r}")
+
+
 def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> None:
     if value not in allowed:
         raise ConfigError(f"{owner}.{name}: expected one of {list(allowed)}, got {value!r}")
@@ -61,7 +67,10 @@ class CheckpointConfig:
             newer one is committed). None keeps all.
         asynchronous: snapshot on the training thread, write in a background thread.
         max_in_flight: with ``asynchronous``, how many snapshots may exist at once (being
-            written or queued); each holds a reusable copy of the state's tensors.
+            written or queued); each holds a reusable copy of the state's tensors. This field,
+            ``when_behind``, ``mode``, ``keep_best`` and ``max_overhead`` are refused at a
+            non-default value when the field they apply to (``asynchronous``, ``monitor``,
+            ``every_n_splits="auto"``) is not set.
         when_behind: with ``asynchronous`` and ``max_in_flight`` snapshots in flight: ``"wait"``
             blocks training until the writer frees one; ``"skip"`` never blocks: the newest
             snapshot replaces the oldest queued one, or, when every snapshot is being written,
@@ -85,7 +94,9 @@ class CheckpointConfig:
             in the background every ``durable_every_n_splits`` splits and/or
             ``durable_every_seconds`` seconds, and always for the run's last checkpoint and a
             preemption checkpoint. Resume takes the newest valid checkpoint of either tier. One
-            directory per run; see docs/checkpoint-format.md.
+            directory per run, outside ``run_dir``: ``fit`` refuses one inside it or holding another
+            run's checkpoints (the fast tier deletes checkpoints it did not write); see
+            docs/checkpoint-format.md.
         durable_every_n_splits: with ``local_tier``, copy a checkpoint to the run dir when the
             count of completed splits crosses a multiple of N.
         durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T
@@ -114,6 +125,15 @@ class CheckpointConfig:
     max_overhead: float = 0.05
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and their combinations; ``Trainer.fit`` calls it again, so that a
+        field changed after construction is checked too.
+
+        Raises:
+            ConfigError: naming the field, the value and what was expected.
+        """
         owner = "CheckpointConfig"
         if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
             raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
@@ -125,6 +145,8 @@ class CheckpointConfig:
                               f"(0.05 for 5%), got {self.max_overhead!r}")
         _positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
         _positive_number_or_none(owner, "every_seconds", self.every_seconds)
+        _bool(owner, "at_epoch_end", self.at_epoch_end)
+        _bool(owner, "asynchronous", self.asynchronous)
         _positive_int_or_none(owner, "keep_last", self.keep_last)
         _positive_int_or_none(owner, "max_in_flight", self.max_in_flight)
         if self.max_in_flight is None:
@@ -139,6 +161,7 @@ class CheckpointConfig:
         _positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
+        self._check_combinations()
         _positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
         _positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
         if self.local_tier is None:
@@ -153,6 +176,26 @@ class CheckpointConfig:
             if self.durable_every_n_splits is None and self.durable_every_seconds is None:
                 raise ConfigError(f"{owner}.local_tier={self.local_tier!r}: say how often checkpoints reach the run dir "
                                   "with durable_every_n_splits and/or durable_every_seconds")
+
+    def _check_combinations(self) -> None:
+        """Refuse a field set to a non-default value that the rest of the policy would ignore."""
+        owner = "CheckpointConfig"
+        if not self.asynchronous:
+            for name, default in (("max_in_flight", 1), ("when_behind", "wait")):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{owner}.{name}={getattr(self, name)!r} applies to asynchronous checkpoints only, "
+                                      "but asynchronous is False; set asynchronous=True or drop it")
+        if self.monitor is None:
+            for name, default in (("mode", "min"), ("keep_best", 1)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{owner}.{name}={getattr(self, name)!r} applies to best checkpoints only, but "
+                                      "monitor is None; set monitor to a metric name (e.g. 'val_loss') or drop it")
+        elif self.monitor != self.monitor.strip():
+            raise ConfigError(f"{owner}.monitor: {self.monitor!r} has leading or trailing whitespace; "
+                              "give the metric name exactly as it is logged")
+        if self.every_n_splits != "auto" and self.max_overhead != 0.05:
+            raise ConfigError(f"{owner}.max_overhead={self.max_overhead!r} applies to every_n_splits='auto' only, "
+                              f"but every_n_splits is {self.every_n_splits!r}; set every_n_splits='auto' or drop it")
 
 
 def _default_checkpoint_policy() -> CheckpointConfig:
@@ -225,6 +268,15 @@ class TrainerConfig:
     distributed_sampler: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (and the checkpoint policy's); ``Trainer.fit`` calls it again, so
+        that a field changed after construction is checked too.
+
+        Raises:
+            ConfigError: naming the field, the value and what was expected.
+        """
         owner = "TrainerConfig"
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"{owner}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
@@ -245,13 +297,23 @@ class TrainerConfig:
         _one_of(owner, "gradient_clip_algorithm", self.gradient_clip_algorithm, ["norm", "value"])
         _one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
         _positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
-        _one_of(owner, "val_at_epoch_end", self.val_at_epoch_end, [True, False])
-        _one_of(owner, "distributed_sampler", self.distributed_sampler, [True, False])
+        _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
+        _bool(owner, "distributed_sampler", self.distributed_sampler)
+        _bool(owner, "exit_on_preemption", self.exit_on_preemption)
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
-        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir):
+        if self.log_every_seconds is None:
+            raise ConfigError(f"{owner}.log_every_seconds: expected a positive number of seconds, got None")
+        if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir.strip()):
             raise ConfigError(f"{owner}.run_dir: expected a non-empty path or URL string, got {self.run_dir!r}")
+        if self.run_dir is not None and any(ord(character) < 32 or ord(character) == 127 for character in self.run_dir):
+            raise ConfigError(f"{owner}.run_dir: {self.run_dir!r} contains a control character (a NUL, newline or tab?); "
+                              "pass the directory path without it")
+        if self.requeue_command is not None and (not isinstance(self.requeue_command, str) or not self.requeue_command.strip()):
+            raise ConfigError(f"{owner}.requeue_command: expected a shell command string or None, got {self.requeue_command!r}")
         if self.checkpoint is not None and not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigError(f"{owner}.checkpoint: expected a CheckpointConfig or None, got {self.checkpoint!r}")
+        if self.checkpoint is not None:
+            self.checkpoint.validate()
         if self.checkpoint is not None and self.run_dir is None and not self.checkpoint._implied_by_default:
             raise ConfigError(
                 f"{owner}.checkpoint: {self.checkpoint!r} was given but run_dir is None, so no checkpoint "
@@ -259,8 +321,14 @@ class TrainerConfig:
             )
         if isinstance(self.preemption_exit_code, bool) or not isinstance(self.preemption_exit_code, int) or not 0 <= self.preemption_exit_code <= 255:
             raise ConfigError(f"{owner}.preemption_exit_code: expected an int in 0..255, got {self.preemption_exit_code!r}")
+        if not isinstance(self.preemption_signals, (tuple, list)):
+            raise ConfigError(f"{owner}.preemption_signals: expected a tuple of signal numbers such as "
+                              f"(signal.SIGTERM,) (or () for none), got {self.preemption_signals!r}")
         valid_signals = {int(s) for s in signal.valid_signals()}
         for number in self.preemption_signals:
+            if isinstance(number, bool) or not isinstance(number, int):
+                raise ConfigError(f"{owner}.preemption_signals: {number!r} is not a signal number; "
+                                  "give signal.SIGTERM-style ints")
             if int(number) not in valid_signals or int(number) in (int(signal.SIGKILL), int(signal.SIGSTOP)):
                 raise ConfigError(f"{owner}.preemption_signals: {number!r} is not a catchable signal")
 

@@ -71,7 +71,7 @@ def read_optimizer_setup(returned: object) -> OptimizerSetup:
         raise ModuleContractError(
             "configure_optimizers must return a torch.optim.Optimizer, a non-empty list of them, "
             "a dict with 'optimizers' (and 'schedulers'), or Lightning's {'optimizer': ..., 'lr_scheduler': ...} "
-            f"or ([optimizers], [schedulers]); got {returned!r}"
+            f"or ([optimizers], [schedulers]); got {_shape_of(returned)}"
         )
     schedules = [_read_schedule(item) for item in _as_list(schedules_in)]
     for schedule in schedules:
@@ -118,7 +118,7 @@ def _read_lightning_dict(entry: dict) -> tuple[object, object]:
             "and optionally 'lr_scheduler' (frequency and monitor are not supported)"
         )
     if not isinstance(entry["optimizer"], torch.optim.Optimizer):
-        raise ModuleContractError(f"configure_optimizers: 'optimizer' must be a torch.optim.Optimizer, got {entry['optimizer']!r}")
+        raise ModuleContractError(f"configure_optimizers: 'optimizer' must be a torch.optim.Optimizer, got {_shape_of(entry['optimizer'])}")
     return entry["optimizer"], [] if entry.get("lr_scheduler") is None else [entry["lr_scheduler"]]
 
 
@@ -140,3 +140,18 @@ def _as_list(value: object) -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
+
+
+def _shape_of(value: object, depth: int = 0) -> str:
+    """What was returned, by type (an optimizer's repr spans many lines): ``list[list[SGD]]``."""
+    if depth < 3 and isinstance(value, (list, tuple)):
+        inner = ", ".join(_shape_of(item, depth + 1) for item in value[:4])
+        return f"{type(value).__name__}[{inner}{', ...' if len(value) > 4 else ''}]"
+    if depth < 3 and isinstance(value, dict):
+        inner = ", ".join(f"{key!r}: {_shape_of(item, depth + 1)}" for key, item in list(value.items())[:4])
+        return f"dict{{{inner}}}"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, type):
+        return f"the class {value.__name__} (not an instance: call it, e.g. {value.__name__}(self.parameters(), lr=...))"
+    return type(value).__name__

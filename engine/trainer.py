@@ -11,12 +11,13 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
-from engine.data.checks import check_reiterable
+from engine.data.checks import check_batch_source, check_reiterable, check_val_data
 from engine.distributed.preemption_marker import preempted_exit_status
-from engine.errors import ConfigError, DataError
+from engine.errors import ConfigError
 from engine.faults.faulty_fs import filesystem_for
+from engine.run.module_checks import check_module
 from engine.run.run import FitRun
-from engine.run.run_dir import check_run_dir
+from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
 from engine.checkpoint.storage import Storage
 
@@ -44,6 +45,9 @@ class Trainer:
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
             raise ConfigError(f"Trainer: config must be a TrainerConfig, got {type(config).__name__}")
+        if isinstance(callbacks, Callback) or not isinstance(callbacks, collections.abc.Iterable):
+            raise ConfigError(f"Trainer: callbacks must be a list of engine.Callback objects, got {callbacks!r}; "
+                              "wrap a single callback in a list: callbacks=[callback]")
         for callback in callbacks:
             if not isinstance(callback, Callback):
                 raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
@@ -67,19 +71,19 @@ class Trainer:
         Returns:
             a :class:`engine.FitResult`.
         """
-        if not isinstance(resume, str):
-            raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name, got {resume!r}")
-        if isinstance(val_data, (str, bytes)):
-            raise ConfigError(f"fit: val_data must be re-iterable batches, got the string {val_data!r} "
-                              "(pass resume= as a keyword)")
-        # Not iter(val_data): a DataLoader's __iter__ draws a seed from the global RNG.
-        if isinstance(val_data, collections.abc.Iterator):
-            raise DataError("fit: val_data is a one-shot iterator (a generator?); validation runs many times: "
-                            "pass a DataLoader or a list")
+        if not isinstance(resume, str) or (resume not in ("auto", "latest", "off") and not resume.startswith("ckpt-")):
+            raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name ckpt-NNNNNNNNNN, "
+                              f"got {resume!r}")
+        self.config.validate()  # again: a field may have been changed since the config was built
+        check_val_data(val_data, self.config.val_at_epoch_end, self.config.val_every_n_steps)
         faults.arm_from_environment()
+        check_module(module)
+        check_batch_source(train_data)
         check_reiterable(train_data, self.config.max_epochs)
         storage = None
         if self.config.run_dir is not None:
+            if self.config.checkpoint is not None and self.config.checkpoint.local_tier is not None:
+                check_local_tier(self.config.checkpoint.local_tier, self.config.run_dir)
             check_run_dir(self.config.run_dir)
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)

@@ -49,6 +49,9 @@ def export_weights(source: str, path: str, checkpoint: str = "latest") -> str:
         raise ConfigError(f"export_weights: path must be a file path, got {path!r}")
     if os.path.isdir(path):
         raise ConfigError(f"export_weights: {path} is a directory; give a file name such as model.pt")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"export_weights: cannot write {path}: its directory {parent} does not exist; create it first")
     loaded = read_checkpoint(source, checkpoint)
     weights = {key: tensor.detach().cpu().contiguous() for key, tensor in loaded.state[run_state.MODULE].items()}
     temporary = f"{path}.tmp-{os.getpid()}"

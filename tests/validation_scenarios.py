@@ -79,7 +79,7 @@ def train_validated(run_dir: str | None, epochs: int = 2, every_steps: int | Non
     if checkpoint == "default":
         checkpoint = engine.CheckpointConfig(keep_last=None) if run_dir else None
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
-                    val_every_n_steps=every_steps, gradient_clip_val=0.5)
+                    val_every_n_steps=every_steps if with_val else None, gradient_clip_val=0.5)
     settings.update(config)
     trainer = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks))
     result = trainer.fit(model, loader, val_loader() if with_val else None)

@@ -130,6 +130,7 @@ def run_plot(run_dir: str, out: str | None) -> int:
         if "://" in run_dir:
             raise ConfigError(f"plot: {run_dir} is not a local directory; name the picture with --out FILE.png")
         out = os.path.join(run_dir, "metrics.png")
+    check_existing_run_dir(run_dir)
     drawn = plot_run(run_dir, out)
     print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)")
     return 0

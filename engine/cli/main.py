@@ -4,10 +4,28 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
 from engine.errors import EngineError
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in ``low..high``; anything else is a usage error (exit status 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: expected {low}..{high}")
+        return value
+    parse.__name__ = "int"
+    return parse
+
+
+SEED = _int_in(0, 2**32 - 1)  # what torch, random and NumPy all accept
+EXIT_STATUS = _int_in(0, 255)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "The last line printed is 'fingerprint: <sha256 of final parameters and optimizer state>'.")
     demo.add_argument("--dir", required=True, help="run directory (path or fsspec URL) for checkpoints and metrics.jsonl")
     demo.add_argument("--epochs", type=int, default=10, help="number of epochs (default 10)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed for initialization and dropout (default 0)")
+    demo.add_argument("--seed", type=SEED, default=0,
+                      help="random seed for initialization and dropout, 0..2**32-1 (default 0)")
     demo.add_argument("--checkpoint-every", type=int, default=1, metavar="N", help="checkpoint every N splits (default 1)")
     demo.add_argument("--async-checkpoints", action="store_true", help="write checkpoints in a background thread")
     demo.add_argument("--fresh", action="store_true", help="ignore checkpoints in --dir and start over")
@@ -55,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "scheduler requeues the job; else with the command's status. See docs/preemption.md.")
     launch.add_argument("--marker", default=None, help="marker file path (default: a file in the temp dir; on several "
                                                        "nodes give a path on a filesystem rank 0 shares)")
-    launch.add_argument("--exit-code", type=int, default=75, help="exit status after a preemption (default 75)")
+    launch.add_argument("--exit-code", type=EXIT_STATUS, default=75, help="exit status after a preemption, 0..255 (default 75)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     return parser
 

@@ -16,8 +16,12 @@ def split_along_time(batch: Batch, split_length: int, time_dim: int = 1) -> list
     piece may be shorter) and regroup them into one batch of the same structure per split.
 
     Values that are not tensors are repeated unchanged in every split. Raises SplitError when
-    the batch holds no tensor, a tensor has no ``time_dim``, or tensors disagree on its length.
+    the batch holds no tensor, a tensor has no ``time_dim``, or tensors disagree on its length,
+    and when ``split_length`` is not a positive int or ``time_dim`` not an int.
     """
+    for name, value, low in (("split_length", split_length, 1), ("time_dim", time_dim, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+            raise SplitError(f"split_along_time: {name} must be {'a positive int' if low else 'an int'}, got {value!r}")
     lengths: set[int] = set()
     _collect_time_lengths(batch, time_dim, lengths)
     if not lengths:

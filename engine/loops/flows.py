@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from engine import faults
+from engine.errors import ModuleContractError
 from engine.loops.precision import Precision
 from engine.loops.step_output import Hidden, StepCall
 from engine.optim_setup import OptimizerSetup
@@ -132,6 +133,11 @@ class AutomaticFlow:
             self._gradient_sync.set_will_step(window_full)
         with self._precision.autocast():
             loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))
+        if not loss.requires_grad:
+            raise ModuleContractError(
+                "the loss returned by training_step does not require grad, so backward cannot reach any parameter: "
+                "it was computed without the module's trainable parameters (under torch.no_grad(), from .detach() "
+                "or .item(), or from a new tensor); return the loss computed from the model's output")
         self._precision.backward(loss / self._accumulate if self._accumulate > 1 else loss)
         faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True

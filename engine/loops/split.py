@@ -8,7 +8,7 @@ import torch
 
 from engine.loops.context import Position, StopState
 from engine.loops.contracts import Losses, SplitRunner
-from engine.loops.step_output import Hidden, detach_hidden
+from engine.loops.step_output import Hidden, describe_tree, detach_hidden
 from engine.data.splitting import check_splits
 from progress import Progress
 
@@ -54,7 +54,11 @@ class SplitLoop:
             self._position.split = index
             progress.increment_ready()
             progress.increment_started()
-            losses, hidden = self._runner.run_split(splits[index], self.hidden, index == last)
+            try:
+                losses, hidden = self._runner.run_split(splits[index], self.hidden, index == last)
+            except Exception as error:
+                _note_split(error, self._position, last + 1, splits[index], self.hidden)
+                raise
             self.hidden = detach_hidden(hidden)
             progress.increment_processed()
             progress.increment_completed()
@@ -75,6 +79,15 @@ class SplitLoop:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hidden = state["hidden"]
+
+
+def _note_split(error: Exception, position: Position, splits: int, split: Any, hidden: Hidden) -> None:
+    """Say, under the traceback of an error raised in the user's step, which split it was and
+    what the step got: a hidden state of the wrong shape is the usual cause with TBPTT."""
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"splitloop: raised in epoch {position.epoch} batch {position.batch} split {position.split} "
+                       f"(of {splits}); the split was {describe_tree(split)}; the hidden state passed in was "
+                       f"{describe_tree(hidden)} (None at a batch's first split)")
 
 
 class WholeBatch:

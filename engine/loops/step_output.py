@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -15,6 +15,8 @@ StepCall = Callable[[Any, Hidden, int], Any]
 
 
 INDEX_PARAMETERS = ("batch_idx", "split_idx")
+# What Lightning 1.x called the arguments the engine passes by keyword.
+_LIGHTNING_NAMES = {"hidden": "hiddens", "optimizer_index": "optimizer_idx"}
 
 
 def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
@@ -22,8 +24,17 @@ def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optim
     """Bind once per run which keyword arguments the step receives: ``hidden`` (TBPTT),
     ``optimizer_index`` (several optimizers, automatic optimization), and ``batch_idx`` /
     ``split_idx`` when the step's signature declares them (read from ``position``, 0-based like
-    the cursor; ``split_idx`` is 0 without TBPTT)."""
-    wanted = declared_index_parameters(training_step)
+    the cursor; ``split_idx`` is 0 without TBPTT).
+
+    Raises:
+        ModuleContractError: the step's signature cannot take ``hidden`` / ``optimizer_index``
+            although the run will pass it.
+    """
+    parameters = _parameters(training_step)
+    _check_accepts(parameters, ("hidden",) if tbptt else (), "TBPTT is on (tbptt_split_length is set)")
+    _check_accepts(parameters, ("optimizer_index",) if several_optimizers else (),
+                   "configure_optimizers returned several optimizers")
+    wanted = _index_parameters(parameters)
     if wanted:
         if position is None:
             raise ModuleContractError(f"training_step declares {list(wanted)} but the loop gives no position")
@@ -39,12 +50,34 @@ def make_step_call(training_step: Callable[..., Any], tbptt: bool, several_optim
 
 def declared_index_parameters(training_step: Callable[..., Any]) -> tuple[str, ...]:
     """Which of ``batch_idx`` / ``split_idx`` the step names as parameters (read once per run)."""
+    return _index_parameters(_parameters(training_step))
+
+
+def _parameters(training_step: Callable[..., Any]) -> Mapping[str, inspect.Parameter] | None:
     try:
-        parameters = inspect.signature(training_step).parameters
+        return inspect.signature(training_step).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return None
+
+
+def _index_parameters(parameters: Mapping[str, inspect.Parameter] | None) -> tuple[str, ...]:
+    if parameters is None:
         return ()
     return tuple(name for name in INDEX_PARAMETERS if name in parameters
                  and parameters[name].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def _check_accepts(parameters: Mapping[str, inspect.Parameter] | None, names: tuple[str, ...], because: str) -> None:
+    if parameters is None or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    for name in names:
+        if name not in parameters or parameters[name].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                                   inspect.Parameter.KEYWORD_ONLY):
+            lightning_name = _LIGHTNING_NAMES[name]
+            advice = (f"rename Lightning's {lightning_name!r} to {name!r}" if lightning_name in parameters
+                      else "add the parameter to the step's signature")
+            raise ModuleContractError(f"training_step{inspect.Signature(list(parameters.values()))} has no parameter "
+                                      f"{name!r}, but {because}, so the engine passes {name}= to it; {advice}")
 
 
 def _step_call_with_indices(training_step: Callable[..., Any], tbptt: bool, several_optimizers: bool,
@@ -68,6 +101,10 @@ def _step_call_with_indices(training_step: Callable[..., Any], tbptt: bool, seve
 
 def read_tbptt_output(output: Any) -> tuple[torch.Tensor, Hidden]:
     """A TBPTT step returns ``(loss, hidden)``."""
+    if isinstance(output, dict):
+        raise ModuleContractError(
+            f"training_step returned a dict with keys {sorted(map(str, output))}; with TBPTT return the tuple "
+            "(loss, hidden) (Lightning's {'loss': loss, 'hiddens': hiddens} becomes (loss, hiddens))")
     if not isinstance(output, (tuple, list)) or len(output) != 2:
         raise ModuleContractError(
             "training_step must return (loss, hidden) when TBPTT is on "
@@ -89,6 +126,10 @@ def read_plain_output(output: Any) -> tuple[torch.Tensor, Hidden]:
             f"training_step returned {_describe(output)} but TBPTT is off (tbptt_split_length is None): "
             "return the loss alone, or set tbptt_split_length to carry hidden state"
         )
+    if isinstance(output, dict):
+        raise ModuleContractError(
+            f"training_step returned a dict with keys {sorted(map(str, output))}; return the loss tensor itself "
+            "(Lightning's {'loss': loss} becomes loss; log other values with self.log)")
     return check_loss(output), None
 
 
@@ -111,6 +152,19 @@ def detach_hidden(hidden: Hidden) -> Hidden:
     if isinstance(hidden, dict):
         return {key: detach_hidden(item) for key, item in hidden.items()}
     return hidden
+
+
+def describe_tree(value: Any, depth: int = 0) -> str:
+    """A short description of a batch or hidden state: tensor shapes inside tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    if depth < 3 and isinstance(value, (tuple, list)):
+        inner = ", ".join(describe_tree(item, depth + 1) for item in value[:4])
+        return f"{type(value).__name__}[{inner}{', ...' if len(value) > 4 else ''}]"
+    if depth < 3 and isinstance(value, dict):
+        inner = ", ".join(f"{key!r}: {describe_tree(item, depth + 1)}" for key, item in list(value.items())[:4])
+        return f"dict{{{inner}{', ...' if len(value) > 4 else ''}}}"
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _describe(value: Any) -> str:

@@ -129,6 +129,14 @@ def tbptt_split_length(module: torch.nn.Module) -> int | None:
     return length
 
 
+def module_flag(module: torch.nn.Module, name: str, default: bool) -> bool:
+    """The module's boolean attribute ``name``, validated (a 0, 1 or "no" is refused, not read as a flag)."""
+    value = getattr(module, name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{type(module).__name__}.{name}: expected True or False, got {value!r}")
+    return value
+
+
 def build_loops(
     module: torch.nn.Module,
     setup: OptimizerSetup,
@@ -146,13 +154,13 @@ def build_loops(
     already on ``device``."""
     split_length = tbptt_split_length(module)
     tbptt = split_length is not None
-    carry = bool(getattr(module, "carry_hidden_across_batches", False))
+    carry = module_flag(module, "carry_hidden_across_batches", False)
     if carry and not tbptt:
         raise ConfigError(
             f"{type(module).__name__}.carry_hidden_across_batches is True but tbptt_split_length is None; "
             "hidden state exists only with TBPTT"
         )
-    automatic = bool(getattr(module, "automatic_optimization", True))
+    automatic = module_flag(module, "automatic_optimization", True)
     several = automatic and len(setup.optimizers) > 1
     step = training_step_of(module)
     data_parallel = None if distributed is None else DataParallelStep(original_module(module), step, distributed)
@@ -215,10 +223,13 @@ def _on_device(call: Callable[[Any, Any], Any], device: torch.device, precision:
 def _splitter(module: torch.nn.Module) -> Callable[[Any, int], Sequence[Any]]:
     """The module's ``split_batch``, or the default cut along ``tbptt_time_dim`` for a plain
     nn.Module that does not subclass engine.Module."""
+    time_dim = getattr(module, "tbptt_time_dim", 1)
+    if isinstance(time_dim, bool) or not isinstance(time_dim, int):
+        raise ConfigError(f"{type(module).__name__}.tbptt_time_dim: expected the int index of the time dimension "
+                          f"(1 for batch-first tensors, 0 for time-first), got {time_dim!r}")
     custom = getattr(module, "split_batch", None)
     if callable(custom):
         return custom
-    time_dim = getattr(module, "tbptt_time_dim", 1)
     return lambda batch, length: split_along_time(batch, length, time_dim)
 
 

@@ -75,6 +75,9 @@ class MetricLogger:
         self.epoch = Aggregate()
         self.evaluation: Aggregate | None = None
         self.latest: dict[str, float] = {}
+        # Names seen in each pass of this fit: one name in both would mix the two in ``latest``
+        # (what monitor, EarlyStopping and FitResult.metrics read).
+        self._names: dict[str, set[str]] = {"training": set(), "validation": set()}
 
     def log(self, name: str, value: Any, reduce: str) -> None:
         """Record ``value`` under ``name`` in the pass that is running (training or validation)."""
@@ -83,6 +86,15 @@ class MetricLogger:
         if reduce not in REDUCTIONS:
             raise ModuleContractError(f"log({name!r}): reduce must be one of {list(REDUCTIONS)}, got {reduce!r}")
         number = _as_float(name, value)
+        stage, other = ("validation", "training") if self.evaluation is not None else ("training", "validation")
+        if name not in self._names[stage]:
+            if name in self._names[other]:
+                raise ModuleContractError(
+                    f"log({name!r}) in {stage}: the name was logged in {other} too, so the two would overwrite "
+                    "each other in the metrics that monitor, EarlyStopping and FitResult.metrics read; use "
+                    "different names in training and validation (e.g. 'train_acc' and 'val_acc'; validation's "
+                    "returned loss is logged as 'val_loss')")
+            self._names[stage].add(name)
         if self.evaluation is not None:
             self.evaluation.add(name, number, reduce)
         else:

@@ -12,6 +12,7 @@ The order at each boundary, in one place:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -35,6 +36,7 @@ from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
+from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from progress import Cursor
 
@@ -44,7 +46,7 @@ class FitRun:
 
     def __init__(self, config: TrainerConfig, callbacks: Sequence[Callback], module: torch.nn.Module,
                  train_data: Iterable[Any], storage: Storage | None, val_data: Iterable[Any] | None = None) -> None:
-        _check_module(module)
+        check_module(module)
         self.config = config
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
@@ -53,6 +55,7 @@ class FitRun:
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
+        check_optimizer_setup(module, self.setup)
         self.logger = MetricLogger()
         bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()
@@ -74,7 +77,7 @@ class FitRun:
                             if storage is not None and config.checkpoint else None)
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
-        self.view = RunView(self.status, self.stop.request)
+        self.view = RunView(self.status, self._stop_requested_by_callback)
         self.display = Display(config.progress_bar if writes_metrics else "off", config.log_every_seconds,
                                self.data.length, tbptt=self.tree.split is not None)
         self.cursor: Cursor | None = None
@@ -136,6 +139,8 @@ class FitRun:
             self._start_fresh()
             return
         self.checkpoints.acquire()
+        if resume == "off":
+            self._warn_fresh_over_checkpoints()
         loaded = self.checkpoints.select(resume, run_state.validate)
         if loaded is None:
             self._start_fresh()
@@ -154,6 +159,24 @@ class FitRun:
             if reason is not None:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _stop_requested_by_callback(self, reason: object) -> None:
+        # A None reason would read as "no stop requested", and FitResult.stop_reason is a str.
+        if not isinstance(reason, str) or not reason.strip():
+            raise ModuleContractError(f"RunView.request_stop: the reason must be a non-empty string saying why the "
+                                      f"run stops, got {reason!r}")
+        self.stop.request(reason)
+
+    def _warn_fresh_over_checkpoints(self) -> None:
+        """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""
+        assert self.checkpoints is not None and self.config.checkpoint is not None
+        keep_last = self.config.checkpoint.keep_last
+        existing = sorted(self.checkpoints.store.committed_names())
+        if existing and keep_last is not None:
+            warnings.warn(f"resume='off': starting a fresh run in {self.config.run_dir}, which holds {len(existing)} "
+                          f"checkpoint(s) of an earlier run (newest {existing[-1]}); retention (keep_last={keep_last}) "
+                          "deletes them as this run commits new ones. To keep them, stop now and use another run_dir",
+                          stacklevel=5)
 
     def _start_fresh(self) -> None:
         self.display.start(self.config.run_dir, None)
@@ -274,11 +297,3 @@ class FitRun:
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, torch.nn.Module):
-        raise ModuleContractError(f"fit expects a torch.nn.Module (subclass engine.Module), got {type(module).__name__}")
-    for method in ("training_step", "configure_optimizers"):
-        if not callable(getattr(module, method, None)):
-            raise ModuleContractError(f"{type(module).__name__} has no {method}() method (subclass engine.Module)")

@@ -8,12 +8,15 @@ when missing. :func:`check_existing_run_dir` is for readers (``python -m engine 
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from engine.checkpoint.storage import open_filesystem
+from engine.checkpoint.store import CHECKPOINT_DIR, _NAME
+from engine.checkpoint.tiers import MARKER_FILE
 from engine.errors import ConfigError
 
 # Entries of a run directory that must be directories / regular files when they exist.
@@ -43,6 +46,47 @@ def check_run_dir(url: str, field: str = "TrainerConfig.run_dir") -> None:
     if isinstance(filesystem, LocalFileSystem):
         _check_writable(url, root, field)
     _check_entries(url, filesystem, root, field)
+
+
+def check_local_tier(local_tier: str, run_dir: str, field: str = "CheckpointConfig.local_tier") -> None:
+    """Refuse a fast-tier directory that would destroy checkpoints or defeat its purpose: the run
+    directory itself or a directory inside it, one holding the run directory in its
+    ``checkpoints`` directory, or a directory that holds another run's checkpoints (the fast tier
+    deletes checkpoints it did not write). Reads only.
+
+    Raises:
+        ConfigError: naming ``local_tier`` and what to do.
+    """
+    tier = os.path.realpath(os.path.expanduser(local_tier))
+    filesystem, root = _filesystem(run_dir, "TrainerConfig.run_dir")
+    if isinstance(filesystem, LocalFileSystem):
+        run = os.path.realpath(root)
+        if tier == run:
+            raise ConfigError(f"{field}: {local_tier!r} is the run directory itself; give the fast tier a "
+                              "directory of its own (e.g. under /dev/shm)")
+        if _is_within(tier, run):
+            raise ConfigError(f"{field}: {local_tier!r} lies inside TrainerConfig.run_dir {run_dir!r}: the fast tier "
+                              "is node-local storage apart from the run directory (inside it, every checkpoint would "
+                              "be written twice to the same filesystem, next to the run's own checkpoints); give the "
+                              "fast tier a directory of its own (e.g. /dev/shm/<run name>)")
+        if _is_within(run, os.path.join(tier, CHECKPOINT_DIR)):
+            raise ConfigError(f"{field}: TrainerConfig.run_dir {run_dir!r} lies inside the {CHECKPOINT_DIR!r} "
+                              f"directory of the fast tier {local_tier!r}, where the fast tier deletes checkpoints "
+                              "it did not write; give the fast tier a directory of its own (e.g. under /dev/shm)")
+    if not os.path.isdir(tier) or os.path.exists(os.path.join(tier, MARKER_FILE)):
+        return
+    run_files = [name for name in FILE_ENTRIES if os.path.exists(os.path.join(tier, name))]
+    checkpoints = os.path.join(tier, CHECKPOINT_DIR)
+    if os.path.isdir(checkpoints):
+        run_files += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(os.listdir(checkpoints)) if _NAME.fullmatch(name)][:3]
+    if run_files:
+        raise ConfigError(f"{field}: {local_tier!r} looks like another run's directory (it holds {run_files}, and no "
+                          f"{MARKER_FILE} of a fast tier); the fast tier would delete those checkpoints. Give the "
+                          "fast tier a new or empty directory of its own (e.g. /dev/shm/<run name>)")
+
+
+def _is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def check_existing_run_dir(url: str, field: str = "run directory") -> None:

@@ -55,6 +55,8 @@ STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, C
 LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
 # set up, elapsed_seconds is wall time and the envelope describes the machine: none is compared).
+# Signature entries that checkpoints of earlier versions lack: compared only when the checkpoint has them.
+NEWER_SIGNATURE_KEYS = frozenset({"batch_size", "optimizer_classes"})
 COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
 
 
@@ -79,6 +81,8 @@ class RunParts:
             "optimizers": len(self.setup.optimizers),
             "schedulers": len(self.setup.schedules),
             "data_length": self.tree.data.length,
+            "batch_size": getattr(self.tree.data.loader, "batch_size", None),
+            "optimizer_classes": [type(optimizer).__qualname__ for optimizer in self.setup.optimizers],
             "accumulate_grad": config.accumulate_grad,
             "accumulate_over": config.accumulate_over,
             "precision": config.precision,
@@ -181,7 +185,8 @@ def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> No
     saved, current = state[SIGNATURE], parts.signature()
     check_world_size(name, saved, parts.world_size)
     differences = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
-                   for key, value in current.items() if saved.get(key) != value]
+                   for key, value in current.items()
+                   if saved.get(key) != value and (key in saved or key not in NEWER_SIGNATURE_KEYS)]
     if differences:
         raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
     check_module_state(name, parts.module, state[MODULE])

@@ -1,0 +1,131 @@
+"""Wrong arguments to Trainer, fit and split_along_time are typed errors raised before training,
+not a TypeError from inside the engine (or, for val_data, after the first epoch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import engine
+
+
+class Validated(engine.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 1)
+        self.steps = 0
+
+    def training_step(self, batch):
+        self.steps += 1
+        return self.layer(batch).pow(2).mean()
+
+    def validation_step(self, batch):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _rows():
+    return [torch.randn(2, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _config(**overrides):
+    settings = {"max_epochs": 1, "progress_bar": "off"}
+    settings.update(overrides)
+    return engine.TrainerConfig(**settings)
+
+
+@pytest.mark.parametrize("callbacks", [None, engine.EarlyStopping("val_loss")])
+def test_callbacks_that_are_not_a_list_are_a_config_error(callbacks):
+    with pytest.raises(engine.ConfigError, match=r"callbacks=\[callback\]"):
+        engine.Trainer(_config(), callbacks=callbacks)
+
+
+def test_val_data_that_is_not_iterable_is_refused_before_training():
+    module = Validated()
+    with pytest.raises(engine.DataError, match="val_data.*int"):
+        engine.Trainer(_config()).fit(module, _rows(), 3)
+    assert module.steps == 0
+
+
+def test_val_every_n_steps_without_val_data_is_refused_before_training():
+    module = Validated()
+    with pytest.raises(engine.ConfigError, match="TrainerConfig.val_every_n_steps=2.*no val_data"):
+        engine.Trainer(_config(val_every_n_steps=2)).fit(module, _rows())
+    assert module.steps == 0
+    assert engine.Trainer(_config(val_every_n_steps=2)).fit(module, _rows(), _rows()).metrics["val_loss"] >= 0
+
+
+@pytest.mark.parametrize("split_length, time_dim", [(0, 1), (-2, 1), (2.0, 1), (True, 1), (2, 1.0), (2, "1")])
+def test_split_along_time_with_bad_arguments_is_a_split_error(split_length, time_dim):
+    with pytest.raises(engine.SplitError, match="split_along_time") as caught:
+        engine.split_along_time(torch.zeros(2, 4, 3), split_length, time_dim)
+    assert repr(split_length) in str(caught.value) or repr(time_dim) in str(caught.value)
+
+
+class StopWith(engine.Callback):
+    def __init__(self, reason) -> None:
+        self.reason = reason
+
+    def on_split_end(self, view):
+        view.request_stop(self.reason)
+
+
+@pytest.mark.parametrize("reason", [None, 3, "", "  "])
+def test_request_stop_without_a_reason_string_is_a_contract_error(reason):
+    # None used to be ignored silently (the run went on), 3 became FitResult.stop_reason.
+    with pytest.raises(engine.ModuleContractError, match="RunView.request_stop") as caught:
+        engine.Trainer(_config(), callbacks=[StopWith(reason)]).fit(Validated(), _rows())
+    assert repr(reason) in str(caught.value)
+
+
+def test_request_stop_with_a_reason_stops_and_reports_it():
+    module = Validated()
+    result = engine.Trainer(_config(), callbacks=[StopWith("enough")]).fit(module, _rows())
+    assert result.stop_reason == "enough" and module.steps == 1
+
+
+@pytest.mark.parametrize("data, says", [("abc", "single characters"), (b"abc", "single characters"),
+                                        ({"x": torch.zeros(2, 3)}, "yields its keys"),
+                                        (frozenset({1, 2}), "order is not fixed"),
+                                        (torch.utils.data.TensorDataset(torch.zeros(4, 3)), "wrap it in torch.utils.data.DataLoader")])
+def test_data_that_iterates_but_is_not_batches_is_a_data_error_before_training(data, says):
+    module = Validated()
+    with pytest.raises(engine.DataError, match=says) as caught:
+        engine.Trainer(_config()).fit(module, data)
+    assert type(data).__name__ in str(caught.value)
+    assert module.steps == 0
+
+
+def test_a_tensor_or_a_tuple_of_batches_still_trains():
+    assert engine.Trainer(_config()).fit(Validated(), torch.zeros(4, 2, 3)).optimizer_steps == 4
+    assert engine.Trainer(_config()).fit(Validated(), tuple(_rows())).optimizer_steps == 3
+
+
+@pytest.mark.parametrize("resume", ["Auto", "yes", "latest ", "../other-run", ""])
+def test_resume_that_is_no_keyword_nor_checkpoint_name_lists_the_choices(tmp_path, resume):
+    # Without a run_dir this used to say that resume='yes' "needs TrainerConfig.run_dir".
+    for run_dir in (None, str(tmp_path / "run")):
+        with pytest.raises(engine.ConfigError, match="'auto', 'latest', 'off' or a checkpoint name") as caught:
+            engine.Trainer(_config(run_dir=run_dir)).fit(Validated(), _rows(), resume=resume)
+        assert repr(resume) in str(caught.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_val_data_that_would_never_be_validated_is_refused():
+    module = Validated()
+    with pytest.raises(engine.ConfigError, match="val_at_epoch_end=False and val_every_n_steps=None"):
+        engine.Trainer(_config(val_at_epoch_end=False)).fit(module, _rows(), _rows())
+    assert module.steps == 0
+    result = engine.Trainer(_config(val_at_epoch_end=False, val_every_n_steps=3)).fit(module, _rows(), _rows())
+    assert "val_loss" in result.metrics
+
+
+@pytest.mark.parametrize("data", [[], torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 3)))],
+                         ids=["empty-list", "empty-dataloader"])
+def test_empty_data_is_refused_before_the_run_dir_is_created(tmp_path, data):
+    with pytest.raises(engine.DataError, match="empty"):
+        engine.Trainer(_config(run_dir=str(tmp_path / "run"))).fit(Validated(), data)
+    assert not (tmp_path / "run").exists()

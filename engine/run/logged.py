@@ -10,6 +10,7 @@ and ``RunView.metrics`` show).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
@@ -89,11 +90,13 @@ class MetricLogger:
         stage, other = ("validation", "training") if self.evaluation is not None else ("training", "validation")
         if name not in self._names[stage]:
             if name in self._names[other]:
-                raise ModuleContractError(
-                    f"log({name!r}) in {stage}: the name was logged in {other} too, so the two would overwrite "
-                    "each other in the metrics that monitor, EarlyStopping and FitResult.metrics read; use "
+                # A warning, not an error: code written for frameworks where this is common keeps
+                # training; metrics.jsonl keeps both (each line names its stage).
+                warnings.warn(
+                    f"log({name!r}) in {stage}: the name was logged in {other} too, so the two overwrite each "
+                    "other in the latest values that monitor, EarlyStopping and FitResult.metrics read; use "
                     "different names in training and validation (e.g. 'train_acc' and 'val_acc'; validation's "
-                    "returned loss is logged as 'val_loss')")
+                    "returned loss is logged as 'val_loss')", stacklevel=3)
             self._names[stage].add(name)
         if self.evaluation is not None:
             self.evaluation.add(name, number, reduce)

@@ -228,13 +228,13 @@ class LogsInBoth(Plain):
 
 
 @pytest.mark.parametrize("training_name, validation_name", [("val_loss", "acc"), ("acc", "acc")])
-def test_a_metric_name_logged_in_training_and_validation_is_refused(training_name, validation_name):
-    # Before, the training value and the validation value overwrote each other in what
+def test_a_metric_name_logged_in_training_and_validation_is_warned_about(training_name, validation_name):
+    # The training value and the validation value overwrite each other in what
     # CheckpointConfig(monitor=...) and EarlyStopping read: the best checkpoints could follow 1000.0.
     module = LogsInBoth(training_name, validation_name)
     trainer = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off"))
     name = "val_loss" if training_name == "val_loss" else validation_name
-    with pytest.raises(engine.ModuleContractError, match=f"log\\('{name}'\\) in validation"):
+    with pytest.warns(UserWarning, match=f"log\\('{name}'\\) in validation: the name was logged in training too"):
         trainer.fit(module, _rows(), _rows())
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -91,31 +92,42 @@ class FaultReport:
         return f"chaos: {len(self.trials)} trials, {exact} exact, {len(self.trials) - exact} failed"
 
 
-def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault | str], work_dir: str,
+def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault | str] | str | Fault, work_dir: str,
                           args: Sequence[str] = (), max_attempts: int = 20, timeout: float = 600.0,
                           on_trial: Callable[[Trial], None] | None = None) -> FaultReport:
     """Run ``train`` once without faults (the reference), then once per fault: with the fault
     armed, then again without it until it finishes; compare each final state with the
-    reference (:func:`compare_runs`).
+    reference (:func:`compare_runs`). ``fault_list``: :class:`Fault` objects and/or specs
+    (``"point:hit:kind"``, comma-separated for several), or one of them alone.
 
     ``on_trial`` is called with each :class:`Trial` as soon as it is finished (to report
     progress: a full matrix takes a long time); the returned report holds them all."""
+    if isinstance(fault_list, (str, Fault)):  # one spec ("point:hit:kind[,...]") or one Fault
+        fault_list = [fault_list]
     parsed = [f for item in fault_list for f in ([item] if isinstance(item, Fault) else faults.parse_faults(item))]
     if not parsed:
         raise ConfigError("check_fault_tolerance: no fault given")
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ConfigError(f"check_fault_tolerance: max_attempts must be a positive int, got {max_attempts!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ConfigError(f"check_fault_tolerance: timeout must be a positive number of seconds, got {timeout!r}")
     check_work_dir(work_dir)
     if callable(train) and any(fault.kind == "sigkill" for fault in parsed):
         raise ConfigError("faults of kind 'sigkill' need train given as 'module:function' (a subprocess)")
 
+    last_stderr = [""]  # of the last subprocess: explains a reference run that failed
+
     def attempt(run_dir: str, fault: Fault | None) -> tuple[str, dict | None]:
         if isinstance(train, str):
-            return _subprocess_attempt(train, run_dir, fault, args, timeout)
+            outcome, result, last_stderr[0] = _subprocess_attempt(train, run_dir, fault, args, timeout)
+            return outcome, result
         return _in_process_attempt(train, run_dir, fault, args, timeout)
 
     reference = os.path.join(work_dir, "reference")
     outcome, _ = attempt(reference, None)
     if outcome != "completed":
-        raise EngineError(f"the reference run did not complete: {outcome}")
+        raise EngineError(f"the reference run did not complete: {outcome}"
+                          + (f"; the end of its stderr:\n{last_stderr[0]}" if last_stderr[0] else ""))
     trials = []
     for index, fault in enumerate(parsed):
         run_dir = os.path.join(work_dir, f"trial-{index:03d}")
@@ -179,7 +191,9 @@ def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None,
 
 
 def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Sequence[str],
-                        timeout: float) -> tuple[str, dict | None]:
+                        timeout: float) -> tuple[str, dict | None, str]:
+    """Returns the outcome, the result line the run printed (None if none) and the end of its
+    stderr."""
     env = dict(os.environ)
     env.pop(faults.ENVIRONMENT_VARIABLE, None)
     if fault is not None:
@@ -190,11 +204,12 @@ def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Seq
     for line in process.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             result = json.loads(line[len(RESULT_PREFIX):])
+    stderr = process.stderr[-3000:]
     if process.returncode == 0:
-        return "completed", result
+        return "completed", result, stderr
     if process.returncode < 0:
-        return f"killed by signal {-process.returncode}", result
-    return f"exit {process.returncode}", result
+        return f"killed by signal {-process.returncode}", result, stderr
+    return f"exit {process.returncode}", result, stderr
 
 
 def compare_runs(reference_dir: str, other_dir: str) -> list[str]:

@@ -176,3 +176,23 @@ def test_work_dir_must_be_empty(tmp_path):
     (tmp_path / "leftover").mkdir()
     with pytest.raises(engine.ConfigError, match="not empty"):
         check_fault_tolerance(harness_train, ["split_end:1:raise"], work_dir=str(tmp_path))
+
+
+def test_one_spec_alone_is_one_fault_list(tmp_path):
+    # Before, a string was iterated character by character ("'s' is not POINT:HIT:KIND").
+    report = check_fault_tolerance(harness_train, "split_end:5:raise", work_dir=str(tmp_path))
+    assert [trial.fault for trial in report.trials] == [Fault("split_end", 5, "raise")]
+    assert report.trials[0].exact, report.table()
+
+
+@pytest.mark.parametrize("settings, field", [(dict(max_attempts=0), "max_attempts"), (dict(max_attempts=True), "max_attempts"),
+                                             (dict(timeout=-1), "timeout"), (dict(timeout=float("nan")), "timeout")])
+def test_attempts_and_timeout_are_validated(tmp_path, settings, field):
+    with pytest.raises(engine.ConfigError, match=field):
+        check_fault_tolerance(harness_train, ["split_end:1:raise"], work_dir=str(tmp_path), **settings)
+    assert not os.listdir(tmp_path)  # refused before any run
+
+
+def test_a_reference_run_that_fails_shows_why(tmp_path):
+    with pytest.raises(engine.EngineError, match=r"(?s)did not complete: exit 1.*no_such_module_here"):
+        check_fault_tolerance("no_such_module_here:train", [Fault("split_end", 1, "raise")], work_dir=str(tmp_path))

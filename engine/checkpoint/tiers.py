@@ -16,11 +16,13 @@ The fast tier is fenced by ``tier.json``, which names the run dir and the writer
 that last wrote it. A new writer uses the fast tier's checkpoints only when ``tier.json`` names
 this run dir and the previous holder of the run dir's writer lease; otherwise (another run, a
 writer that has been superseded, a tier from another node's history) its checkpoints are
-deleted unread. It then records its own generation there before writing.
+deleted unread. It then records its own generation there before writing. A tier that names
+another run whose writer is live on this node is refused (ConfigError), not taken over.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -29,6 +31,7 @@ import time
 import warnings
 from typing import Any, Callable
 
+from engine.checkpoint.lease import LOCK_FILE
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
@@ -62,6 +65,11 @@ class FastTier:
         except (OSError, ValueError):
             marker = None
         self.usable = marker == {"run_dir": self._owner, "generation": previous_generation}
+        other_run = marker.get("run_dir") if isinstance(marker, dict) else None
+        if isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run):
+            raise ConfigError(f"CheckpointConfig.local_tier: {self.storage.url!r} is the fast tier of another run, "
+                              f"{other_run!r}, whose writer is running now; its checkpoints are left alone. Give "
+                              "each run a fast tier of its own (e.g. /dev/shm/<run name>)")
         for entry in self.storage.list_names(CHECKPOINT_DIR):
             if (not self.usable and _NAME.fullmatch(entry)) or _TEMPORARY.fullmatch(entry):
                 self.storage.remove_tree(f"{CHECKPOINT_DIR}/{entry}")
@@ -71,6 +79,27 @@ class FastTier:
                           stacklevel=3)
         self.storage.replace(MARKER_FILE, json.dumps({"run_dir": self._owner, "generation": generation}).encode())
         return self.usable
+
+
+def _has_a_live_writer(run_dir: str) -> bool:
+    """Whether a process on this node holds the writer lock of the local run directory
+    ``run_dir`` now (a fast tier is node-local, so the run that wrote one ran here). Creates
+    nothing; a run dir elsewhere (a URL) or without a lock file has none."""
+    if not os.path.isabs(run_dir):
+        return False
+    try:
+        descriptor = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(descriptor)  # drops the shared lock if it was taken
+    return False
 
 
 def stores_newest_first(stores: list[CheckpointStore]) -> list[tuple[CheckpointStore, str]]:

@@ -10,6 +10,7 @@ import signal
 import pytest
 
 import engine
+from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from kill_helpers import run_scenario
@@ -175,6 +176,25 @@ def test_a_fast_tier_of_another_run_is_ignored(tmp_path, reference):
         result = resume(run_dir, fast)
     assert result.resumed_from is None
     assert_same_run(reference, run_dir)
+
+
+def test_the_fast_tier_of_a_run_that_is_writing_now_is_refused_and_left_alone(tmp_path, reference):
+    _, fast = paths(tmp_path)
+    another_run = str(tmp_path / "another-run")
+    killed(another_run, fast, "split_end_after_checkpoint:6:sigkill")
+    theirs = CheckpointStore(Storage(fast), create=False).committed_names()
+    lease = WriterLease(Storage(another_run))
+    lease.acquire()  # the other run is live again (its writer holds the lock)
+    try:
+        with pytest.raises(engine.ConfigError, match="fast tier of another run.*writer is running now"):
+            resume(str(tmp_path / "run"), fast)
+        assert CheckpointStore(Storage(fast), create=False).committed_names() == theirs
+        assert newest(fast).progress.cursor == Cursor(0, 1, 1, 0)
+    finally:
+        lease.release()
+    with pytest.warns(UserWarning, match="ignoring the fast checkpoint tier"):  # no longer live: taken over
+        resume(str(tmp_path / "run"), fast)
+    assert_same_run(reference, str(tmp_path / "run"))
 
 
 class SendSigterm(engine.Callback):

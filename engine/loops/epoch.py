@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 from engine import faults
@@ -33,6 +34,7 @@ class EpochLoop:
         self._position = position
         self._stop = stop
         self._batch_boundary = batch_boundary
+        self._warned_length = False
 
     def run_epoch(self, epoch: int) -> bool:
         """Run the epoch's remaining batches; False if a stop was requested before its end."""
@@ -60,9 +62,20 @@ class EpochLoop:
                 return False
         if progress.current.completed == 0:
             raise DataError(f"the training data yielded no batch in epoch {epoch}")
+        self._check_length(epoch, progress.current.completed)
         progress.reset_current()
         self.data.epoch_done()
         return True
+
+    def _check_length(self, epoch: int, batches: int) -> None:
+        """Warn, once per run, when the data's ``len()`` is not the number of batches an epoch
+        yielded: the progress display, and resuming a loader with ``state_dict()`` at an
+        epoch's very end, go by ``len()``."""
+        length = self.data.length
+        if length is not None and batches != length and not self._warned_length:
+            self._warned_length = True
+            warnings.warn(f"len(train_data) is {length} but epoch {epoch} yielded {batches} batches: make __len__ "
+                          "return the number of batches __iter__ yields", stacklevel=2)
 
     def end_epoch(self) -> None:
         """Cascade the end of the epoch to the levels below (after its last batch)."""

@@ -129,3 +129,25 @@ def test_empty_data_is_refused_before_the_run_dir_is_created(tmp_path, data):
     with pytest.raises(engine.DataError, match="empty"):
         engine.Trainer(_config(run_dir=str(tmp_path / "run"))).fit(Validated(), data)
     assert not (tmp_path / "run").exists()
+
+
+class MisreportsItsLength:
+    """Yields three batches but says five."""
+
+    def __iter__(self):
+        return iter(_rows())
+
+    def __len__(self):
+        return 5
+
+
+def test_data_whose_len_is_not_what_it_yields_is_warned_about_once():
+    with pytest.warns(UserWarning, match=r"len\(train_data\) is 5 but epoch 0 yielded 3 batches") as caught:
+        result = engine.Trainer(_config(max_epochs=2)).fit(Validated(), MisreportsItsLength())
+    assert result.optimizer_steps == 6
+    assert sum("len(train_data)" in str(warning.message) for warning in caught) == 1
+
+
+def test_data_whose_len_matches_trains_without_a_length_warning(recwarn):
+    engine.Trainer(_config(max_epochs=2)).fit(Validated(), _rows())
+    assert not [warning for warning in recwarn if "len(train_data)" in str(warning.message)]

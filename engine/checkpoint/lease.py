@@ -43,6 +43,9 @@ LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
 _LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
 _MAX_FENCES = 1000  # one per takeover; the oldest are dropped beyond this
+# Far above a lease with _MAX_FENCES fences; a longer file is read only this far (and then
+# does not parse): a lease replaced by a huge file or a device must not exhaust memory.
+MAX_LEASE_BYTES = 1 << 20
 
 
 def _is_count(value: Any) -> bool:
@@ -63,7 +66,7 @@ def read_fences(storage: Storage) -> list[tuple[int, int]]:
     committed after that generation took over (by a stale writer). Malformed entries are
     ignored; a missing or unreadable lease has none."""
     try:
-        data = json.loads(storage.read(LEASE_FILE))
+        data = json.loads(storage.read(LEASE_FILE, MAX_LEASE_BYTES))
     except (OSError, ValueError):
         return []
     return _fences_of(data if isinstance(data, dict) else None)
@@ -95,7 +98,7 @@ class WriterLease:
     # ---- the lease file -------------------------------------------------------------------
     def _read_raw(self) -> bytes | None:
         try:
-            return self._storage.read(LEASE_FILE)
+            return self._storage.read(LEASE_FILE, MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None
         except OSError:

@@ -36,8 +36,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.checkpoint.manifest import MAX_GENERATION
 from engine.checkpoint.storage import Storage
-from engine.errors import WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 
 LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
@@ -49,7 +50,8 @@ MAX_LEASE_BYTES = 1 << 20
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A generation or sequence a manifest can hold (a larger one is malformed, like a string)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_GENERATION
 
 
 def _fences_of(lease: dict[str, Any] | None) -> list[tuple[int, int]]:
@@ -162,6 +164,14 @@ class WriterLease:
         previous = previous if _is_count(previous) else 0
         self.previous_generation = previous  # the last holder's (a fast tier must name it)
         self.generation = max(previous, minimum_generation) + 1
+        if self.generation > MAX_GENERATION:
+            self._unlock()
+            raise CheckpointWriteError(
+                f"{self._storage.url}: the newest writer generation recorded there (in {LEASE_FILE} or a "
+                f"checkpoint's manifest) is {self.generation - 1}, the largest a manifest holds; this writer's "
+                "checkpoints could never be read back. No real run gets there: remove the checkpoint or lease "
+                "that records it, or start in a new directory"
+            )
         fence = committed_sequence() if committed_sequence is not None else 0
         self._fences = [*_fences_of(current), (self.generation, fence)][-_MAX_FENCES:]
         try:

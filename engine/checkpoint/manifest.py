@@ -22,6 +22,8 @@ MANIFEST_FILE = "MANIFEST.json"
 FORMAT = "splitloop.checkpoint"
 VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_GENERATION = (1 << 63) - 1
+"""The largest sequence number or writer generation a manifest holds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _refuse_constant(name: str) -> Any:
 
 def _count(data: dict[str, Any], key: str) -> int:
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << 63):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GENERATION:
         raise ValueError(f"{key!r} must be an int in 0..2**63-1, got {value!r}")
     return value
 

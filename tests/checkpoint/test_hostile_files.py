@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+import engine
+
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.cli.commands import inspect_run
@@ -152,3 +154,45 @@ def test_inspect_of_a_run_dir_with_devices_and_fifos_planted_reports_them(refere
     entry = _entry(report, checkpoint)
     assert entry["valid"] is False and "/dev/zero" in entry["error"]
     assert report["latest"] == previous
+
+
+# ---- generations a manifest cannot hold --------------------------------------------------
+
+
+def _set_lease_generation(run_dir, generation):
+    path = os.path.join(run_dir, "writer.lease")
+    with open(path) as handle:
+        lease = json.load(handle)
+    lease["generation"] = generation
+    with open(path, "w") as handle:
+        json.dump(lease, handle)
+
+
+def test_a_checkpoint_at_the_largest_generation_stops_the_run_before_it_writes_unreadable_ones(reference, tmp_path):
+    # The next writer's generation would be 2**63, which no manifest holds: every checkpoint it
+    # wrote used to be unreadable, and its work lost at the next resume.
+    run_dir = str(tmp_path / "run")
+    checkpoint, _ = _copy(reference, run_dir)
+    path = os.path.join(checkpoint, "MANIFEST.json")
+    with open(path) as handle:
+        manifest = json.load(handle)
+    manifest["writer_generation"] = 2 ** 63 - 1
+    with open(path, "w") as handle:
+        json.dump(manifest, handle)
+    before = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+
+    with pytest.raises(engine.CheckpointWriteError, match="largest a manifest holds"):
+        train_with_checkpoints("tbptt", run_dir, epochs=3, every=4, keep_last=None)
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == before
+
+
+def test_a_lease_generation_no_manifest_holds_is_ignored_like_a_malformed_one(reference, tmp_path):
+    run_dir = str(tmp_path / "run")
+    checkpoint, _ = _copy(reference, run_dir)
+    _set_lease_generation(run_dir, 10 ** 30)
+
+    result = train_with_checkpoints("tbptt", run_dir, epochs=3, every=4, keep_last=None)
+    assert result.resumed_from == os.path.basename(checkpoint)
+    report = inspect_run(run_dir)
+    written_after = [e for e in report["checkpoints"] if e["name"] > os.path.basename(checkpoint)]
+    assert written_after and all(e["valid"] for e in written_after), written_after

@@ -237,7 +237,7 @@ class Storage:
         """Read a file expected to hold ``size`` bytes into a new bytearray (no extra copy);
         the result is shorter or the read stops early when the file is not that size."""
         if not self.is_local:
-            return bytearray(self.fs.cat_file(self.path(relative)))
+            return bytearray(self.fs.cat_file(self.path(relative), start=0, end=size + 1))
         return self._read_local(relative, size + 1)  # one spare byte reveals a longer file
 
     def _read_local(self, relative: str, limit: int) -> bytearray:
@@ -278,17 +278,18 @@ class Storage:
             raise
 
     def read(self, relative: str, limit: int | None = None) -> bytes:
-        """The content of a file. On a local disk, only a regular file inside the run directory
-        is read (UnreadableFile otherwise, see :meth:`_open_to_read`), and at most ``limit``
-        bytes when one is given (the caller refuses a longer file as too large to be what it
-        expects)."""
+        """The content of a file, at most its first ``limit`` bytes when a limit is given (the
+        caller refuses a longer file as too large to be what it expects). On a local disk, only
+        a regular file inside the run directory is read (UnreadableFile otherwise, see
+        :meth:`_open_to_read`)."""
         path = self.path(relative)
         if self.is_local:
             if limit is not None:
                 return bytes(self._read_local(relative, limit))
             with open(self._open_to_read(relative), "rb") as handle:
                 return handle.read()
-        return self.fs.cat_file(path)
+        # A ranged read on an object store: a huge object is not downloaded whole.
+        return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
 
     def size(self, relative: str) -> int:
         if self._plain_local:

@@ -196,3 +196,10 @@ def test_a_lease_generation_no_manifest_holds_is_ignored_like_a_malformed_one(re
     report = inspect_run(run_dir)
     written_after = [e for e in report["checkpoints"] if e["name"] > os.path.basename(checkpoint)]
     assert written_after and all(e["valid"] for e in written_after), written_after
+
+
+def test_a_huge_manifest_on_another_filesystem_is_read_only_to_the_limit():
+    storage = Storage(f"memory://hostile-{os.getpid()}")
+    storage.fs.pipe_file(storage.path("big"), b"x" * 1000)
+    assert storage.read("big", 10) == b"x" * 10
+    assert storage.read("big") == b"x" * 1000

@@ -203,3 +203,13 @@ def test_a_huge_manifest_on_another_filesystem_is_read_only_to_the_limit():
     storage.fs.pipe_file(storage.path("big"), b"x" * 1000)
     assert storage.read("big", 10) == b"x" * 10
     assert storage.read("big") == b"x" * 1000
+
+
+def test_a_fast_tier_marker_that_is_a_fifo_does_not_block_the_run(tmp_path):
+    fast = tmp_path / "fast"
+    fast.mkdir()
+    os.mkfifo(fast / "tier.json")
+    # An unreadable marker is no marker: the tier starts over, as a fresh one does.
+    result = train_with_checkpoints("tbptt", str(tmp_path / "run"), epochs=1, every=4, tier=(str(fast), 2))
+    assert result.epochs_completed == 1
+    assert (fast / "tier.json").is_file()

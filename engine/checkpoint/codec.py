@@ -336,7 +336,7 @@ def _refuse_timestamp(value: Any) -> Any:
 def _check_map(value: dict) -> dict:
     """Keys of the types the writer stores (a tensor or tuple key would reach user code), and
     no timestamp among the values."""
-    if not all(type(key) in _KEY_TYPES for key in value):
+    if not _KEY_TYPES.issuperset(map(type, value)):
         key = next(key for key in value if type(key) not in _KEY_TYPES)
         raise CheckpointCorrupt(f"a map key of type {type(key).__name__} is not allowed (str, int, float, bool or None)")
     _refuse_timestamp(value.values())

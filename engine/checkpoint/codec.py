@@ -327,8 +327,9 @@ def _refuse_overlaps(entries: list[dict[str, Any]]) -> None:
 
 
 def _refuse_timestamp(value: Any) -> Any:
-    # msgpack decodes extension type -1 (Timestamp) itself, without calling ext_hook.
-    if any(isinstance(item, msgpack.Timestamp) for item in value):
+    # msgpack decodes extension type -1 (Timestamp) itself, without calling ext_hook. (Type
+    # tests through map() run in C: this runs for every array and map of a state.)
+    if msgpack.Timestamp in map(type, value):
         raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
     return value
 
@@ -339,7 +340,8 @@ def _check_map(value: dict) -> dict:
     if not _KEY_TYPES.issuperset(map(type, value)):
         key = next(key for key in value if type(key) not in _KEY_TYPES)
         raise CheckpointCorrupt(f"a map key of type {type(key).__name__} is not allowed (str, int, float, bool or None)")
-    _refuse_timestamp(value.values())
+    if msgpack.Timestamp in map(type, value.values()):
+        raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
     return value
 
 

@@ -142,8 +142,8 @@ class Storage:
             return real
         return None
 
-    def _open_to_read(self, relative: str) -> int:
-        """A descriptor of the local regular file ``relative``, opened without blocking (a FIFO
+    def _open_to_read(self, relative: str) -> tuple[int, int]:
+        """A descriptor and the size of the local regular file ``relative``, opened without blocking (a FIFO
         planted in the run directory must not hang the reader). Raises UnreadableFile for a
         path that a link leads out of the run directory and for anything but a regular file (a
         FIFO, a device such as /dev/zero, a socket, a directory)."""
@@ -154,14 +154,15 @@ class Storage:
                                  "the engine reads only inside its run directory")
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            mode = os.fstat(descriptor).st_mode
+            status = os.fstat(descriptor)
+            mode = status.st_mode
             if not stat.S_ISREG(mode):
                 kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
                 raise UnreadableFile(f"{path} is {kind}; expected a file the engine wrote")
         except BaseException:
             os.close(descriptor)
             raise
-        return descriptor
+        return descriptor, status.st_size
 
     def _real_path(self, relative: str) -> str:
         """``os.path.realpath`` of the run directory or one of its top-level entries, resolved
@@ -242,9 +243,9 @@ class Storage:
 
     def _read_local(self, relative: str, limit: int) -> bytearray:
         """At most ``limit`` bytes of the local regular file ``relative`` (see _open_to_read)."""
-        descriptor = self._open_to_read(relative)
+        descriptor, size = self._open_to_read(relative)
         # Sized by the file, not by the limit: a small file costs a small buffer.
-        buffer = bytearray(min(limit, os.fstat(descriptor).st_size + 1))
+        buffer = bytearray(min(limit, size + 1))
         view = memoryview(buffer)
         filled = 0
         with open(descriptor, "rb", buffering=0) as handle:
@@ -286,7 +287,7 @@ class Storage:
         if self.is_local:
             if limit is not None:
                 return bytes(self._read_local(relative, limit))
-            with open(self._open_to_read(relative), "rb") as handle:
+            with open(self._open_to_read(relative)[0], "rb") as handle:
                 return handle.read()
         # A ranged read on an object store: a huge object is not downloaded whole.
         return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)

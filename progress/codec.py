@@ -43,4 +43,4 @@ def _unpack(data: bytes) -> Any:
     except ProgressSchemaError:
         raise
     except Exception as error:  # msgpack raises several unrelated types for bad input
-        raise ProgressSchemaError(f"progress data is not valid msgpack: {error}") from error
+        raise ProgressSchemaError(f"progress data is not valid msgpack: {type(error).__name__}: {error}") from error

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from progress._fields import check_keys, fields_to_dict, require_int
+from progress.errors import ProgressSchemaError
 
 
 @dataclasses.dataclass
@@ -28,7 +29,13 @@ class Counts:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Counts":
         check_keys(cls, data)
-        return cls(**{name: require_int(cls.__name__, name, value) for name, value in data.items()})
+        counts = cls(**{name: require_int(cls.__name__, name, value) for name, value in data.items()})
+        # Counters advance in order, so each is at most the one before it; anything else is not
+        # a record this package wrote (a hand-edited or hostile file).
+        if not counts.ready >= counts.started >= counts.processed >= counts.completed:
+            raise ProgressSchemaError(f"{cls.__name__}: {counts.to_dict()} is out of order "
+                                      "(expected ready >= started >= processed >= completed)")
+        return counts
 
     def reset(self) -> None:
         self.ready = self.started = self.processed = self.completed = 0
@@ -52,7 +59,13 @@ class Progress:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Progress":
         check_keys(cls, data)
-        return cls(**{name: Counts.from_dict(value) for name, value in data.items()})
+        progress = cls(**{name: Counts.from_dict(value) for name, value in data.items()})
+        # ``current`` counts since the last reset, a part of ``total``.
+        for name, current in progress.current.to_dict().items():
+            if current > getattr(progress.total, name):
+                raise ProgressSchemaError(f"{cls.__name__}: current.{name} {current} exceeds total.{name} "
+                                          f"{getattr(progress.total, name)}")
+        return progress
 
     def increment_ready(self) -> None:
         self.total.ready += 1

@@ -34,6 +34,13 @@ class ProgressTree:
             raise ProgressSchemaError("ProgressTree.records: expected a mapping of names to records")
         cursor = data["cursor"]
         return cls(
-            records={name: Progress.from_dict(value) for name, value in records.items()},
+            records={name: _record(name, value) for name, value in records.items()},
             cursor=None if cursor is None else Cursor.from_dict(cursor),
         )
+
+
+def _record(name: str, data: Any) -> Progress:
+    try:
+        return Progress.from_dict(data)
+    except ProgressSchemaError as error:
+        raise ProgressSchemaError(f"record {name!r}: {error}") from error

@@ -240,6 +240,7 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
     if not isinstance(outer["tensors"], list) or not isinstance(outer["tree"], bytes):
         raise CheckpointCorrupt("state.msgpack: 'tensors' must be a list and 'tree' bytes")
     tensors = [_decode_tensor(entry, index, tensor_data) for index, entry in enumerate(outer["tensors"])]
+    _refuse_overlaps(outer["tensors"])
     extension_depth = 0
 
     def ext_hook(code: int, payload: bytes) -> Any:
@@ -315,10 +316,31 @@ def _refuse_extension(code: int, payload: bytes) -> Any:
     raise CheckpointCorrupt(f"msgpack extension type {code} is not allowed here")
 
 
+def _refuse_overlaps(entries: list[dict[str, Any]]) -> None:
+    """Tensors whose bytes overlap would share memory once loaded (an update of one, say an
+    optimizer's moment, silently changing the other); the writer never lays them out so."""
+    end = 0
+    for offset, nbytes in sorted((entry["offset"], entry["nbytes"]) for entry in entries if entry["nbytes"]):
+        if offset < end:
+            raise CheckpointCorrupt(f"tensors.bin: the bytes at {offset} belong to two tensors (overlapping table entries)")
+        end = offset + nbytes
+
+
 def _refuse_timestamp(value: Any) -> Any:
-    # msgpack decodes extension type -1 (Timestamp) itself, without calling ext_hook.
-    items = value.values() if isinstance(value, dict) else value
-    if any(isinstance(item, msgpack.Timestamp) for item in items):
+    # msgpack decodes extension type -1 (Timestamp) itself, without calling ext_hook. (Type
+    # tests through map() run in C: this runs for every array and map of a state.)
+    if msgpack.Timestamp in map(type, value):
+        raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
+    return value
+
+
+def _check_map(value: dict) -> dict:
+    """Keys of the types the writer stores (a tensor or tuple key would reach user code), and
+    no timestamp among the values."""
+    if not _KEY_TYPES.issuperset(map(type, value)):
+        key = next(key for key in value if type(key) not in _KEY_TYPES)
+        raise CheckpointCorrupt(f"a map key of type {type(key).__name__} is not allowed (str, int, float, bool or None)")
+    if msgpack.Timestamp in map(type, value.values()):
         raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
     return value
 
@@ -326,7 +348,7 @@ def _refuse_timestamp(value: Any) -> Any:
 def _unpack(data: bytes, ext_hook: Any, what: str) -> Any:
     try:
         value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, use_list=True,
-                                list_hook=_refuse_timestamp, object_hook=_refuse_timestamp)
+                                list_hook=_refuse_timestamp, object_hook=_check_map)
         if isinstance(value, msgpack.Timestamp):
             raise CheckpointCorrupt("msgpack extension type -1 (timestamp) is not allowed here")
         return value
@@ -353,11 +375,16 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     offset, nbytes = entry["offset"], entry["nbytes"]
     if not _is_count(offset) or not _is_count(nbytes) or elements > _MAX_ELEMENTS:
         raise CheckpointCorrupt(f"{where}: malformed offset/size")
+    device = entry.get("device", "cpu")
+    if not isinstance(device, str):
+        raise CheckpointCorrupt(f"{where}: device {device!r} is not a device name")
     itemsize = torch.empty((), dtype=dtype).element_size()
     if nbytes != elements * itemsize:
         raise CheckpointCorrupt(f"{where}: declares {nbytes} bytes but shape {shape} of {entry['dtype']} needs {elements * itemsize}")
     if offset + nbytes > len(data):
         raise CheckpointCorrupt(f"{where}: bytes {offset}..{offset + nbytes} lie outside tensors.bin ({len(data)} bytes)")
+    if offset % ALIGNMENT:
+        raise CheckpointCorrupt(f"{where}: offset {offset} is not a multiple of {ALIGNMENT}")
     try:
         if nbytes == 0:
             tensor = torch.empty(shape, dtype=dtype)
@@ -365,12 +392,12 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
             tensor = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).reshape(shape)
     except RuntimeError as error:  # checked above; kept so no torch error can escape a bad entry
         raise CheckpointCorrupt(f"{where}: shape {shape} of {entry['dtype']} cannot be built: {error}") from error
-    return _to_recorded_device(tensor, entry.get("device", "cpu"))
+    return _to_recorded_device(tensor, device)
 
 
-def _to_recorded_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+def _to_recorded_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
     """Tensors saved from a CUDA device go back there when CUDA is available, CPU otherwise."""
-    if isinstance(device, str) and _CUDA_DEVICE.fullmatch(device) and torch.cuda.is_available():
+    if _CUDA_DEVICE.fullmatch(device) and torch.cuda.is_available():
         index = int(device.partition(":")[2] or 0)
         if index < torch.cuda.device_count():
             return tensor.to(device)

@@ -36,17 +36,22 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.checkpoint.manifest import MAX_GENERATION
 from engine.checkpoint.storage import Storage
-from engine.errors import WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 
 LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
 _LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
 _MAX_FENCES = 1000  # one per takeover; the oldest are dropped beyond this
+# Far above a lease with _MAX_FENCES fences; a longer file is read only this far (and then
+# does not parse): a lease replaced by a huge file or a device must not exhaust memory.
+MAX_LEASE_BYTES = 1 << 20
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A generation or sequence a manifest can hold (a larger one is malformed, like a string)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_GENERATION
 
 
 def _fences_of(lease: dict[str, Any] | None) -> list[tuple[int, int]]:
@@ -63,7 +68,7 @@ def read_fences(storage: Storage) -> list[tuple[int, int]]:
     committed after that generation took over (by a stale writer). Malformed entries are
     ignored; a missing or unreadable lease has none."""
     try:
-        data = json.loads(storage.read(LEASE_FILE))
+        data = json.loads(storage.read(LEASE_FILE, MAX_LEASE_BYTES))
     except (OSError, ValueError):
         return []
     return _fences_of(data if isinstance(data, dict) else None)
@@ -95,7 +100,7 @@ class WriterLease:
     # ---- the lease file -------------------------------------------------------------------
     def _read_raw(self) -> bytes | None:
         try:
-            return self._storage.read(LEASE_FILE)
+            return self._storage.read(LEASE_FILE, MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None
         except OSError:
@@ -159,6 +164,14 @@ class WriterLease:
         previous = previous if _is_count(previous) else 0
         self.previous_generation = previous  # the last holder's (a fast tier must name it)
         self.generation = max(previous, minimum_generation) + 1
+        if self.generation > MAX_GENERATION:
+            self._unlock()
+            raise CheckpointWriteError(
+                f"{self._storage.url}: the newest writer generation recorded there (in {LEASE_FILE} or a "
+                f"checkpoint's manifest) is {self.generation - 1}, the largest a manifest holds; this writer's "
+                "checkpoints could never be read back. No real run gets there: remove the checkpoint or lease "
+                "that records it, or start in a new directory"
+            )
         fence = committed_sequence() if committed_sequence is not None else 0
         self._fences = [*_fences_of(current), (self.generation, fence)][-_MAX_FENCES:]
         try:

@@ -22,6 +22,8 @@ MANIFEST_FILE = "MANIFEST.json"
 FORMAT = "splitloop.checkpoint"
 VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_GENERATION = (1 << 63) - 1
+"""The largest sequence number or writer generation a manifest holds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +80,9 @@ class Manifest:
     def from_json(cls, raw: bytes) -> "Manifest":
         """Parse and check a manifest; anything malformed raises CheckpointCorrupt."""
         if len(raw) > MAX_MANIFEST_BYTES:
-            raise CheckpointCorrupt(f"{MANIFEST_FILE} is {len(raw)} bytes, larger than any real manifest")
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} is over {MAX_MANIFEST_BYTES} bytes, larger than any real manifest")
         try:
-            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+            data = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError is a ValueError
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is not valid JSON: {error}") from error
         except RecursionError as error:
@@ -88,7 +90,7 @@ class Manifest:
         expected = {"format", "version", "sequence", "cursor", "files", "created_unix", "writer_generation"}
         if not isinstance(data, dict) or set(data) - {"monitor"} != expected:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)} (and optionally 'monitor')")
-        if data["format"] != FORMAT or data["version"] != VERSION:
+        if data["format"] != FORMAT or type(data["version"]) is not int or data["version"] != VERSION:
             raise CheckpointCorrupt(f"{MANIFEST_FILE}: format {data['format']!r} version {data['version']!r} is not {FORMAT!r} {VERSION}")
         try:
             cursor = None if data["cursor"] is None else Cursor.from_dict(data["cursor"])
@@ -102,13 +104,24 @@ class Manifest:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a key given twice (json keeps the last silently, other
+    readers the first: the same file would mean two different checkpoints)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        keys = [key for key, _ in pairs]
+        twice = next(key for key in keys if keys.count(key) > 1)
+        raise ValueError(f"the key {twice!r} appears twice in one object")
+    return data
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number a manifest holds")
 
 
 def _count(data: dict[str, Any], key: str) -> int:
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < (1 << 63):
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GENERATION:
         raise ValueError(f"{key!r} must be an int in 0..2**63-1, got {value!r}")
     return value
 

@@ -51,6 +51,12 @@ def open_filesystem(url: str, field: str = "run_dir") -> tuple[fsspec.AbstractFi
     return fsspec.core.url_to_fs(url, **options)
 
 
+class UnreadableFile(OSError):
+    """A path in the run directory that the engine refuses to read: not a regular file (a FIFO
+    would block the reader, a device never ends), or a symbolic link leading out of the run
+    directory. An OSError, so every reader treats it as the I/O error it stands for."""
+
+
 def check_name(name: str, what: str = "name") -> str:
     """Refuse anything but a plain file name (no separators, no '..', no hidden names)."""
     if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
@@ -118,15 +124,45 @@ class Storage:
         checkpoints/ would make the engine truncate and write someone else's file)."""
         path = self.path(relative)
         if self.is_local:
-            real_root = self._real_path("")
-            real = self._resolve(relative, path)
-            if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+            real = self._outside_target(relative, path)
+            if real is not None:
                 raise ConfigError(
-                    f"{path} leads to {real}, outside the run directory {real_root} (a symbolic "
-                    "link); the engine writes only inside its run directory. Replace the link "
-                    "with a plain file or directory"
+                    f"{path} leads to {real}, outside the run directory {self._real_path('')} (a "
+                    "symbolic link); the engine writes only inside its run directory. Replace the "
+                    "link with a plain file or directory"
                 )
         return path
+
+    def _outside_target(self, relative: str, path: str) -> str | None:
+        """Where ``path`` really leads when a symbolic link takes it out of the run directory;
+        None when it stays inside."""
+        real_root = self._real_path("")
+        real = self._resolve(relative, path)
+        if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+            return real
+        return None
+
+    def _open_to_read(self, relative: str) -> tuple[int, int]:
+        """A descriptor and the size of the local regular file ``relative``, opened without blocking (a FIFO
+        planted in the run directory must not hang the reader). Raises UnreadableFile for a
+        path that a link leads out of the run directory and for anything but a regular file (a
+        FIFO, a device such as /dev/zero, a socket, a directory)."""
+        path = self.path(relative)
+        outside = self._outside_target(relative, path)
+        if outside is not None:
+            raise UnreadableFile(f"{path} leads to {outside}, outside the run directory (a symbolic link); "
+                                 "the engine reads only inside its run directory")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            status = os.fstat(descriptor)
+            mode = status.st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+                raise UnreadableFile(f"{path} is {kind}; expected a file the engine wrote")
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return descriptor, status.st_size
 
     def _real_path(self, relative: str) -> str:
         """``os.path.realpath`` of the run directory or one of its top-level entries, resolved
@@ -201,13 +237,18 @@ class Storage:
     def read_into(self, relative: str, size: int) -> bytearray:
         """Read a file expected to hold ``size`` bytes into a new bytearray (no extra copy);
         the result is shorter or the read stops early when the file is not that size."""
-        path = self.path(relative)
         if not self.is_local:
-            return bytearray(self.fs.cat_file(path))
-        buffer = bytearray(size + 1)  # one spare byte reveals a file longer than expected
+            return bytearray(self.fs.cat_file(self.path(relative), start=0, end=size + 1))
+        return self._read_local(relative, size + 1)  # one spare byte reveals a longer file
+
+    def _read_local(self, relative: str, limit: int) -> bytearray:
+        """At most ``limit`` bytes of the local regular file ``relative`` (see _open_to_read)."""
+        descriptor, size = self._open_to_read(relative)
+        # Sized by the file, not by the limit: a small file costs a small buffer.
+        buffer = bytearray(min(limit, size + 1))
         view = memoryview(buffer)
         filled = 0
-        with open(path, "rb", buffering=0) as handle:
+        with open(descriptor, "rb", buffering=0) as handle:
             while filled < len(buffer):
                 count = handle.readinto(view[filled:])
                 if not count:
@@ -237,12 +278,19 @@ class Storage:
                 pass
             raise
 
-    def read(self, relative: str) -> bytes:
+    def read(self, relative: str, limit: int | None = None) -> bytes:
+        """The content of a file, at most its first ``limit`` bytes when a limit is given (the
+        caller refuses a longer file as too large to be what it expects). On a local disk, only
+        a regular file inside the run directory is read (UnreadableFile otherwise, see
+        :meth:`_open_to_read`)."""
         path = self.path(relative)
         if self.is_local:
-            with open(path, "rb") as handle:
+            if limit is not None:
+                return bytes(self._read_local(relative, limit))
+            with open(self._open_to_read(relative)[0], "rb") as handle:
                 return handle.read()
-        return self.fs.cat_file(path)
+        # A ranged read on an object store: a huge object is not downloaded whole.
+        return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
 
     def size(self, relative: str) -> int:
         if self._plain_local:

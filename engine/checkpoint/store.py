@@ -34,7 +34,7 @@ from engine import faults
 from engine.checkpoint import checksum as checksums
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.lease import read_fences
-from engine.checkpoint.manifest import MANIFEST_FILE, MonitorRecord, FileRecord, Manifest, verify_file
+from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, FileRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
                            WriterConflict)
 from engine.checkpoint.rank_files import is_rank_file
@@ -52,6 +52,8 @@ _TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
 
 _OVERLAP_CHECKSUM_BYTES = 8 << 20
 _RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
+# One byte more than a manifest may hold, so that a larger file is refused as such, not read whole.
+_MANIFEST_READ_LIMIT = MAX_MANIFEST_BYTES + 1
 
 
 def checkpoint_name(sequence: int) -> str:
@@ -397,7 +399,7 @@ class CheckpointStore:
         if cached is not None:
             return cached
         try:
-            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"))
+            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}", _MANIFEST_READ_LIMIT))
         except (OSError, CheckpointCorrupt):
             return None
         self._manifests[name] = manifest
@@ -474,7 +476,7 @@ class CheckpointStore:
             raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN, ten ASCII digits)")
         path = f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"
         try:
-            raw = self.storage.read(path)
+            raw = self.storage.read(path, _MANIFEST_READ_LIMIT)
         except FileNotFoundError as error:
             if not self.storage.exists(f"{CHECKPOINT_DIR}/{name}"):
                 raise CheckpointNotFound(f"no checkpoint {name} in {self.storage.url}") from error

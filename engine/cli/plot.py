@@ -44,9 +44,12 @@ def plot_run(run_dir: str, out: str) -> dict[str, int]:
     if not storage.exists(METRICS_FILE):
         raise CheckpointNotFound(f"{run_dir} has no {METRICS_FILE}: is it a run directory?")
     rows = read_rows(storage, METRICS_FILE)
-    train = [row for row in rows if row.get("stage", "train") == "train" and "loss" in row]
-    val = [row for row in rows if row.get("stage") == "val"]
-    resumes = read_rows(storage, RESUMES_FILE)
+    # Rows of another shape (a hand-edited or foreign file) are skipped, like torn lines.
+    train = [row for row in rows if row.get("stage", "train") == "train" and _is_number(row.get("step"))
+             and _is_number(row.get("loss"))]
+    val = [row for row in rows if row.get("stage") == "val" and _is_number(row.get("step"))
+           and isinstance(row.get("metrics"), dict) and all(map(_is_number, row["metrics"].values()))]
+    resumes = [row for row in read_rows(storage, RESUMES_FILE) if _is_number(row.get("step", 0))]
     if not train:
         raise ConfigError(f"{run_dir}/{METRICS_FILE} holds no training row to plot")
     figure, axes = pyplot.subplots(2 if val else 1, 1, figsize=(9, 7 if val else 4), sharex=True, squeeze=False)
@@ -70,3 +73,7 @@ def plot_run(run_dir: str, out: str) -> dict[str, int]:
     figure.savefig(out, format="png", dpi=100)
     pyplot.close(figure)
     return {"train": len(train), "val": len(val), "resumes": len(resumes)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

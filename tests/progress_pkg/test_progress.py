@@ -47,11 +47,14 @@ def _assert_fields_equal(expected, actual, where="record"):
 
 
 def _distinct_counts(start: int) -> Counts:
-    return Counts(**{field.name: start + i for i, field in enumerate(dataclasses.fields(Counts))})
+    # Distinct, and in the order counters advance (ready >= started >= processed >= completed).
+    fields = dataclasses.fields(Counts)
+    return Counts(**{field.name: start + len(fields) - i for i, field in enumerate(fields)})
 
 
 def _distinct_progress(start: int) -> Progress:
-    return Progress(total=_distinct_counts(start), current=_distinct_counts(start + 100))
+    # ``current`` is a part of ``total``.
+    return Progress(total=_distinct_counts(start + 100), current=_distinct_counts(start))
 
 
 def _distinct_cursor(start: int) -> Cursor:

@@ -7,6 +7,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
+from engine.describe import describe_nested
 from engine.errors import ModuleContractError
 
 
@@ -142,14 +143,12 @@ def _as_list(value: object) -> list:
     return [value]
 
 
-def _shape_of(value: object, depth: int = 0) -> str:
+def _shape_of(value: object) -> str:
     """What was returned, by type (an optimizer's repr spans many lines): ``list[list[SGD]]``."""
-    if depth < 3 and isinstance(value, (list, tuple)):
-        inner = ", ".join(_shape_of(item, depth + 1) for item in value[:4])
-        return f"{type(value).__name__}[{inner}{', ...' if len(value) > 4 else ''}]"
-    if depth < 3 and isinstance(value, dict):
-        inner = ", ".join(f"{key!r}: {_shape_of(item, depth + 1)}" for key, item in list(value.items())[:4])
-        return f"dict{{{inner}}}"
+    return describe_nested(value, _leaf_type)
+
+
+def _leaf_type(value: object) -> str:
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     if isinstance(value, type):

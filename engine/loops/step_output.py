@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from engine.describe import describe_nested
 from engine.errors import ModuleContractError
 from engine.loops.context import Position
 
@@ -154,16 +155,14 @@ def detach_hidden(hidden: Hidden) -> Hidden:
     return hidden
 
 
-def describe_tree(value: Any, depth: int = 0) -> str:
+def describe_tree(value: Any) -> str:
     """A short description of a batch or hidden state: tensor shapes inside tuples, lists and dicts."""
+    return describe_nested(value, _describe_leaf)
+
+
+def _describe_leaf(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor{tuple(value.shape)}"
-    if depth < 3 and isinstance(value, (tuple, list)):
-        inner = ", ".join(describe_tree(item, depth + 1) for item in value[:4])
-        return f"{type(value).__name__}[{inner}{', ...' if len(value) > 4 else ''}]"
-    if depth < 3 and isinstance(value, dict):
-        inner = ", ".join(f"{key!r}: {describe_tree(item, depth + 1)}" for key, item in list(value.items())[:4])
-        return f"dict{{{inner}{', ...' if len(value) > 4 else ''}}}"
     return "None" if value is None else f"a {type(value).__name__}"
 
 

@@ -10,21 +10,9 @@ import signal
 
 import pytest
 import torch
-from torch import nn
 
 import engine
-
-
-class Plain(engine.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(3, 1)
-
-    def training_step(self, batch):
-        return self.layer(batch).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from misuse_helpers import Plain
 
 
 def _rows():

@@ -7,25 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
-
-
-class Plain(engine.Module):
-    def __init__(self, optimizer=torch.optim.SGD) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(3, 1)
-        self.optimizer_class = optimizer
-
-    def training_step(self, batch):
-        features = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self.layer(features).pow(2).mean()
-
-    def configure_optimizers(self):
-        return self.optimizer_class(self.parameters(), lr=0.1)
+from misuse_helpers import Plain
 
 
 def _rows(count=6):

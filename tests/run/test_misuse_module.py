@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import engine
+from misuse_helpers import Plain
 
 
 def _fit(module, data, **config):
@@ -24,18 +25,6 @@ def _rows(count=3):
 
 def _sequences(count=2, batch=2, time=5):
     return [torch.randn(batch, time, 3, generator=torch.Generator().manual_seed(i)) for i in range(count)]
-
-
-class Plain(engine.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(3, 1)
-
-    def training_step(self, batch):
-        return self.layer(batch).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 class Recurrent(engine.Module):

@@ -71,8 +71,8 @@ import torch
 
 import engine
 from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, SplitClock, Workload,
-                                 filesystem_type, fresh_model, make_batches, parse_arguments,
-                                 same_parameters)
+                                 filesystem_type, finish_round, fresh_model, interleaved_rounds, make_batches,
+                                 parse_arguments, same_parameters)
 from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.policy import RunCheckpointer
 
@@ -156,24 +156,18 @@ def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, log
 
 
 def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) -> list[dict[str, RunResult]]:
-    """``repeats`` rounds of the ways back to back, the first way rotating."""
+    """``repeats`` interleaved rounds of the ways."""
     batches = make_batches(workload)
-    for way in WAYS:  # warm-up, untimed: first-call costs of each way
-        timed_run(workload, way, batches, work, log, max_steps=1)
     rounds = []
-    for index in range(repeats):
-        order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
-        results = {way: timed_run(workload, way, batches, work, log) for way in order}
+    for index, results in interleaved_rounds(
+            WAYS, repeats, lambda way, max_steps: timed_run(workload, way, batches, work, log, max_steps)):
         equal = same_parameters([model for model in (results[way].model for way in WAYS) if model is not None])
         print(f"  round {index + 1}: none {results['none'].seconds:.2f} s, "
               f"last-only {results['last-only'].seconds:.2f} s, "
               + ", ".join(f"{way} {results[way].seconds:.2f} s (interval {results[way].interval}, "
                           f"{results[way].checkpoints} checkpoints)" for way in AUTO_WAYS)
               + f"; parameters equal: {equal}")
-        if not equal:
-            raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
-        for result in results.values():
-            result.model = None  # keep memory flat: 25M-parameter models are 100 MB each
+        finish_round(workload, results, equal)
         rounds.append(results)
     return rounds
 

@@ -304,25 +304,38 @@ def same_parameters(models: list[torch.nn.Module]) -> bool:
     return all(torch.equal(first[key], other.state_dict()[key]) for other in models[1:] for key in first)
 
 
-def run_rounds(workload: Workload, repeats: int, work: str, timers: CheckpointTimers) -> list[dict[str, RunResult]]:
-    """``repeats`` rounds of the ways back to back, the first way rotating."""
-    batches = make_batches(workload)
-    for way in WAYS:  # warm-up, untimed: first-call costs of each way
-        timed_run(workload, way, batches, work, timers, max_steps=1)
-    rounds = []
+def interleaved_rounds(ways: list[str], repeats: int, run: Callable[[str, int | None], Any]) -> Iterator[tuple[int, dict]]:
+    """``run(way, max_steps)`` for every way once with ``max_steps=1`` (a warm-up: the first-call
+    costs of each way), then ``repeats`` rounds of the ways back to back, the first way
+    rotating from round to round; yields each round's index and ``{way: result}``."""
+    for way in ways:
+        run(way, 1)
     for index in range(repeats):
-        order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
-        results = {way: timed_run(workload, way, batches, work, timers) for way in order}
+        order = ways[index % len(ways):] + ways[:index % len(ways)]
+        yield index, {way: run(way, None) for way in order}
+
+
+def finish_round(workload: Workload, results: dict[str, Any], equal: bool) -> None:
+    """Refuse a round whose ways trained different parameters, then drop the models."""
+    if not equal:
+        raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
+    for result in results.values():
+        result.model = None  # keep memory flat: 25M-parameter models are 100 MB each
+
+
+def run_rounds(workload: Workload, repeats: int, work: str, timers: CheckpointTimers) -> list[dict[str, RunResult]]:
+    """``repeats`` interleaved rounds of the ways."""
+    batches = make_batches(workload)
+    rounds = []
+    for index, results in interleaved_rounds(
+            WAYS, repeats, lambda way, max_steps: timed_run(workload, way, batches, work, timers, max_steps)):
         equal = same_parameters([results[way].model for way in WAYS])
         print(f"  round {index + 1}: " + ", ".join(f"{way} {results[way].seconds:.2f} s" for way in WAYS)
               + f"; sync/none {results['sync'].seconds / results['none'].seconds:.3f}, "
               f"async/none {results['async'].seconds / results['none'].seconds:.3f}, "
               f"fast/none {results['fast'].seconds / results['none'].seconds:.3f}, "
               f"floor/none {results['floor'].seconds / results['none'].seconds:.3f}; parameters equal: {equal}")
-        if not equal:
-            raise RuntimeError(f"{workload.label}: checkpointing changed the trained parameters")
-        for result in results.values():
-            result.model = None  # keep memory flat: 25M-parameter models are 100 MB each
+        finish_round(workload, results, equal)
         rounds.append(results)
     return rounds
 

@@ -71,8 +71,8 @@ import torch
 
 import engine
 from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, SplitClock, Workload,
-                                 filesystem_type, finish_round, fresh_model, interleaved_rounds, make_batches,
-                                 parse_arguments, same_parameters)
+                                 finish_round, fresh_model, interleaved_rounds, make_batches,
+                                 parse_arguments, same_parameters, scratch_directory)
 from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.policy import RunCheckpointer
 
@@ -213,12 +213,7 @@ def workloads(quick: bool) -> list[Workload]:
 def main() -> None:
     arguments = parse_arguments(__doc__, default_repeats=5)
     torch.set_num_threads(THREADS)
-    work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_budget-", dir=arguments.dir or os.getcwd()))
-    kind = filesystem_type(work)
-    print(f"temporary directory {work} ({kind}), torch {torch.__version__}, torch threads {THREADS}, "
-          f"max_overhead {MAX_OVERHEAD}")
-    if kind in ("tmpfs", "ramfs"):
-        print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
+    work = scratch_directory("checkpoint_budget-", arguments.dir, f", max_overhead {MAX_OVERHEAD}")
     log = CheckpointLog()
     log.install()
     figures: dict[str, tuple[float, int]] = {}

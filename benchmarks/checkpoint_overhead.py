@@ -479,6 +479,17 @@ def parse_arguments(description: str = __doc__, default_repeats: int = 3) -> arg
     return arguments
 
 
+def scratch_directory(prefix: str, parent: str | None, settings: str = "") -> str:
+    """A new temporary directory under ``parent`` (default: the current directory), announced
+    with the torch build and ``settings``; a warning when it is in memory, where fsync is free."""
+    work = os.path.abspath(tempfile.mkdtemp(prefix=prefix, dir=parent or os.getcwd()))
+    kind = filesystem_type(work)
+    print(f"temporary directory {work} ({kind}), torch {torch.__version__}, torch threads {THREADS}{settings}")
+    if kind in ("tmpfs", "ramfs"):
+        print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
+    return work
+
+
 def filesystem_type(path: str) -> str:
     """The type of the filesystem ``path`` is on, from /proc/mounts (longest mount prefix)."""
     best, kind = "", "unknown"
@@ -503,11 +514,7 @@ def workloads(quick: bool) -> list[Workload]:
 def main() -> None:
     arguments = parse_arguments()
     torch.set_num_threads(THREADS)
-    work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_overhead-", dir=arguments.dir or os.getcwd()))
-    kind = filesystem_type(work)
-    print(f"temporary directory {work} ({kind}), torch {torch.__version__}, torch threads {THREADS}")
-    if kind in ("tmpfs", "ramfs"):
-        print(f"warning: {work} is in memory ({kind}); fsync costs nothing there, pass --dir on a disk")
+    work = scratch_directory("checkpoint_overhead-", arguments.dir)
     timers = CheckpointTimers()
     timers.install()
     ratios: dict[str, dict[str, float]] = {}

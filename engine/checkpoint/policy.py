@@ -76,13 +76,22 @@ class RunCheckpointer:
         up what crashed writers left. Call before reading checkpoints to resume."""
         if self._group is None or self._group.is_writer:
             self._lease.acquire(minimum_generation=self.store.newest_generation(),
-                                committed_sequence=self.store.newest_committed_sequence)
+                                committed_sequence=self._takeover_sequence)
             self._metrics.fence = self._lease.verify
             self.store.remove_temporaries()
             if self._fast is not None:
                 self._fast.claim(self._lease.previous_generation, self._lease.generation)
         if self._group is not None:
             self._group.after_acquire(self.store)
+
+    def _takeover_sequence(self) -> int:
+        """The highest sequence committed when this writer takes the lease over (its takeover
+        fence): in the run dir, and in a fast tier holding the previous writer's checkpoints
+        (a candidate best one among them is copied into the run dir by this writer)."""
+        sequence = self.store.newest_committed_sequence()
+        if self._fast is not None:
+            sequence = max(sequence, self._fast.newest_sequence_of(self._lease.previous_generation))
+        return sequence
 
     def _stores(self) -> list[CheckpointStore]:
         """The stores resume reads: the run dir, then the fast tier when its fence matches."""

@@ -57,13 +57,24 @@ class FastTier:
         self.store = CheckpointStore(self.storage, durable=False)
         self.usable = False
 
+    def _marker(self) -> Any:
+        try:
+            return json.loads(self.storage.read(MARKER_FILE))
+        except (OSError, ValueError):
+            return None
+
+    def newest_sequence_of(self, previous_generation: int) -> int:
+        """The highest sequence this tier holds when its checkpoints are the ones this run's
+        writer ``previous_generation`` committed (0 otherwise): with the run dir's, the takeover
+        fence. Such a checkpoint copied later into the run dir is not a stale writer's."""
+        if self._marker() != {"run_dir": self._owner, "generation": previous_generation}:
+            return 0
+        return self.store.newest_committed_sequence()
+
     def claim(self, previous_generation: int, generation: int) -> bool:
         """Decide whether this tier's checkpoints belong to this run's previous writer (kept) or
         not (deleted), then record ``generation`` as its writer. Call holding the run's lease."""
-        try:
-            marker = json.loads(self.storage.read(MARKER_FILE))
-        except (OSError, ValueError):
-            marker = None
+        marker = self._marker()
         self.usable = marker == {"run_dir": self._owner, "generation": previous_generation}
         other_run = marker.get("run_dir") if isinstance(marker, dict) else None
         if isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run):
@@ -250,6 +261,16 @@ class TierWriter:
         self._fence = fence
         self.promoter = DurablePromoter(fast, durable, retention, also_sync, fence, generation)
         self.newest: str | None = None
+        self._request_stranded_best_candidates(durable)
+
+    def _request_stranded_best_candidates(self, durable: CheckpointStore) -> None:
+        """Candidate best checkpoints the previous writer committed to the fast tier and died
+        before copying: copied now, before this writer's fast-tier retention deletes them."""
+        in_durable = set(durable.committed_names())
+        for name, manifest in reversed(self._fast.newest_first()):
+            if manifest is not None and manifest.monitor is not None and name not in in_durable \
+                    and self._fast.verifies(name):
+                self.promoter.request(name, keep=True)
 
     def commit(self, write: Callable[[CheckpointStore, int], str], durable: bool,
                fence: Callable[[], None] | None, best_candidate: bool = False) -> str:

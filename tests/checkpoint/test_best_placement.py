@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import signal
+import sys
 import threading
 import types
 
@@ -22,7 +25,12 @@ from engine.checkpoint import writer as writer_module
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run
-from validation_scenarios import build_validated, train_validated
+import forkserver
+from kill_helpers import TIMEOUT, environment
+from validation_scenarios import best_policy as best_policy_of_the_script
+from validation_scenarios import build_validated, fast_tier_policy, train_validated
+
+SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
 
 # 12 splits (= optimizer steps) per epoch: validations at steps 5, 10, 15 and 20, none at an
 # epoch end, so the last validation is followed by training before the run's last checkpoint.
@@ -145,3 +153,67 @@ def test_best_checkpoints_reach_the_durable_tier(tmp_path, reference):
     cursor = best.progress.cursor
     assert (cursor.epoch, cursor.batch, cursor.split) == position(best_row)
     assert_best_weights_equal(run_dir, reference)
+
+
+def kept_best(run_dir):
+    """The run dir's kept best checkpoints by content: cursor, record, model tensors."""
+    store = CheckpointStore(Storage(run_dir))
+    kept = []
+    for name in store.best(2):
+        loaded = store.load(name)
+        kept.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
+    return kept
+
+
+@pytest.fixture(scope="module")
+def script_reference(tmp_path_factory):
+    """The killed script's run, uninterrupted and without a fast tier; its best validation is
+    the one at step 35, in the last epoch (not at its end)."""
+    run_dir = str(tmp_path_factory.mktemp("script-reference"))
+    train_validated(run_dir, epochs=3, every_steps=5, checkpoint=best_policy_of_the_script())
+    best_row = min(val_rows(run_dir), key=lambda row: row["metrics"]["val_loss"])
+    assert best_row["step"] == 35
+    return run_dir, best_row
+
+
+def kill_the_script(tmp_path, fault):
+    run_dir, fast = str(tmp_path / "run"), str(tmp_path / "node" / "fast")
+    process = forkserver.run([sys.executable, SCRIPT, run_dir, "--every-steps", "5", "--local-tier", fast],
+                             env=environment(fault), capture_output=True, text=True, timeout=TIMEOUT)
+    assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+    return run_dir, fast
+
+
+def assert_resumed_run_keeps_the_reference_best(run_dir, fast, reference):
+    train_validated(run_dir, epochs=3, every_steps=5, checkpoint=fast_tier_policy(fast))
+    expected, actual = kept_best(reference), kept_best(run_dir)
+    assert len(expected) == 2 and [entry[:2] for entry in actual] == [entry[:2] for entry in expected]
+    for (*_, expected_module), (*_, actual_module) in zip(expected, actual):
+        for key, tensor in expected_module.items():
+            assert torch.equal(actual_module[key], tensor), key
+
+
+def test_a_kill_right_after_the_best_fast_commit_keeps_it(tmp_path, script_reference):
+    """SIGKILL right after the fast commit of split 35, the run's best validation, whose copy to
+    the run dir was just requested: the kept best checkpoints are those of an uninterrupted run
+    without a fast tier (before, the fast tier's retention deleted it: keep_last=2)."""
+    reference, best_row = script_reference
+    run_dir, fast = kill_the_script(tmp_path, "split_end_after_checkpoint:35:sigkill")
+    stranded = CheckpointStore(Storage(fast), create=False).latest()
+    assert stranded.manifest.monitor.value == best_row["metrics"]["val_loss"]
+    assert_resumed_run_keeps_the_reference_best(run_dir, fast, reference)
+
+
+def test_a_kill_inside_the_durable_copy_of_the_best_leaves_it_to_the_resumed_run(tmp_path, script_reference):
+    """SIGKILL before the rename that would commit the best candidate's copy in the run dir:
+    only the fast tier holds it; the resumed run copies it before deleting anything."""
+    reference, best_row = script_reference
+    # Commits reaching the rename before that copy: the fast ones up to split 35 (one per split
+    # and one per epoch end) and the copies of the checkpoints of the validations before it.
+    fast_commits = best_row["step"] + best_row["epoch"]
+    copies = sum(1 for row in val_rows(reference) if row["step"] < best_row["step"])
+    run_dir, fast = kill_the_script(tmp_path, f"checkpoint_before_rename:{fast_commits + copies + 1}:sigkill")
+    stranded = CheckpointStore(Storage(fast), create=False).load(f"ckpt-{fast_commits:010d}")
+    assert stranded.manifest.monitor.value == best_row["metrics"]["val_loss"]
+    assert stranded.name not in CheckpointStore(Storage(run_dir)).committed_names()
+    assert_resumed_run_keeps_the_reference_best(run_dir, fast, reference)

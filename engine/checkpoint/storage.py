@@ -7,7 +7,9 @@ have no atomic rename, which the checkpoint commit protocol accounts for.
 ``s3://bucket/prefix`` run directories go through ``s3fs`` (``pip install 'splitloop[s3]'``),
 configured from the standard AWS environment (see docs/object-stores.md). There a file can be
 created only if absent (a conditional ``PutObject``/``CompleteMultipartUpload`` with
-``If-None-Match: *``): :meth:`Storage.write` with ``exclusive=True``.
+``If-None-Match: *``): :meth:`Storage.write` with ``exclusive=True``; and an object can be
+replaced only if it is still the version read (``If-Match: <ETag>``):
+:meth:`Storage.read_versioned` then :meth:`Storage.replace_if_unchanged`.
 """
 
 from __future__ import annotations
@@ -357,6 +359,42 @@ class Storage:
             if not listing.get("IsTruncated") or not listing.get("Uploads"):
                 return aborted
 
+    def read_versioned(self, relative: str) -> tuple[bytes, str | None]:
+        """An object's content and its version (ETag), ``(b"", None)`` when it does not exist;
+        only where :attr:`exclusive_create` is true. The version is read first: if the object
+        changes before its content is read, :meth:`replace_if_unchanged` with that version
+        fails, so a change is never missed."""
+        s3: Any = getattr(self.fs, "inner", self.fs)
+        path = self.path(relative)
+        bucket, key, _ = s3.split_path(path)
+        try:
+            version = s3.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+        except FileNotFoundError:
+            return b"", None
+        return s3.cat_file(path), str(version)
+
+    def replace_if_unchanged(self, relative: str, data: bytes, version: str | None) -> bool:
+        """Replace an object whole, only if it is still ``version`` (see
+        :meth:`read_versioned`; None: only if it does not exist), in one conditional
+        ``PutObject`` (``If-Match`` / ``If-None-Match``). False when another writer changed it
+        meanwhile, and nothing was written."""
+        s3: Any = getattr(self.fs, "inner", self.fs)
+        path = self.writable_path(relative)
+        self._check_write()
+        bucket, key, _ = s3.split_path(path)
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            s3.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except FileExistsError:  # s3fs's name for a failed If-None-Match
+            return False
+        except OSError as error:
+            if _is_failed_precondition(error):
+                return False
+            raise
+        finally:
+            s3.invalidate_cache(path)
+        return True
+
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
         source_path, target_path = self.writable_path(source), self.writable_path(target)
@@ -400,6 +438,14 @@ class Storage:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+def _is_failed_precondition(error: OSError) -> bool:
+    """Whether s3fs's error stands for S3's "412 Precondition Failed" (or "409 Conditional
+    Request Conflict": a concurrent conditional write won)."""
+    response = getattr(error.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 def _fsync_path(path: str) -> None:

@@ -152,13 +152,13 @@ class MetricsLog:
         """Object stores: one conditional rewrite of the object (see the module docstring)."""
         storage = self._storage
         assert storage is not None
-        content, version = storage.read_versioned(METRICS_FILE)
+        size, version = storage.version(METRICS_FILE)
         self._check_fence()  # after the read: the version read is still this writer's to replace
-        if len(content) < self.committed_bytes:
+        if size < self.committed_bytes:
             raise CheckpointWriteError(
-                f"{METRICS_FILE} in {storage.url} holds {len(content)} bytes, fewer than the {self.committed_bytes} "
-                "this writer wrote: it was changed outside this run; nothing was appended")
-        if not storage.replace_if_unchanged(METRICS_FILE, content[:self.committed_bytes] + data, version):
+                f"{METRICS_FILE} in {storage.url} holds {size} bytes, fewer than the {self.committed_bytes} this "
+                "writer wrote: it was changed outside this run; nothing was appended")
+        if not storage.replace_prefix_if_unchanged(METRICS_FILE, self.committed_bytes, data, version):
             raise WriterConflict(
                 f"{METRICS_FILE} in {storage.url} changed while this writer appended to it: another writer took "
                 "the run over; this writer changes nothing and stops")

@@ -209,6 +209,32 @@ def test_a_takeover_between_the_stale_writers_last_check_and_its_write_changes_n
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 11, 12]
 
 
+def test_past_5_mib_the_holder_keeps_its_bytes_server_side_and_cuts_a_stale_writers(s3_run_url, monkeypatch):
+    """From 5 MiB the kept bytes are copied server-side into a multipart upload: every byte the
+    holder committed stays, bytes a stale writer appended beyond them go. The copy and the
+    completion are conditional on the version read (moto does not enforce these two
+    conditions: the requests are checked here, the refusal on a small object above)."""
+    storage = Storage(s3_run_url)
+    head = b"x" * (5 * 2**20 + 3) + b"\n"
+    storage.write(METRICS_FILE, [head], durable=False)
+    holder = Writer(s3_run_url, stale_after=60)
+    holder.metrics.resume_at(len(head))
+    storage.append(METRICS_FILE, b'{"stage": "train", "stale": true}\n')
+    s3 = holder.metrics._storage.fs
+    bucket, key, _ = s3.split_path(storage.path(METRICS_FILE))
+    version = s3.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+    calls = []
+    original = s3.call_s3
+    monkeypatch.setattr(s3, "call_s3", lambda method, **kwargs: calls.append((method, kwargs)) or original(method, **kwargs))
+    holder.commit(holder.train(2))
+    written = storage.read(METRICS_FILE)
+    assert written[:len(head)] == head
+    assert [json.loads(line)["step"] for line in written[len(head):].splitlines()] == [1, 2]
+    conditions = {method: (kwargs.get("CopySourceIfMatch"), kwargs.get("IfMatch")) for method, kwargs in calls}
+    assert conditions["upload_part_copy"] == (version, None)
+    assert conditions["complete_multipart_upload"] == (None, version)
+
+
 def test_plot_reads_an_s3_run_directory(s3_run_url, tmp_path):
     train_with_checkpoints("plain", s3_run_url, epochs=1)
     train_with_checkpoints("plain", s3_run_url, epochs=2)  # resumes: one row in resumes.jsonl

@@ -193,6 +193,7 @@ def assert_resumed_run_keeps_the_reference_best(run_dir, fast, reference):
             assert torch.equal(actual_module[key], tensor), key
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_the_best_fast_commit_keeps_it(tmp_path, script_reference):
     """SIGKILL right after the fast commit of split 35, the run's best validation, whose copy to
     the run dir was just requested: the kept best checkpoints are those of an uninterrupted run
@@ -204,6 +205,7 @@ def test_a_kill_right_after_the_best_fast_commit_keeps_it(tmp_path, script_refer
     assert_resumed_run_keeps_the_reference_best(run_dir, fast, reference)
 
 
+@pytest.mark.slow
 def test_a_kill_inside_the_durable_copy_of_the_best_leaves_it_to_the_resumed_run(tmp_path, script_reference):
     """SIGKILL before the rename that would commit the best candidate's copy in the run dir:
     only the fast tier holds it; the resumed run copies it before deleting anything."""

@@ -177,10 +177,10 @@ class BackgroundWriter(_Committer):
     """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
     being written until their files are); when none is free, ``when_behind="wait"`` blocks and
     ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none can
-    be replaced. A forced one (the last of a run or of a preemption) and one that records a
-    monitored value (a candidate best checkpoint: its record belongs to its weights) are never
-    dropped: they wait instead; a queued snapshot that records a monitored value is never
-    replaced."""
+    be replaced. A forced one (the last of a run or of a preemption, every one of a distributed
+    run) always waits. One that records a monitored value (a candidate best checkpoint: its
+    record belongs to its weights) is never dropped: it replaces a queued snapshot or waits; a
+    queued snapshot that records a monitored value is never replaced."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
@@ -200,13 +200,14 @@ class BackgroundWriter(_Committer):
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
         """Snapshot and queue; returns False when the checkpoint was skipped."""
         self.check()
-        must_write = force or pending.monitor is not None
         with self._condition:
             while not self._free:
-                if self._when_behind == "skip":
+                # A forced one neither replaces a queued snapshot nor is dropped: a distributed
+                # run's ranks must all write every checkpoint they agreed on.
+                if self._when_behind == "skip" and not force:
                     if self._supersede_one_locked():
                         break
-                    if not must_write:
+                    if pending.monitor is None:
                         self.skipped += 1
                         return False  # every snapshot is being written or must be: skip this one
                 self._condition.wait()

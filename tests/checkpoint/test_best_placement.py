@@ -1,7 +1,9 @@
 """A best-checkpoint record lands on the weights it was computed on, and is never lost:
 
 * with ``asynchronous=True, when_behind="skip"`` a snapshot that records a validation's value is
-  neither skipped nor superseded (it waits for a buffer), and no later checkpoint inherits it;
+  neither skipped nor superseded (it replaces a queued snapshot that records none, or waits for
+  a buffer), and no later checkpoint inherits its value;
+* after a SIGKILL, a candidate the fast tier alone holds still reaches the run dir;
 * a validation at an epoch end without ``at_epoch_end`` checkpoints gets a checkpoint of its own;
 * with a fast local tier, a candidate best checkpoint always reaches the durable tier (where
   ``inspect`` and ``load_weights(checkpoint="best")`` find it) and its retention keeps it.

@@ -62,7 +62,8 @@ class CheckpointConfig:
             against splits that overlap no write.
         every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
         every_seconds: checkpoint at the first split boundary T seconds after the last one.
-        at_epoch_end: checkpoint after each epoch's end-of-epoch work.
+        at_epoch_end: checkpoint after each epoch's end-of-epoch work (an epoch end that
+            produced a new ``monitor`` value is checkpointed whatever this says).
         keep_last: how many valid checkpoints to keep (older ones are deleted only after a
             newer one is committed). None keeps all.
         asynchronous: snapshot on the training thread, write in a background thread.
@@ -74,11 +75,12 @@ class CheckpointConfig:
         when_behind: with ``asynchronous`` and ``max_in_flight`` snapshots in flight: ``"wait"``
             blocks training until the writer frees one; ``"skip"`` never blocks: the newest
             snapshot replaces the oldest queued one, or, when every snapshot is being written,
-            this checkpoint is skipped. A run's last checkpoint and a preemption checkpoint
-            always wait.
+            this checkpoint is skipped. A run's last checkpoint, a preemption checkpoint and one
+            that records a ``monitor`` value always wait; a queued one of the latter is never
+            replaced.
         monitor: a metric name (``val_loss``, or one logged with ``Module.log``) whose best
-            checkpoints are kept besides the newest ones: each checkpoint written right after
-            a new value of it records that value in its manifest.
+            checkpoints are kept besides the newest ones: the checkpoint of the boundary that
+            produced a new value of it (always written) records that value in its manifest.
         mode: ``"min"`` (lower is better) or ``"max"``, for ``monitor``.
         keep_best: how many best checkpoints (by ``monitor``) retention never deletes; they do
             not count towards ``keep_last``.
@@ -92,8 +94,8 @@ class CheckpointConfig:
             checkpoint tier: every checkpoint is committed there without fsync (it survives the
             death of the process, not of the node), and copied to the run dir (the durable tier)
             in the background every ``durable_every_n_splits`` splits and/or
-            ``durable_every_seconds`` seconds, and always for the run's last checkpoint and a
-            preemption checkpoint. Resume takes the newest valid checkpoint of either tier. One
+            ``durable_every_seconds`` seconds, and always for the run's last checkpoint, a
+            preemption checkpoint and one that records a ``monitor`` value. Resume takes the newest valid checkpoint of either tier. One
             directory per run, outside ``run_dir``: ``fit`` refuses one inside it or holding another
             run's checkpoints (the fast tier deletes checkpoints it did not write); see
             docs/checkpoint-format.md.

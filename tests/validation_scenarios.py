@@ -4,7 +4,7 @@ The model is the kill tests' SeqModel (shuffled data, dropout); its ``validation
 a *shuffled* validation loader and keeps functional dropout on, so validation draws random
 numbers, which must never shift training's. Run as a script for the subprocess kill tests::
 
-    python tests/validation_scenarios.py RUN_DIR [--every-steps N] [--patience P] [--sleep S]
+    python tests/validation_scenarios.py RUN_DIR [--every-steps N] [--patience P] [--sleep S] [--local-tier DIR]
 """
 
 from __future__ import annotations
@@ -86,9 +86,16 @@ def train_validated(run_dir: str | None, epochs: int = 2, every_steps: int | Non
     return model, result
 
 
-def best_policy() -> engine.CheckpointConfig:
+def best_policy(**overrides: Any) -> engine.CheckpointConfig:
     """What the kill tests run with: few newest checkpoints, the two best by val_loss kept."""
-    return engine.CheckpointConfig(keep_last=2, monitor="val_loss", mode="min", keep_best=2)
+    settings: dict[str, Any] = dict(keep_last=2, monitor="val_loss", mode="min", keep_best=2)
+    settings.update(overrides)
+    return engine.CheckpointConfig(**settings)
+
+
+def fast_tier_policy(local_tier: str) -> engine.CheckpointConfig:
+    """:func:`best_policy` with a fast tier, the durable tier written only at the run's end."""
+    return best_policy(local_tier=local_tier, durable_every_n_splits=1000)
 
 
 def main(argv: list[str]) -> int:
@@ -98,12 +105,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every-steps", type=int, default=5)
     parser.add_argument("--patience", type=int, default=0)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--local-tier", default=None)
     args = parser.parse_args(argv)
     callbacks: list[engine.Callback] = [Announce(args.sleep)]
     if args.patience:
         callbacks.append(engine.EarlyStopping(monitor="val_loss", mode="min", patience=args.patience))
     train_validated(args.run_dir, epochs=3, every_steps=args.every_steps, callbacks=tuple(callbacks),
-                    checkpoint=best_policy())
+                    checkpoint=best_policy() if args.local_tier is None else fast_tier_policy(args.local_tier))
     return 0
 
 

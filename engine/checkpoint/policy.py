@@ -76,13 +76,22 @@ class RunCheckpointer:
         up what crashed writers left. Call before reading checkpoints to resume."""
         if self._group is None or self._group.is_writer:
             self._lease.acquire(minimum_generation=self.store.newest_generation(),
-                                committed_sequence=self.store.newest_committed_sequence)
+                                committed_sequence=self._takeover_sequence)
             self._metrics.fence = self._lease.verify
             self.store.remove_temporaries()
             if self._fast is not None:
                 self._fast.claim(self._lease.previous_generation, self._lease.generation)
         if self._group is not None:
             self._group.after_acquire(self.store)
+
+    def _takeover_sequence(self) -> int:
+        """The highest sequence committed when this writer takes the lease over (its takeover
+        fence): in the run dir, and in a fast tier holding the previous writer's checkpoints
+        (a candidate best one among them is copied into the run dir by this writer)."""
+        sequence = self.store.newest_committed_sequence()
+        if self._fast is not None:
+            sequence = max(sequence, self._fast.newest_sequence_of(self._lease.previous_generation))
+        return sequence
 
     def _stores(self) -> list[CheckpointStore]:
         """The stores resume reads: the run dir, then the fast tier when its fence matches."""
@@ -181,8 +190,10 @@ class RunCheckpointer:
         return None if self._budget is None else self._budget.interval
 
     def due_at_epoch_end(self) -> bool:
-        """Whether the policy asks for a checkpoint after each epoch."""
-        return self.policy.at_epoch_end
+        """Whether a checkpoint is due after this epoch's end-of-epoch work: the policy asks for
+        one after each epoch, or the epoch end produced a monitored value (its record belongs to
+        a checkpoint of this boundary's weights, see :meth:`offer_metrics`)."""
+        return self.policy.at_epoch_end or self._fresh_monitor is not None
 
     def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
         """Whether the policy asks for a checkpoint at this split boundary."""
@@ -215,8 +226,10 @@ class RunCheckpointer:
         return policy.every_seconds is not None and time.monotonic() - self._last_save_time >= policy.every_seconds
 
     def offer_metrics(self, values: dict[str, float]) -> None:
-        """New metric values were produced (a validation pass, an epoch's aggregates): the next
-        checkpoint records the monitored one, which makes it a candidate best checkpoint."""
+        """New metric values were produced (a validation pass, an epoch's aggregates) at the
+        current boundary: the checkpoint saved at this boundary records the monitored one, which
+        makes it a candidate best checkpoint. The record belongs to that checkpoint only: the
+        next :meth:`save` takes it whatever becomes of it, so it never lands on later weights."""
         monitor = self.policy.monitor
         if monitor is not None and monitor in values and math.isfinite(values[monitor]):
             self._fresh_monitor = MonitorRecord(monitor, self.policy.mode, float(values[monitor]))
@@ -228,6 +241,7 @@ class RunCheckpointer:
         ``on_io_error="warn"``."""
         assert self._writer is not None, "start() before save()"
         save_started = time.monotonic() if self._budget is not None else 0.0
+        monitor, self._fresh_monitor = self._fresh_monitor, None
         try:
             metrics_bytes = self._metrics.snapshot()
             if metrics_bytes != snapshot.state["metrics_bytes"]:
@@ -240,7 +254,8 @@ class RunCheckpointer:
                 force = True  # every rank must write every agreed checkpoint: none is skipped
             pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
                                         publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
-                                        durable=self._durable_due(mark, force), monitor=self._fresh_monitor,
+                                        durable=self._durable_due(mark, force) or monitor is not None,
+                                        monitor=monitor,
                                         digest=digest)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:
@@ -260,7 +275,6 @@ class RunCheckpointer:
             self._last_save_time = time.monotonic()
             self._steps_at_last_save = optimizer_steps
             self._mark_of_last_save = mark
-            self._fresh_monitor = None
         return written
 
     def _budget_after_save(self, written: bool, save_started: float) -> None:
@@ -277,7 +291,7 @@ class RunCheckpointer:
 
     def _durable_due(self, mark: BoundaryMark, force: bool) -> bool:
         """With a fast tier: whether this checkpoint also goes to the run dir (forced ones, the
-        last of a run and a preemption's, always do)."""
+        last of a run and a preemption's, always do; so do candidate best ones, see save)."""
         policy = self.policy
         if self._fast is None or force:
             return True

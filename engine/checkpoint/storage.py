@@ -7,7 +7,9 @@ have no atomic rename, which the checkpoint commit protocol accounts for.
 ``s3://bucket/prefix`` run directories go through ``s3fs`` (``pip install 'splitloop[s3]'``),
 configured from the standard AWS environment (see docs/object-stores.md). There a file can be
 created only if absent (a conditional ``PutObject``/``CompleteMultipartUpload`` with
-``If-None-Match: *``): :meth:`Storage.write` with ``exclusive=True``.
+``If-None-Match: *``): :meth:`Storage.write` with ``exclusive=True``; and an object can be
+replaced only if it is still the version read (``If-Match: <ETag>``): :meth:`Storage.version`
+then :meth:`Storage.replace_prefix_if_unchanged`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from engine.checkpoint import checksum as checksums
 from engine.errors import ConfigError
 
 _OBJECT_STORE_PROTOCOLS = ("s3", "s3a")
+# S3's bounds on a multipart upload's parts: every part but the last at least 5 MiB; a part
+# copied from an object at most 5 GiB.
+_MIN_COPIED_PART = 5 * 2**20
+_MAX_COPIED_PART = 5 * 2**30
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -357,6 +363,69 @@ class Storage:
             if not listing.get("IsTruncated") or not listing.get("Uploads"):
                 return aborted
 
+    def version(self, relative: str) -> tuple[int, str | None]:
+        """An object's size and version (its ETag); ``(0, None)`` when it does not exist. Only
+        where :attr:`exclusive_create` is true; see :meth:`replace_prefix_if_unchanged`."""
+        s3, bucket, key = self._s3_object(relative)
+        try:
+            head = s3.call_s3("head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return 0, None
+        return int(head["ContentLength"]), str(head["ETag"])
+
+    def replace_prefix_if_unchanged(self, relative: str, keep: int, data: bytes, version: str | None) -> bool:
+        """Replace an object with its first ``keep`` bytes followed by ``data``, only if it is
+        still ``version`` (from :meth:`version`; None: only if it does not exist). A small
+        object is read and put back whole in one ``PutObject``; from 5 MiB the kept bytes are
+        copied server-side into a multipart upload. Either way the write that makes the new
+        object visible is conditional (``If-Match`` / ``If-None-Match``). False when another
+        writer changed the object since ``version`` was read, and nothing was changed."""
+        s3, bucket, key = self._s3_object(relative)
+        self._check_write()
+        try:
+            if keep >= _MIN_COPIED_PART:
+                assert version is not None  # the kept bytes are in the object
+                self._put_in_parts(s3, bucket, key, keep, data, version)
+            else:
+                head = s3.cat_file(self.path(relative), start=0, end=keep) if keep else b""
+                condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+                s3.call_s3("put_object", Bucket=bucket, Key=key, Body=head + data, **condition)
+        except FileExistsError:  # s3fs's name for a failed If-None-Match
+            return False
+        except OSError as error:
+            if _is_failed_precondition(error):
+                return False
+            raise
+        finally:
+            s3.invalidate_cache(self.path(relative))
+        return True
+
+    def _s3_object(self, relative: str) -> tuple[Any, str, str]:
+        s3: Any = getattr(self.fs, "inner", self.fs)
+        bucket, key, _ = s3.split_path(self.writable_path(relative))
+        return s3, bucket, key
+
+    @staticmethod
+    def _put_in_parts(s3: Any, bucket: str, key: str, keep: int, data: bytes, version: str) -> None:
+        """The kept bytes copied server-side (a part of at most 5 GiB, as S3 allows), ``data``
+        uploaded as the last part; the copy and the completion are conditional on ``version``."""
+        if keep > _MAX_COPIED_PART:
+            raise OSError(f"s3://{bucket}/{key} is {keep} bytes long; an object beyond 5 GiB is not appended to")
+        upload = s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        try:
+            copied = s3.call_s3("upload_part_copy", Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+                                CopySource={"Bucket": bucket, "Key": key}, CopySourceRange=f"bytes=0-{keep - 1}",
+                                CopySourceIfMatch=version)
+            parts = [{"PartNumber": 1, "ETag": copied["CopyPartResult"]["ETag"]}]
+            if data:
+                uploaded = s3.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=2, Body=data)
+                parts.append({"PartNumber": 2, "ETag": uploaded["ETag"]})
+            s3.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                       MultipartUpload={"Parts": parts}, IfMatch=version)
+        except BaseException:
+            s3.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            raise
+
     def rename(self, source: str, target: str) -> None:
         """Atomic on a local filesystem (one ``os.rename``); a copy elsewhere."""
         source_path, target_path = self.writable_path(source), self.writable_path(target)
@@ -400,6 +469,14 @@ class Storage:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+def _is_failed_precondition(error: OSError) -> bool:
+    """Whether s3fs's error stands for S3's "412 Precondition Failed" (or "409 Conditional
+    Request Conflict": a concurrent conditional write won)."""
+    response = getattr(error.__cause__, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")
 
 
 def _fsync_path(path: str) -> None:

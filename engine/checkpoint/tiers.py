@@ -57,13 +57,24 @@ class FastTier:
         self.store = CheckpointStore(self.storage, durable=False)
         self.usable = False
 
+    def _marker(self) -> Any:
+        try:
+            return json.loads(self.storage.read(MARKER_FILE))
+        except (OSError, ValueError):
+            return None
+
+    def newest_sequence_of(self, previous_generation: int) -> int:
+        """The highest sequence this tier holds when its checkpoints are the ones this run's
+        writer ``previous_generation`` committed (0 otherwise): with the run dir's, the takeover
+        fence. Such a checkpoint copied later into the run dir is not a stale writer's."""
+        if self._marker() != {"run_dir": self._owner, "generation": previous_generation}:
+            return 0
+        return self.store.newest_committed_sequence()
+
     def claim(self, previous_generation: int, generation: int) -> bool:
         """Decide whether this tier's checkpoints belong to this run's previous writer (kept) or
         not (deleted), then record ``generation`` as its writer. Call holding the run's lease."""
-        try:
-            marker = json.loads(self.storage.read(MARKER_FILE))
-        except (OSError, ValueError):
-            marker = None
+        marker = self._marker()
         self.usable = marker == {"run_dir": self._owner, "generation": previous_generation}
         other_run = marker.get("run_dir") if isinstance(marker, dict) else None
         if isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run):
@@ -138,7 +149,10 @@ def load_named(stores: list[CheckpointStore], name: str, validate: StateValidato
 
 class DurablePromoter:
     """Copies fast-tier checkpoints into the durable tier in a background thread. Requests
-    coalesce: when the thread is busy, only the newest requested checkpoint waits."""
+    coalesce: when the thread is busy, only the newest requested checkpoint waits, beside the
+    requests that must be kept (candidate best checkpoints: ``inspect`` and
+    ``load_weights(checkpoint="best")`` read the durable tier, and the fast tier's retention
+    keeps no best ones)."""
 
     def __init__(self, fast: CheckpointStore, durable: CheckpointStore, retention: Retention,
                  also_sync: Callable[[], list[str]], fence: Callable[[], None] | None, generation: int | None) -> None:
@@ -149,7 +163,8 @@ class DurablePromoter:
         self._fence = fence
         self._generation = generation
         self._condition = threading.Condition()
-        self._wanted: str | None = None
+        # (name, must be kept) in request order; a newer request drops the others.
+        self._wanted: list[tuple[str, bool]] = []
         self._busy: str | None = None
         self._closing = False
         self._error: BaseException | None = None
@@ -157,25 +172,29 @@ class DurablePromoter:
         self._thread = threading.Thread(target=self._work, name="splitloop-durable-tier", daemon=True)
         self._thread.start()
 
-    def request(self, name: str) -> None:
+    def request(self, name: str, keep: bool = False) -> None:
+        """Copy ``name`` into the durable tier; with ``keep`` even when newer requests follow
+        before the copy starts."""
         with self._condition:
-            self._wanted = name
+            # A new list, never changed in place: copied_since reads it without the lock.
+            self._wanted = [entry for entry in self._wanted if entry[1]] + [(name, keep)]
             self._condition.notify_all()
 
     def protected(self) -> frozenset[str]:
         """Names the fast tier's retention must keep (queued or being copied)."""
         with self._condition:
-            return frozenset(name for name in (self._wanted, self._busy) if name is not None)
+            names = [name for name, _ in self._wanted] + ([self._busy] if self._busy is not None else [])
+            return frozenset(names)
 
     def _work(self) -> None:
         while True:
             with self._condition:
-                while self._wanted is None and not self._closing:
+                while not self._wanted and not self._closing:
                     self._condition.wait()
-                if self._wanted is None:
+                if not self._wanted:
                     return
-                name = self._busy = self._wanted  # _busy before _wanted drops: see copied_since
-                self._wanted = None
+                name = self._busy = self._wanted[0][0]  # _busy before _wanted drops: see copied_since
+                self._wanted = self._wanted[1:]
             try:
                 if self._fence is not None:
                     self._fence()
@@ -202,7 +221,7 @@ class DurablePromoter:
         ``since`` (a ``time.monotonic()`` reading): whether a split that started at ``since``
         overlapped one. Lock-free (once per split): read in the reverse order of the writes in
         :meth:`_work`."""
-        return self._wanted is not None or self._busy is not None or self.last_copy_end >= since
+        return bool(self._wanted) or self._busy is not None or self.last_copy_end >= since
 
     def check(self) -> None:
         """Raise, on the calling thread, an error the background copy met."""
@@ -220,8 +239,9 @@ class DurablePromoter:
         """Make ``newest`` durable (unless it already is), wait, stop the thread, then raise
         any error met."""
         with self._condition:
-            if newest is not None and newest != self.last_durable and self._busy != newest:
-                self._wanted = newest
+            waiting = [name for name, _ in self._wanted]
+            if newest is not None and newest != self.last_durable and self._busy != newest and newest not in waiting:
+                self._wanted = self._wanted + [(newest, False)]
             self._closing = True
             self._condition.notify_all()
         self._thread.join()
@@ -241,17 +261,29 @@ class TierWriter:
         self._fence = fence
         self.promoter = DurablePromoter(fast, durable, retention, also_sync, fence, generation)
         self.newest: str | None = None
+        self._request_stranded_best_candidates(durable)
+
+    def _request_stranded_best_candidates(self, durable: CheckpointStore) -> None:
+        """Candidate best checkpoints the previous writer committed to the fast tier and died
+        before copying: copied now, before this writer's fast-tier retention deletes them."""
+        in_durable = set(durable.committed_names())
+        for name, manifest in reversed(self._fast.newest_first()):
+            if manifest is not None and manifest.monitor is not None and name not in in_durable \
+                    and self._fast.verifies(name):
+                self.promoter.request(name, keep=True)
 
     def commit(self, write: Callable[[CheckpointStore, int], str], durable: bool,
-               fence: Callable[[], None] | None) -> str:
+               fence: Callable[[], None] | None, best_candidate: bool = False) -> str:
         """``write(store, sequence)`` commits to the fast tier; then its retention, and the
-        request to make the checkpoint durable when ``durable``."""
+        request to make the checkpoint durable when ``durable``. A ``best_candidate`` (it
+        records a monitored value) always reaches the durable tier, where best checkpoints are
+        kept: no newer request replaces it."""
         self.promoter.check()
         name = write(self._fast, self._next_sequence)
         self._next_sequence += 1
         self.newest = name
-        if durable:
-            self.promoter.request(name)
+        if durable or best_candidate:
+            self.promoter.request(name, keep=best_candidate)
         if fence is not None:
             fence()
         self._fast.apply_retention(self._keep_last, self._generation, protected=self.promoter.protected())

@@ -142,7 +142,7 @@ class _Committer:
                                    on_data_written=lambda: self.release(pending), fence=fence,
                                    monitor=pending.monitor)
 
-            return self.tiers.commit(write, pending.durable, fence)
+            return self.tiers.commit(write, pending.durable, fence, best_candidate=pending.monitor is not None)
         name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
                                 also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
                                 fence=fence, monitor=pending.monitor, staging=staging, gather_parts=gather_parts)
@@ -176,8 +176,11 @@ class SyncWriter(_Committer):
 class BackgroundWriter(_Committer):
     """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
     being written until their files are); when none is free, ``when_behind="wait"`` blocks and
-    ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none is
-    queued (a forced one, the last of a run or of a preemption, always waits)."""
+    ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none can
+    be replaced. A forced one (the last of a run or of a preemption, every one of a distributed
+    run) always waits. One that records a monitored value (a candidate best checkpoint: its
+    record belongs to its weights) is never dropped: it replaces a queued snapshot or waits; a
+    queued snapshot that records a monitored value is never replaced."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
@@ -199,14 +202,14 @@ class BackgroundWriter(_Committer):
         self.check()
         with self._condition:
             while not self._free:
+                # A forced one neither replaces a queued snapshot nor is dropped: a distributed
+                # run's ranks must all write every checkpoint they agreed on.
                 if self._when_behind == "skip" and not force:
-                    self.skipped += 1
-                    if not self._queue:
-                        return False  # every snapshot is being written: skip this checkpoint
-                    superseded = self._queue.popleft()
-                    assert superseded.buffers is not None  # a queued snapshot holds its buffers
-                    self._free.append(superseded.buffers)
-                    break
+                    if self._supersede_one_locked():
+                        break
+                    if pending.monitor is None:
+                        self.skipped += 1
+                        return False  # every snapshot is being written or must be: skip this one
                 self._condition.wait()
                 self._raise_pending_locked()
             buffers = self._free.pop()
@@ -224,6 +227,19 @@ class BackgroundWriter(_Committer):
             self._queue.append(pending)
             self._condition.notify_all()
         return True
+
+    def _supersede_one_locked(self) -> bool:
+        """Drop the oldest queued snapshot that records no monitored value, freeing its
+        buffers; False when every queued one does (or none is queued)."""
+        for index, queued in enumerate(self._queue):
+            if queued.monitor is None:
+                del self._queue[index]
+                assert queued.buffers is not None  # a queued snapshot holds its buffers
+                self._free.append(queued.buffers)
+                queued.buffers = None
+                self.skipped += 1
+                return True
+        return False
 
     def release(self, pending: PendingCheckpoint) -> None:
         """Hand the snapshot's buffers back as soon as its files are written, before the

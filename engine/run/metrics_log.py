@@ -7,8 +7,17 @@ that ran after the checkpoint, and will run again, are never duplicated.
 With checkpoints on, lines reach the file only inside a commit, after the writer checked that it
 still holds the lease (the fence): the training thread takes a :meth:`MetricsLog.snapshot`
 (the length the file will have), the checkpoint writer calls :meth:`MetricsLog.write_until`
-once its fence check passed. A writer that lost the lease therefore never appends. Bytes found
-beyond this writer's own length (a torn append, or a stale writer's) are cut before appending.
+once its fence check passed, and checks the fence again itself after reading the file's
+length, right before changing it. A writer that lost the lease therefore never appends. Bytes
+found beyond this writer's own length (a torn append, or a stale writer's) are cut before
+appending, by the writer that holds the lease.
+
+On an object store (S3) an append rewrites the whole object, so a writer that lost the lease
+between its fence check and its write could still replace the new holder's lines with its own
+view of the file. There each write is a conditional ``PutObject``: the object is read with its
+version (ETag), the fence is checked, and the new content is written only if the object is still
+that version (``If-Match``). A stale writer's write then fails with WriterConflict and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import warnings
 from typing import Callable
 
 from engine.checkpoint.storage import Storage
+from engine.errors import CheckpointWriteError, WriterConflict
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"
@@ -118,12 +128,40 @@ class MetricsLog:
             count = length - self.committed_bytes
             if count <= 0:
                 return
-            size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
-            if size > self.committed_bytes:
-                self._storage.truncate(METRICS_FILE, self.committed_bytes)
-            self._storage.append(METRICS_FILE, bytes(self._unwritten[:count]))
+            if self._storage.exclusive_create:
+                self._replace_if_unchanged(bytes(self._unwritten[:count]))
+            else:
+                self._cut_and_append(bytes(self._unwritten[:count]))
             del self._unwritten[:count]
             self.committed_bytes += count
+
+    def _check_fence(self) -> None:
+        if self.fence is not None:
+            self.fence()
+
+    def _cut_and_append(self, data: bytes) -> None:
+        storage = self._storage
+        assert storage is not None
+        size = storage.size(METRICS_FILE) if storage.exists(METRICS_FILE) else 0
+        self._check_fence()  # after the read: what is cut beyond our length is a stale writer's
+        if size > self.committed_bytes:
+            storage.truncate(METRICS_FILE, self.committed_bytes)
+        storage.append(METRICS_FILE, data)
+
+    def _replace_if_unchanged(self, data: bytes) -> None:
+        """Object stores: one conditional rewrite of the object (see the module docstring)."""
+        storage = self._storage
+        assert storage is not None
+        size, version = storage.version(METRICS_FILE)
+        self._check_fence()  # after the read: the version read is still this writer's to replace
+        if size < self.committed_bytes:
+            raise CheckpointWriteError(
+                f"{METRICS_FILE} in {storage.url} holds {size} bytes, fewer than the {self.committed_bytes} this "
+                "writer wrote: it was changed outside this run; nothing was appended")
+        if not storage.replace_prefix_if_unchanged(METRICS_FILE, self.committed_bytes, data, version):
+            raise WriterConflict(
+                f"{METRICS_FILE} in {storage.url} changed while this writer appended to it: another writer took "
+                "the run over; this writer changes nothing and stops")
 
     def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
         """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""

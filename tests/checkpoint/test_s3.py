@@ -1,6 +1,7 @@
 """``s3://`` run directories against a real S3 protocol server (moto, tests/s3_server.py): the
 manifest, created only if absent, is the commit point; a writer that finds a name taken never
-overwrites or deletes it; runs killed mid-checkpoint resume bit-exactly; the CLI reads them."""
+overwrites or deletes it; a writer that lost the lease never changes metrics.jsonl; runs killed
+mid-checkpoint resume bit-exactly; the CLI reads them."""
 
 import json
 import subprocess
@@ -11,12 +12,13 @@ import pytest
 import torch
 
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MANIFEST_FILE
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.plot import plot_run, read_rows
 from engine.errors import ConfigError, WriterConflict
-from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE
+from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE, MetricsLog
 from kill_helpers import environment, run_until_done
 from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run
@@ -126,6 +128,111 @@ def test_appends_rewrite_the_object_and_keep_every_byte_past_the_multipart_thres
     assert storage.read(METRICS_FILE) == head + b"tail\nmore\n"
     storage.truncate(METRICS_FILE, len(head) + 5)
     assert storage.read(METRICS_FILE) == head + b"tail\n"
+
+
+class Writer:
+    """One writer of a run dir: its lease (the fence) and its metrics.jsonl."""
+
+    def __init__(self, url, stale_after):
+        storage = Storage(url)
+        self.lease = WriterLease(storage, stale_after=stale_after)
+        self.lease.acquire()
+        self.metrics = MetricsLog(storage)
+        self.metrics.fence = self.lease.verify
+        self.splits = 0
+
+    def train(self, splits):
+        """Buffer the rows of ``splits`` more splits; the length a checkpoint would record."""
+        for _ in range(splits):
+            self.splits += 1
+            self.metrics.append(Cursor(0, 0, self.splits, 0), [float(self.splits)], self.splits)
+        return self.metrics.snapshot()
+
+    def commit(self, length):
+        """What a checkpoint commit does with its metrics: fence, then write (writer.py)."""
+        self.lease.verify()
+        self.metrics.write_until(length)
+
+
+def first_writer(url):
+    """Generation 1, whose heartbeat (every 20 s) does not beat while the next one watches."""
+    writer = Writer(url, stale_after=60)
+    writer.metrics.start_fresh()
+    writer.commit(writer.train(3))
+    return writer
+
+
+def take_over(url, committed_bytes, splits=2):
+    """Generation 2: takes the unchanged lease over after 0.3 s, resumes at a checkpoint that
+    recorded ``committed_bytes``, trains and commits its lines."""
+    writer = Writer(url, stale_after=0.3)
+    writer.metrics.resume_at(committed_bytes)
+    writer.splits = 10
+    writer.commit(writer.train(splits))
+    return writer
+
+
+def test_a_writer_that_lost_the_lease_never_changes_the_new_holders_metrics(s3_run_url):
+    """The stale writer passed its commit's fence check, then the lease was taken over and the
+    new holder committed lines; the stale writer's write comes after. (Before, it cut the file
+    back to its own length, deleting the new holder's lines.)"""
+    stale = first_writer(s3_run_url)
+    length = stale.train(2)
+    stale.lease.verify()  # the commit's fence check passes ...
+    holder = take_over(s3_run_url, stale.metrics.committed_bytes)  # ... then the lease is taken over
+    storage = Storage(s3_run_url)
+    written = storage.read(METRICS_FILE)
+    assert len(written.splitlines()) == 5
+    with pytest.raises(WriterConflict, match="generation 2"):
+        stale.metrics.write_until(length)
+    assert storage.read(METRICS_FILE) == written
+    holder.commit(holder.train(1))  # the holder goes on, its lines all there
+    assert storage.read(METRICS_FILE).startswith(written) and len(storage.read(METRICS_FILE).splitlines()) == 6
+
+
+def test_a_takeover_between_the_stale_writers_last_check_and_its_write_changes_nothing(s3_run_url):
+    """The lease is taken over right after the fence check inside the stale writer's write:
+    its conditional PutObject (If-Match on the version it read) is refused."""
+    stale = first_writer(s3_run_url)
+    length = stale.train(2)
+    taken_over = []
+
+    def fence_then_lose_the_lease():
+        stale.lease.verify()
+        taken_over.append(take_over(s3_run_url, stale.metrics.committed_bytes))
+
+    stale.metrics.fence = fence_then_lose_the_lease
+    with pytest.raises(WriterConflict, match="changed while this writer appended"):
+        stale.metrics.write_until(length)
+    assert taken_over
+    lines = Storage(s3_run_url).read(METRICS_FILE).decode().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 11, 12]
+
+
+def test_past_5_mib_the_holder_keeps_its_bytes_server_side_and_cuts_a_stale_writers(s3_run_url, monkeypatch):
+    """From 5 MiB the kept bytes are copied server-side into a multipart upload: every byte the
+    holder committed stays, bytes a stale writer appended beyond them go. The copy and the
+    completion are conditional on the version read (moto does not enforce these two
+    conditions: the requests are checked here, the refusal on a small object above)."""
+    storage = Storage(s3_run_url)
+    head = b"x" * (5 * 2**20 + 3) + b"\n"
+    storage.write(METRICS_FILE, [head], durable=False)
+    holder = Writer(s3_run_url, stale_after=60)
+    holder.metrics.resume_at(len(head))
+    storage.append(METRICS_FILE, b'{"stage": "train", "stale": true}\n')
+    s3 = holder.metrics._storage.fs
+    bucket, key, _ = s3.split_path(storage.path(METRICS_FILE))
+    version = s3.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
+    calls = []
+    original = s3.call_s3
+    monkeypatch.setattr(s3, "call_s3", lambda method, **kwargs: calls.append((method, kwargs)) or original(method, **kwargs))
+    holder.commit(holder.train(2))
+    written = storage.read(METRICS_FILE)
+    assert written[:len(head)] == head
+    assert [json.loads(line)["step"] for line in written[len(head):].splitlines()] == [1, 2]
+    conditions = {method: (kwargs.get("CopySourceIfMatch"), kwargs.get("IfMatch")) for method, kwargs in calls}
+    assert conditions["upload_part_copy"] == (version, None)
+    assert conditions["complete_multipart_upload"] == (None, version)
 
 
 def test_plot_reads_an_s3_run_directory(s3_run_url, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import sys
 from typing import Any, Iterable, Sequence
 
@@ -19,6 +20,7 @@ from engine.run.module_checks import check_module
 from engine.run.run import FitRun
 from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
+from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_unknown_keywords, trainer_hints
 from engine.checkpoint.storage import Storage
 
 
@@ -41,6 +43,7 @@ class Trainer:
             step the epoch's schedulers; maybe checkpoint
     """
 
+    @refuse_unknown_keywords("Trainer", trainer_hints(field.name for field in dataclasses.fields(TrainerConfig)))
     def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[Callback] = ()) -> None:
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
@@ -53,6 +56,7 @@ class Trainer:
                 raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
         self.callbacks = list(callbacks)
 
+    @refuse_unknown_keywords("fit", from_lightning(LIGHTNING_FIT))
     def fit(self, module: torch.nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None,
             resume: str = "auto") -> FitResult:
         """Train ``module`` on ``train_data`` until a stop condition holds.

@@ -98,18 +98,33 @@ def unknown_keyword(owner: str, name: str, known: Iterable[str], hints: Mapping[
     return ConfigError(f"{owner}: unknown argument {name!r}; it takes {', '.join(known)}")
 
 
+def known_keywords(function: Callable[..., Any]) -> list[str]:
+    """The names ``function`` takes by keyword (``self`` and a ``**`` catch-all left out)."""
+    parameters = inspect.signature(function).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.name != "self"
+            and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+
+
+def refuse_keywords(owner: str, unknown: Mapping[str, object], function: Callable[..., Any],
+                    hints: Mapping[str, str]) -> None:
+    """Raise :func:`unknown_keyword`'s ConfigError for the first of ``unknown``, the keywords a
+    ``**unknown: NoReturn`` catch-all of ``function`` received (type checkers flag them too)."""
+    for name in unknown:
+        raise unknown_keyword(owner, name, known_keywords(function), hints)
+
+
 def refuse_unknown_keywords(owner: str, hints: Mapping[str, str]) -> Callable[[_Callable], _Callable]:
     """Decorate a function (a method: ``self`` is not a keyword) so that a keyword argument it
-    does not take raises :func:`unknown_keyword`'s ConfigError before it runs."""
+    does not take raises :func:`unknown_keyword`'s ConfigError before it runs. The wrapper is
+    one more frame between the caller and the function: a function whose warnings point at
+    its caller (``stacklevel``) takes a catch-all and :func:`refuse_keywords` instead."""
     def decorate(function: _Callable) -> _Callable:
-        parameters = inspect.signature(function).parameters
-        known = [name for name, parameter in parameters.items() if name != "self"
-                 and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+        known = known_keywords(function)
 
         @functools.wraps(function)
         def checked(*args: Any, **kwargs: Any) -> Any:
             for name in kwargs:
-                if name not in parameters:
+                if name not in known:
                     raise unknown_keyword(owner, name, known, hints)
             return function(*args, **kwargs)
         return checked  # type: ignore[return-value]

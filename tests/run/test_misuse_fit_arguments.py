@@ -178,3 +178,10 @@ def test_fit_keywords_are_checked_before_anything_runs(tmp_path, keywords, says)
     with pytest.raises(engine.ConfigError, match=rf"fit: unknown argument .*{says}"):
         engine.Trainer(_config(run_dir=str(run_dir))).fit(module, _rows(), **keywords)
     assert module.steps == 0 and not run_dir.exists()
+
+
+def test_checking_fits_keywords_keeps_its_warnings_pointing_at_the_caller(tmp_path):
+    engine.Trainer(_config(run_dir=str(tmp_path))).fit(Validated(), _rows())
+    with pytest.warns(UserWarning, match="resume='off': starting a fresh run") as caught:
+        engine.Trainer(_config(run_dir=str(tmp_path))).fit(Validated(), _rows(), resume="off")
+    assert [warning.filename for warning in caught if "resume='off'" in str(warning.message)] == [__file__]

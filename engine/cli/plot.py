@@ -190,16 +190,17 @@ def _smoothing_window(count: int, period: int) -> int:
 
 
 def _moving_mean(points: Points, window: int) -> Points:
-    """The mean of each run of ``window`` consecutive points, at its last step: past values
-    only, so a resume marker never sees later values pulled before it."""
-    if len(points) < window:
-        return [(points[-1][0], sum(value for _, value in points) / len(points))]
+    """The mean of each run of ``window`` consecutive points, placed at the middle of its steps
+    (a trailing mean would lag behind a falling loss)."""
+    window = min(window, len(points))
+    steps = [step for step, _ in points]
     values = [value for _, value in points]
-    total = sum(values[:window])
-    smoothed = [(points[window - 1][0], total / window)]
+    step_total, total = sum(steps[:window]), sum(values[:window])
+    smoothed = [(step_total / window, total / window)]
     for index in range(window, len(points)):
+        step_total += steps[index] - steps[index - window]
         total += values[index] - values[index - window]
-        smoothed.append((points[index][0], total / window))
+        smoothed.append((step_total / window, total / window))
     return smoothed
 
 

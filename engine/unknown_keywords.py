@@ -109,8 +109,8 @@ def refuse_keywords(owner: str, unknown: Mapping[str, object], function: Callabl
                     hints: Mapping[str, str]) -> None:
     """Raise :func:`unknown_keyword`'s ConfigError for the first of ``unknown``, the keywords a
     ``**unknown: NoReturn`` catch-all of ``function`` received (type checkers flag them too)."""
-    for name in unknown:
-        raise unknown_keyword(owner, name, known_keywords(function), hints)
+    if unknown:
+        raise unknown_keyword(owner, next(iter(unknown)), known_keywords(function), hints)
 
 
 def refuse_unknown_keywords(owner: str, hints: Mapping[str, str]) -> Callable[[_Callable], _Callable]:

@@ -100,7 +100,7 @@ class MetricLogger:
             return
         first = self._evaluation_sources.setdefault(name, source)
         if first != source:
-            returned, logged = (first, source) if source == _LOGGED else (source, first)
+            returned = first if source == _LOGGED else source
             raise ModuleContractError(
                 f"validation: {name!r} is both {returned} and logged with self.log({name!r}, ...), which would "
                 f"average the two; return it or log it, not both (or log the other value under another name)")

@@ -2,4 +2,4 @@
 
 from engine.cli.main import main
 
-raise SystemExit(main())
+raise SystemExit(main(prog="python -m engine"))

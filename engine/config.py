@@ -12,6 +12,7 @@ import signal
 from typing import Literal, Sequence
 
 from engine.errors import ConfigError
+from engine.unknown_keywords import LIGHTNING_CHECKPOINT, LIGHTNING_TRAINER, from_lightning, refuse_unknown_fields
 
 Precision = Literal["32", "bf16-mixed", "16-mixed"]
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -46,6 +47,7 @@ def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> 
         raise ConfigError(f"{owner}.{name}: expected one of {list(allowed)}, got {value!r}")
 
 
+@refuse_unknown_fields(from_lightning(LIGHTNING_CHECKPOINT))
 @dataclasses.dataclass
 class CheckpointConfig:
     """When and how checkpoints are written.
@@ -206,6 +208,7 @@ def _default_checkpoint_policy() -> CheckpointConfig:
     return policy
 
 
+@refuse_unknown_fields(from_lightning(LIGHTNING_TRAINER))
 @dataclasses.dataclass
 class TrainerConfig:
     """What to run and where.

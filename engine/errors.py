@@ -1,7 +1,7 @@
 """Every exception the engine raises on purpose, in one tree::
 
     EngineError
-    ├── ConfigError              a TrainerConfig / CheckpointConfig field is invalid
+    ├── ConfigError              a TrainerConfig / CheckpointConfig field is invalid, an argument unknown
     ├── ModuleContractError      the user's module broke its contract (step output, optimizers)
     │   └── SplitError           a batch could not be split for TBPTT
     ├── DataError                the data source cannot be used (empty, wrong type)
@@ -20,8 +20,11 @@ class EngineError(Exception):
     """Base of every error the engine raises on purpose."""
 
 
-class ConfigError(EngineError, ValueError):
-    """A configuration field is invalid; the message names the field, the value and what was expected."""
+class ConfigError(EngineError, ValueError, TypeError):
+    """A configuration field is invalid, or an argument unknown; the message names the field,
+    the value and what was expected. Also a TypeError: an unknown keyword argument of
+    ``TrainerConfig``, ``CheckpointConfig``, ``Trainer`` or ``fit`` raises it where Python would
+    raise TypeError (engine/unknown_keywords.py)."""
 
 
 class ModuleContractError(EngineError, TypeError):

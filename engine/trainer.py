@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NoReturn, Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.run.module_checks import check_module
 from engine.run.run import FitRun
 from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
+from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
 from engine.checkpoint.storage import Storage
 
 
@@ -41,6 +43,7 @@ class Trainer:
             step the epoch's schedulers; maybe checkpoint
     """
 
+    @refuse_unknown_keywords("Trainer", trainer_hints(field.name for field in dataclasses.fields(TrainerConfig)))
     def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[Callback] = ()) -> None:
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
@@ -54,7 +57,7 @@ class Trainer:
         self.callbacks = list(callbacks)
 
     def fit(self, module: torch.nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None,
-            resume: str = "auto") -> FitResult:
+            resume: str = "auto", **unknown: NoReturn) -> FitResult:
         """Train ``module`` on ``train_data`` until a stop condition holds.
 
         Args:
@@ -67,10 +70,14 @@ class Trainer:
             resume: ``"auto"`` resumes from the newest valid checkpoint in ``run_dir`` when
                 there is one and starts fresh otherwise; ``"latest"`` requires one;
                 ``"off"`` starts fresh; ``"ckpt-NNNNNNNNNN"`` names a checkpoint.
+            unknown: takes nothing: any other keyword (Lightning's ``ckpt_path``, a misspelt
+                ``resum``) raises ConfigError naming what to use; type checkers flag it too.
 
         Returns:
             a :class:`engine.FitResult`.
         """
+        # A catch-all rather than a decorator: warnings raised inside fit point at its caller.
+        refuse_keywords("fit", unknown, Trainer.fit, from_lightning(LIGHTNING_FIT))
         if not isinstance(resume, str) or (resume not in ("auto", "latest", "off") and not resume.startswith("ckpt-")):
             raise ConfigError(f"fit: resume must be 'auto', 'latest', 'off' or a checkpoint name ckpt-NNNNNNNNNN, "
                               f"got {resume!r}")

@@ -24,13 +24,23 @@ def empty_memory_filesystem():
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` need a CUDA device; without one they are skipped, saying so
-    (benchmarks/gpu_check.sh runs them on a GPU machine)."""
-    if torch.cuda.is_available():
+    (benchmarks/gpu_check.sh runs them on a GPU machine). Tests marked ``cpu_bf16_lstm`` run a
+    bfloat16 LSTM on the CPU; where oneDNN has none (no AVX-512) they are skipped, naming what
+    the CPU lacks (tests/cpu_features.py)."""
+    _skip_marked(items, "gpu", None if torch.cuda.is_available() else
+                 "needs a CUDA device (run benchmarks/gpu_check.sh on a GPU machine)")
+    if any(item.get_closest_marker("cpu_bf16_lstm") for item in items):
+        from cpu_features import bf16_lstm_unavailable
+
+        _skip_marked(items, "cpu_bf16_lstm", bf16_lstm_unavailable())
+
+
+def _skip_marked(items, marker, reason):
+    if reason is None:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run benchmarks/gpu_check.sh on a GPU machine)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+        if item.get_closest_marker(marker) is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def pytest_collection_finish(session):

@@ -121,6 +121,15 @@ SCENARIOS = {s.name: s for s in [
 ]}
 
 
+def scenario_params() -> list[Any]:
+    """Every scenario name for ``pytest.mark.parametrize``; those that run the LSTM in bfloat16
+    on the CPU are marked ``cpu_bf16_lstm`` (skipped on CPUs without one, tests/cpu_features.py)."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.cpu_bf16_lstm) if SCENARIOS[name].precision == "bf16-mixed"
+            else name for name in sorted(SCENARIOS)]
+
+
 class SeqModel(engine.Module):
     """LSTM -> dropout -> linear head; with two optimizers a second head trains on detached features."""
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -28,8 +30,10 @@ SEED = _int_in(0, 2**32 - 1)  # what torch, random and NumPy all accept
 EXIT_STATUS = _int_in(0, 255)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m engine", description="splitloop: fault-tolerant training loops with split-level checkpoints.")
+def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
+    """The argument parser; ``prog`` is the command name its usage lines show (``splitloop``
+    for the console script, ``python -m engine`` for the module)."""
+    parser = argparse.ArgumentParser(prog=prog, description="splitloop: fault-tolerant training loops with split-level checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="train the demo character LSTM with TBPTT (resumes from --dir)",
@@ -86,19 +90,44 @@ _AFTER_INTERRUPT = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "splitloop") -> int:
     """Run one command; an engine error, an OS error or Ctrl-C prints one ``error: ...`` line
-    on stderr (exit status 1, or 130 for Ctrl-C) instead of a traceback."""
-    args = build_parser().parse_args(argv)
+    on stderr (exit status 1, or 130 for Ctrl-C) instead of a traceback. When the reader of
+    stdout goes away (``splitloop inspect DIR | head``) it stops quietly, as Unix tools do."""
     try:
-        return _run(args)
+        return _parse_and_run(build_parser(prog), argv)
+    except BrokenPipeError:
+        return _after_broken_pipe()
+
+
+def _parse_and_run(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        sys.stdout.flush()  # --help's text: a closed pipe shows here, not at the interpreter's exit
+    try:
+        status = _run(args)
+        sys.stdout.flush()
+        return status
     except KeyboardInterrupt:
         print(f"error: interrupted (Ctrl-C); {_AFTER_INTERRUPT.get(args.command, 'nothing was changed')}",
               file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # an OSError, but no error of the command: main ends quietly
     except (EngineError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+
+
+def _after_broken_pipe() -> int:
+    """stdout's reader is gone: print nothing more, and point stdout at /dev/null so that the
+    interpreter's last flush does not report the lines it could not write. The status is the
+    shell's for a process ended by SIGPIPE (128 + 13), like ``yes | head``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -120,4 +149,4 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(main(prog="python -m engine.cli.main"))

@@ -1,19 +1,65 @@
-"""``python -m engine plot DIR [--out FILE.png]``: training loss per split and validation metrics
-over optimizer steps, with a vertical marker where the run resumed. Needs matplotlib
-(``pip install 'splitloop[plot]'``); draws off-screen (no display needed)."""
+"""``python -m engine plot DIR [--out FILE.png]``: a run's curves over optimizer steps, one panel
+per metric family, with a labelled marker where the run resumed. Needs matplotlib
+(``pip install 'splitloop[plot]'``); draws off-screen (no display needed).
+
+A *family* is a metric name without its stage prefix: ``loss`` holds the training loss of every
+split, ``val_loss`` and ``train_loss``; ``ppl`` holds ``val_ppl``; ``acc`` holds ``train_acc``
+and ``val_acc``. So values of one kind share an axis and values of different kinds (a perplexity
+of 280 and a loss of 2.1) never do. Per-split training values are drawn faint, raw, under a
+moving mean over whole batches (with TBPTT a batch's first split, which starts from no hidden
+state, has a higher loss than its last: the raw curve zig-zags with the batch).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+import math
+from typing import Any, Iterable
 
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointNotFound, ConfigError, EngineError
 from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE
 
+_STAGE_PREFIXES = ("train_", "val_", "validation_", "test_")
+TRAINING_LOSS = "loss"  # the name of the per-split training loss in its panel
+# About this many points of the smoothed curve per panel width: fewer hide nothing of the trend.
+_SMOOTHED_POINTS = 60
+# A panel whose positive values span more than this factor gets a logarithmic axis.
+_LOG_SCALE_SPAN = 20.0
+
+Points = list[tuple[float, float]]
+
 
 class PlotUnavailable(EngineError):
     """matplotlib is not installed."""
+
+
+@dataclasses.dataclass
+class Curves:
+    """What a run directory holds to draw, by metric name: per-split training values (the loss
+    and what ``training_step`` logged), epoch aggregates, validation values; and the resumes."""
+
+    splits: dict[str, Points]
+    epochs: dict[str, Points]
+    validation: dict[str, Points]
+    resumes: list[tuple[float, str]]
+    split_period: int  # splits per batch (1 without TBPTT): the smoothing window is a multiple
+    rows: dict[str, int]  # rows drawn, per kind ("train", "val", "resumes")
+
+    def families(self) -> list[str]:
+        """The panels, the training loss's first."""
+        names = [*self.splits, *self.epochs, *self.validation]
+        others = sorted({family_of(name) for name in names} - {TRAINING_LOSS})
+        return [TRAINING_LOSS, *others]
+
+
+def family_of(name: str) -> str:
+    """``val_ppl`` -> ``ppl``: the name without a stage prefix."""
+    for prefix in _STAGE_PREFIXES:
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+    return name
 
 
 def read_rows(storage: Storage, file_name: str) -> list[dict[str, Any]]:
@@ -31,8 +77,153 @@ def read_rows(storage: Storage, file_name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def read_curves(run_dir: str) -> Curves:
+    """The curves of ``run_dir``; rows of another shape (a hand-edited or foreign file) are
+    skipped, like torn lines."""
+    storage = Storage(run_dir, create=False)
+    if not storage.exists(METRICS_FILE):
+        raise CheckpointNotFound(f"{run_dir} has no {METRICS_FILE}: is it a run directory?")
+    rows = read_rows(storage, METRICS_FILE)
+    train = [row for row in rows if row.get("stage", "train") == "train" and _is_number(row.get("step"))
+             and _is_number(row.get("loss"))]
+    if not train:
+        raise ConfigError(f"{run_dir}/{METRICS_FILE} holds no training row to plot")
+    val = _aggregate_rows(rows, "val")
+    resumes = [(float(row.get("step", 0)), str(row.get("checkpoint", "?")))
+               for row in read_rows(storage, RESUMES_FILE) if _is_number(row.get("step", 0))]
+    splits: dict[str, Points] = {TRAINING_LOSS: [(row["step"], row["loss"]) for row in train]}
+    for row in train:
+        for name, value in _numbers(row.get("metrics")):
+            splits.setdefault(name, []).append((row["step"], value))
+    period = max((row["split"] for row in train if isinstance(row.get("split"), int)), default=0) + 1
+    return Curves(splits=splits, epochs=_by_name(_aggregate_rows(rows, "train_epoch")), validation=_by_name(val),
+                  resumes=resumes, split_period=period,
+                  rows={"train": len(train), "val": len(val), "resumes": len(resumes)})
+
+
 def plot_run(run_dir: str, out: str) -> dict[str, int]:
     """Render the run's curves into the PNG file ``out``; returns what was drawn (row counts)."""
+    pyplot = _pyplot()
+    curves = read_curves(run_dir)
+    figure = draw(curves, pyplot, run_dir)
+    figure.savefig(out, format="png", dpi=100)
+    pyplot.close(figure)
+    return curves.rows
+
+
+def draw(curves: Curves, pyplot: Any, title: str) -> Any:
+    """The figure: one panel per family, stacked over a shared step axis, resumes marked."""
+    families = curves.families()
+    figure, axes = pyplot.subplots(len(families), 1, figsize=(12, 1.5 + 2.6 * len(families)), sharex=True,
+                                   squeeze=False)
+    panels = [row[0] for row in axes]
+    for family, panel in zip(families, panels):
+        _draw_family(panel, family, curves)
+    _mark_resumes(panels, curves.resumes)
+    panels[-1].set_xlabel("optimizer steps")
+    figure.suptitle(title)
+    figure.tight_layout()
+    return figure
+
+
+def _draw_family(panel: Any, family: str, curves: Curves) -> None:
+    window = _smoothing_window(len(curves.splits[TRAINING_LOSS]), curves.split_period)
+    for name in sorted(curves.splits, key=lambda name: name != TRAINING_LOSS):
+        if family_of(name) == family:
+            label = "train loss" if name == TRAINING_LOSS else name
+            raw = panel.plot(*zip(*curves.splits[name]), linewidth=0.6, alpha=0.3, label=f"{label} (per split)")
+            panel.plot(*zip(*_moving_mean(curves.splits[name], window)), linewidth=1.8, color=raw[0].get_color(),
+                       label=f"{label} (mean of {window} splits)")
+    for name, points in curves.epochs.items():
+        if family_of(name) == family:
+            panel.plot(*zip(*points), marker="s", markersize=4, linestyle="--", label=f"{name} (epoch)")
+    for name, points in curves.validation.items():
+        if family_of(name) == family:
+            panel.plot(*zip(*points), marker="o", markersize=3, label=name)
+    values = [value for line in panel.get_lines() for value in line.get_ydata() if math.isfinite(value)]
+    if values and min(values) > 0 and max(values) / min(values) > _LOG_SCALE_SPAN:
+        panel.set_yscale("log")
+    panel.set_ylabel(family)
+    panel.grid(alpha=0.3)
+    _legend(panel)
+
+
+def _mark_resumes(panels: list[Any], resumes: list[tuple[float, str]]) -> None:
+    """A dashed line at each step where the run resumed, labelled on the top panel with the
+    checkpoint and how many times (several resumes from one checkpoint share a line)."""
+    by_step: dict[float, list[str]] = {}
+    for step, checkpoint in resumes:
+        by_step.setdefault(step, []).append(checkpoint)
+    top = panels[0]
+    left, right = top.get_xlim()
+    for number, (step, checkpoints) in enumerate(sorted(by_step.items())):
+        for panel in panels:
+            panel.axvline(step, color="grey", linestyle="--", linewidth=0.8,
+                          label="resumed" if panel is top and number == 0 else None)
+        names = sorted(set(checkpoints))
+        label = f"resumed from {', '.join(_short(name) for name in names)}"
+        if len(checkpoints) > 1:
+            label += f" ({len(checkpoints)} times)"
+        on_the_left = step > (left + right) / 2  # the label stays inside the panel at either end
+        top.annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(-2 if on_the_left else 2, -4),
+                     textcoords="offset points", rotation=90, va="top", ha="right" if on_the_left else "left",
+                     fontsize="x-small", color="dimgrey")
+    if by_step:
+        _legend(top)
+
+
+def _legend(panel: Any) -> None:
+    """Beside the panel, where it hides no curve and no resume label."""
+    panel.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", borderaxespad=0.0)
+
+
+def _short(checkpoint: str) -> str:
+    """``ckpt-0000000016`` -> ``ckpt-16``."""
+    prefix, _, number = checkpoint.partition("-")
+    return f"{prefix}-{int(number)}" if number.isdigit() else checkpoint
+
+
+def _smoothing_window(count: int, period: int) -> int:
+    """Whole batches (a multiple of the splits per batch, so TBPTT's zig-zag cancels), about
+    ``count / _SMOOTHED_POINTS`` splits."""
+    return period * max(1, math.ceil(count / (_SMOOTHED_POINTS * period)))
+
+
+def _moving_mean(points: Points, window: int) -> Points:
+    """The mean of each run of ``window`` consecutive points, placed at the middle of its steps
+    (a trailing mean would lag behind a falling loss)."""
+    window = min(window, len(points))
+    steps = [step for step, _ in points]
+    values = [value for _, value in points]
+    step_total, total = sum(steps[:window]), sum(values[:window])
+    smoothed = [(step_total / window, total / window)]
+    for index in range(window, len(points)):
+        step_total += steps[index] - steps[index - window]
+        total += values[index] - values[index - window]
+        smoothed.append((step_total / window, total / window))
+    return smoothed
+
+
+def _aggregate_rows(rows: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
+    return [row for row in rows if row.get("stage") == stage and _is_number(row.get("step"))
+            and isinstance(row.get("metrics"), dict) and all(map(_is_number, row["metrics"].values()))]
+
+
+def _by_name(rows: list[dict[str, Any]]) -> dict[str, Points]:
+    series: dict[str, Points] = {}
+    for row in rows:
+        for name, value in _numbers(row["metrics"]):
+            series.setdefault(name, []).append((row["step"], value))
+    return series
+
+
+def _numbers(metrics: Any) -> Iterable[tuple[str, float]]:
+    if isinstance(metrics, dict):
+        return [(str(name), value) for name, value in metrics.items() if _is_number(value)]
+    return []
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -40,39 +231,7 @@ def plot_run(run_dir: str, out: str) -> dict[str, int]:
         import matplotlib.pyplot as pyplot
     except ImportError as error:
         raise PlotUnavailable("plotting needs matplotlib: pip install 'splitloop[plot]'") from error
-    storage = Storage(run_dir, create=False)
-    if not storage.exists(METRICS_FILE):
-        raise CheckpointNotFound(f"{run_dir} has no {METRICS_FILE}: is it a run directory?")
-    rows = read_rows(storage, METRICS_FILE)
-    # Rows of another shape (a hand-edited or foreign file) are skipped, like torn lines.
-    train = [row for row in rows if row.get("stage", "train") == "train" and _is_number(row.get("step"))
-             and _is_number(row.get("loss"))]
-    val = [row for row in rows if row.get("stage") == "val" and _is_number(row.get("step"))
-           and isinstance(row.get("metrics"), dict) and all(map(_is_number, row["metrics"].values()))]
-    resumes = [row for row in read_rows(storage, RESUMES_FILE) if _is_number(row.get("step", 0))]
-    if not train:
-        raise ConfigError(f"{run_dir}/{METRICS_FILE} holds no training row to plot")
-    figure, axes = pyplot.subplots(2 if val else 1, 1, figsize=(9, 7 if val else 4), sharex=True, squeeze=False)
-    loss_axes = axes[0][0]
-    loss_axes.plot([row["step"] for row in train], [row["loss"] for row in train], linewidth=0.8, label="train loss (per split)")
-    loss_axes.set_ylabel("loss")
-    loss_axes.legend(loc="upper right")
-    if val:
-        val_axes = axes[1][0]
-        for name in sorted({name for row in val for name in row.get("metrics", {})}):
-            points = [(row["step"], row["metrics"][name]) for row in val if name in row.get("metrics", {})]
-            val_axes.plot(*zip(*points), marker="o", markersize=3, label=name)
-        val_axes.set_ylabel("validation")
-        val_axes.legend(loc="upper right")
-    for row in resumes:
-        for column in axes:
-            column[0].axvline(row.get("step", 0), color="grey", linestyle="--", linewidth=0.8)
-    axes[-1][0].set_xlabel("optimizer steps" + (" (dashed: resumed)" if resumes else ""))
-    figure.suptitle(run_dir)
-    figure.tight_layout()
-    figure.savefig(out, format="png", dpi=100)
-    pyplot.close(figure)
-    return {"train": len(train), "val": len(val), "resumes": len(resumes)}
+    return pyplot
 
 
 def _is_number(value: Any) -> bool:

@@ -112,9 +112,9 @@ class EvaluationLoop:
     def _record(self, result: Any) -> None:
         if isinstance(result, dict):
             for name, value in result.items():
-                self._logger.log(name, value, "mean")
+                self._logger.log_returned(name, value, "in its dict")
         elif isinstance(result, torch.Tensor):
-            self._logger.log("val_loss", result, "mean")
+            self._logger.log_returned("val_loss", result, "(its loss is logged as 'val_loss')")
         elif result is not None:
             raise ModuleContractError(
                 f"validation_step must return a scalar loss, a dict of scalars or None; got {type(result).__name__}"

@@ -19,6 +19,7 @@ from engine.errors import ModuleContractError
 
 Reduce = Literal["mean", "sum", "max", "min", "last"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min", "last")
+_LOGGED = "self.log"
 
 
 class Aggregate:
@@ -79,9 +80,32 @@ class MetricLogger:
         # Names seen in each pass of this fit: one name in both would mix the two in ``latest``
         # (what monitor, EarlyStopping and FitResult.metrics read).
         self._names: dict[str, set[str]] = {"training": set(), "validation": set()}
+        # Where each name of the running validation pass came from: validation_step's returned
+        # value or self.log. One name from both would be averaged together, so it is refused.
+        self._evaluation_sources: dict[str, str] = {}
 
     def log(self, name: str, value: Any, reduce: str) -> None:
         """Record ``value`` under ``name`` in the pass that is running (training or validation)."""
+        self._check_source(name, _LOGGED)
+        self._add(name, value, reduce)
+
+    def log_returned(self, name: str, value: Any, returned_as: str) -> None:
+        """Record a value ``validation_step`` returned (averaged over the pass); ``returned_as``
+        says how, for the error that refuses a name also logged with ``self.log``."""
+        self._check_source(name, f"returned by validation_step {returned_as}")
+        self._add(name, value, "mean")
+
+    def _check_source(self, name: str, source: str) -> None:
+        if self.evaluation is None or not isinstance(name, str):
+            return
+        first = self._evaluation_sources.setdefault(name, source)
+        if first != source:
+            returned = first if source == _LOGGED else source
+            raise ModuleContractError(
+                f"validation: {name!r} is both {returned} and logged with self.log({name!r}, ...), which would "
+                f"average the two; return it or log it, not both (or log the other value under another name)")
+
+    def _add(self, name: str, value: Any, reduce: str) -> None:
         if not isinstance(name, str) or not name:
             raise ModuleContractError(f"log: the name must be a non-empty string, got {name!r}")
         if reduce not in REDUCTIONS:
@@ -123,6 +147,7 @@ class MetricLogger:
 
     def begin_evaluation(self) -> None:
         self.evaluation = Aggregate()
+        self._evaluation_sources = {}
 
     def end_evaluation(self) -> dict[str, float]:
         values = {} if self.evaluation is None else self.evaluation.values()

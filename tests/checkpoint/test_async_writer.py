@@ -1,7 +1,6 @@
 """Asynchronous checkpoints: same checkpoints as synchronous ones, bounded snapshots, reused
 buffers, background errors surfacing on the training thread, pending writes flushed on exit."""
 
-import time
 import uuid
 
 import pytest
@@ -13,6 +12,7 @@ from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import SnapshotBuffers
 from engine.checkpoint.storage import Storage
 from progress import Cursor
+from paced_writes import PacedWrites
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 
@@ -42,18 +42,9 @@ def test_resume_from_every_async_checkpoint():
         assert_same_run(reference, resumed)
 
 
-def slow_writes(monkeypatch, seconds):
-    original = CheckpointStore.write
-
-    def write(self, *args, **kwargs):
-        time.sleep(seconds)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(CheckpointStore, "write", write)
-
-
 def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
-    slow_writes(monkeypatch, 0.05)
+    # Each write lasts two splits: the snapshot queued behind it is replaced by a newer one.
+    paced = PacedWrites(monkeypatch, splits=2)
     from scenarios import build
 
     model, loader = build("tbptt")
@@ -61,7 +52,7 @@ def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
     checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip",
                                          max_in_flight=2)
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
-    engine.Trainer(config).fit(model, loader)
+    engine.Trainer(config, callbacks=[paced.callback]).fit(model, loader)
     cursors = [CheckpointStore(Storage(run_dir)).load(n).progress.cursor for n in CheckpointStore(Storage(run_dir)).names()]
     assert 1 < len(cursors) < 13
     assert cursors == sorted(cursors, key=lambda c: c.as_tuple())  # always forward, newest last
@@ -69,9 +60,9 @@ def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
 
 
 def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp_path):
-    slow_writes(monkeypatch, 0.05)
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference)
+    paced = PacedWrites(monkeypatch, splits=2)  # each write lasts two splits: the one after it is skipped
     run_dir = memory_url()
     from scenarios import build
 
@@ -79,7 +70,7 @@ def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp
     checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip")
     config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
                                   gradient_clip_val=0.5)
-    result = engine.Trainer(config).fit(model, loader)
+    result = engine.Trainer(config, callbacks=[paced.callback]).fit(model, loader)
     names = CheckpointStore(Storage(run_dir)).names()
     assert 1 < len(names) < 26  # some were skipped, the last one (forced) was not
     assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == result.cursor == Cursor(1, 2, 3, 0)
@@ -87,7 +78,7 @@ def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp
 
 
 def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
-    slow_writes(monkeypatch, 0.02)
+    paced = PacedWrites(monkeypatch)  # each write lasts until the next split ends
     in_flight = []
     from engine.checkpoint import writer as writer_module
 
@@ -99,7 +90,7 @@ def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
         return written
 
     monkeypatch.setattr(writer_module.BackgroundWriter, "submit", submit)
-    train_with_checkpoints("tbptt", str(tmp_path / "run"), asynchronous=True)
+    train_with_checkpoints("tbptt", str(tmp_path / "run"), asynchronous=True, callbacks=(paced.callback,))
     assert in_flight and max(queued for queued, _ in in_flight) <= 1
     assert max(in_use for _, in_use in in_flight) <= 1
 
@@ -148,10 +139,10 @@ class RaiseAt(engine.Callback):
 
 
 def test_pending_writes_are_flushed_when_training_fails(monkeypatch, tmp_path):
-    slow_writes(monkeypatch, 0.03)
+    paced = PacedWrites(monkeypatch)  # each write lasts one split: one is in flight when training fails
     run_dir = str(tmp_path / "run")
     with pytest.raises(RuntimeError, match="boom"):
-        train_with_checkpoints("tbptt", run_dir, asynchronous=True, callbacks=(RaiseAt(7),))
+        train_with_checkpoints("tbptt", run_dir, asynchronous=True, callbacks=(paced.callback, RaiseAt(7)))
     # split 6 (epoch 0, batch 1, split 1) was queued before the failure and is committed
     assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == Cursor(0, 1, 1, 0)
 

@@ -25,6 +25,7 @@ from engine.checkpoint.tiers import DurablePromoter
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint
 from progress import ProgressTree, encode_tree
 from kill_helpers import run_until_done
+from paced_writes import PacedWrites
 from resume_helpers import assert_same_run
 from scenarios import SCENARIOS, build, train_with_checkpoints
 
@@ -240,18 +241,26 @@ def test_the_durable_tier_promoter_reports_when_it_was_copying(tmp_path):
 
 
 # ---- end to end ---------------------------------------------------------------------------------
-def cpu_hungry_writes(monkeypatch):
-    """Each checkpoint write first runs 0.3 s (on this machine; hundreds of times a split of the
-    tiny tbptt scenario, and it scales with the CPU as a split does) of C code that holds the
-    GIL, as a CPU-bound encoder or checksum might: the split that runs meanwhile waits for it,
-    while a checkpoint blocks training no longer than before."""
-    original = CheckpointStore.write
+class SyntheticSplitTimes:
+    """What the budget is told, made independent of this machine's speed and load: every split
+    takes 10 ms, plus ``slowdown`` seconds when the run reports that a background write
+    overlapped it, and every checkpoint blocks 1 ms. Each write lasts until the training thread
+    has timed one more split (tests/paced_writes.py), so the split after a checkpoint overlaps
+    its write however the threads are scheduled. The interval then depends only on which splits
+    the run reports as overlapped, never on a measured time."""
 
-    def write(self, *args, **kwargs):
-        sum(range(10_000_000))  # one C call: the GIL is not released until it returns
-        return original(self, *args, **kwargs)
+    def __init__(self, monkeypatch, slowdown):
+        self.slowdown = slowdown
+        paced = PacedWrites(monkeypatch)
+        original_note, original_record = OverheadBudget.note_split, OverheadBudget.record
+        times = self
 
-    monkeypatch.setattr(CheckpointStore, "write", write)
+        def note_split(budget, seconds, overlapped):
+            paced.split_done()  # after the run asked whether a write overlapped the split
+            return original_note(budget, SPLIT + (times.slowdown if overlapped else 0.0), overlapped)
+
+        monkeypatch.setattr(OverheadBudget, "note_split", note_split)
+        monkeypatch.setattr(OverheadBudget, "record", lambda budget, blocked_seconds: original_record(budget, 0.001))
 
 
 def auto_interval(tmp_path, when_behind, fast_tier, asynchronous=True, durable_every_n_splits=6):
@@ -271,10 +280,12 @@ def test_auto_checkpoints_less_often_when_background_writes_slow_training(monkey
                                                                           fast_tier):
     # With "skip" training never waits for the writer: only the slowdown of the splits that
     # overlapped a write shows the cost. With a fast tier the slow write is the fast tier's.
+    times = SyntheticSplitTimes(monkeypatch, slowdown=0.0)
     plain = auto_interval(tmp_path, when_behind, fast_tier)
-    cpu_hungry_writes(monkeypatch)
+    times.slowdown = 1.0  # a write slows the split it overlaps by 1 s: 100 baseline splits
     slowed = auto_interval(tmp_path, when_behind, fast_tier)
-    assert plain < slowed == AUTO_MAX_INTERVAL
+    # 1 ms per checkpoint is within a 50% budget at every split; 1 s needs the longest interval.
+    assert plain < AUTO_MAX_INTERVAL and slowed == AUTO_MAX_INTERVAL
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])

@@ -104,3 +104,40 @@ def test_inspect_of_a_missing_dir_is_an_error_and_creates_nothing(tmp_path, caps
     assert main(["inspect", str(missing)]) == 1
     assert "does not exist" in capsys.readouterr().err
     assert not missing.exists()
+
+
+def small_run(run_dir):
+    import engine
+    import torch
+    from misuse_helpers import Plain
+
+    rows = [torch.randn(2, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    engine.Trainer(engine.TrainerConfig(max_epochs=2, run_dir=str(run_dir), progress_bar="off")).fit(Plain(), rows)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["--help"]], ids=["table", "json", "help"])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, command):
+    """``splitloop inspect DIR | head``: once the reader is gone, no ``error: [Errno 32] Broken
+    pipe`` and no traceback; the status is the shell's for a process ended by SIGPIPE."""
+    small_run(tmp_path)
+    arguments = [*command, str(tmp_path)] if command[0] == "inspect" else command
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        process = subprocess.run([sys.executable, "-m", "engine", *arguments], stdout=write_end,
+                                 stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert process.stderr == ""
+    assert process.returncode in ((0, 141) if command == ["--help"] else (141,))
+
+
+def test_usage_names_the_command_that_was_run(capsys):
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="splitloop")
+    with pytest.raises(SystemExit):
+        script.load()(["--help"])
+    assert capsys.readouterr().out.startswith("usage: splitloop ")
+    as_module = forkserver.run([sys.executable, "-m", "engine", "--help"], capture_output=True, text=True, timeout=300)
+    assert as_module.stdout.startswith("usage: python -m engine ")

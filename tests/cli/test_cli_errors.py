@@ -70,15 +70,15 @@ def test_ctrl_c_in_the_demo_exits_130_with_one_line(tmp_path, capsys, monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_real_sigint_stops_the_demo_without_a_traceback(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "SPLITLOOP_FAULTS"}
     process = subprocess.Popen([sys.executable, "-m", "engine", "demo", "--dir", str(tmp_path), "--epochs", "1", "--progress", "log"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                # Python ignores SIGINT when started with it ignored (a background job).
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 90
     while not (tmp_path / "checkpoints").is_dir() or not list((tmp_path / "checkpoints").glob("ckpt-*")):
-        assert process.poll() is None and time.monotonic() < deadline
+        assert process.poll() is None  # a hang is ended by the test's timeout, not by a clock here
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)

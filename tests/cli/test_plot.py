@@ -7,7 +7,7 @@ import pytest
 
 import engine
 import engine.testing
-from engine.cli.plot import plot_run, read_rows
+from engine.cli.plot import draw, plot_run, read_curves, read_rows
 from engine.checkpoint.storage import Storage
 from validation_scenarios import train_validated
 
@@ -82,3 +82,67 @@ def test_the_plot_command_needs_out_for_a_url(capsys):
 
     assert main(["plot", "memory://somewhere"]) == 1
     assert "--out" in capsys.readouterr().err
+
+
+# ---- what the picture shows: panels per family, a smoothed curve, labelled resumes --------------
+SPLITS_PER_BATCH = 4
+RESUMES = [(8, "ckpt-0000000002"), (24, "ckpt-0000000006"), (24, "ckpt-0000000006"), (40, "ckpt-0000000010"),
+           (56, "ckpt-0000000014")]
+
+
+def write_run(run_dir):
+    """A TBPTT run as the engine writes it: a batch's first split has the higher loss (it starts
+    from no hidden state), validation logs a loss and a perplexity; five resumes, two of them
+    from one checkpoint."""
+    rows = []
+    for step in range(1, 65):
+        split = (step - 1) % SPLITS_PER_BATCH
+        rows.append({"stage": "train", "epoch": 0, "batch": (step - 1) // SPLITS_PER_BATCH, "split": split,
+                     "loss": 3.0 if split == 0 else 2.0, "step": step})
+        if step % 16 == 0:
+            rows.append({"stage": "val", "epoch": 0, "step": step, "metrics": {"val_loss": 2.5, "val_ppl": 280.0 - step}})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run_dir / "resumes.jsonl").write_text("".join(json.dumps({"checkpoint": name, "step": step}) + "\n"
+                                                   for step, name in RESUMES))
+
+
+@pytest.fixture
+def figure(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    write_run(tmp_path)
+    figure = draw(read_curves(str(tmp_path)), pyplot, "run")
+    yield figure
+    pyplot.close(figure)
+
+
+def labels(panel):
+    return [line.get_label() for line in panel.get_lines() if not line.get_label().startswith("_")]
+
+
+def test_each_metric_family_has_its_own_panel(figure):
+    loss, perplexity = figure.axes
+    assert (loss.get_ylabel(), perplexity.get_ylabel()) == ("loss", "ppl")
+    assert "val_loss" in labels(loss) and "val_ppl" not in labels(loss)
+    assert labels(perplexity) == ["val_ppl"]
+
+
+def test_the_training_loss_is_smoothed_over_whole_batches(figure):
+    loss = figure.axes[0]
+    (raw,) = [line for line in loss.get_lines() if line.get_label() == "train loss (per split)"]
+    (smoothed,) = [line for line in loss.get_lines() if line.get_label().startswith("train loss (mean of")]
+    assert set(raw.get_ydata()) == {2.0, 3.0}  # the zig-zag is still shown, faint
+    assert set(smoothed.get_ydata()) == {2.25}  # every window holds whole batches: no zig-zag
+
+
+def test_every_resume_is_a_labelled_marker(figure):
+    steps = sorted({step for step, _ in RESUMES})
+    for panel in figure.axes:
+        markers = [line for line in panel.get_lines() if line.get_linestyle() == "--" and len(set(line.get_xdata())) == 1]
+        assert sorted(line.get_xdata()[0] for line in markers) == steps
+    texts = sorted((text.xy[0], text.get_text()) for text in figure.axes[0].texts)
+    assert texts == [(8, "resumed from ckpt-2"), (24, "resumed from ckpt-6 (2 times)"), (40, "resumed from ckpt-10"),
+                     (56, "resumed from ckpt-14")]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from scenarios import SCENARIOS, run_by_hand, run_engine
+from scenarios import SCENARIOS, run_by_hand, run_engine, scenario_params
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", scenario_params())
 def test_engine_matches_hand_written_loop(name):
     engine_model, engine_losses, _ = run_engine(name)
     hand_model, hand_losses = run_by_hand(name)

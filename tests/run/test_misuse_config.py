@@ -165,3 +165,44 @@ def test_checkpoint_config_field_changed_after_construction_is_checked_by_fit(tm
         engine.Trainer(config).fit(Plain(), _rows())
     assert f"CheckpointConfig.{field}" in str(caught.value) and repr(value) in str(caught.value)
     assert not (tmp_path / "run").exists()
+
+
+# ---- unknown keyword arguments: the closest name, or what Lightning's name is called here ----
+@pytest.mark.parametrize("make, says", [
+    (lambda: engine.TrainerConfig(max_epoch=3), r"TrainerConfig: unknown argument 'max_epoch'; did you mean max_epochs\?"),
+    (lambda: engine.TrainerConfig(precison="bf16-mixed"), "did you mean precision"),
+    (lambda: engine.CheckpointConfig(every_n_split=3), r"CheckpointConfig: .*'every_n_split'; did you mean every_n_splits\?"),
+    (lambda: engine.CheckpointConfig(keep_lats=3), "did you mean keep_last"),
+], ids=["max_epoch", "precison", "every_n_split", "keep_lats"])
+def test_a_misspelt_field_names_the_closest_one(make, says):
+    # ConfigError is also a TypeError: code that caught Python's unexpected-keyword error still does.
+    with pytest.raises(engine.ConfigError, match=says) as caught:
+        make()
+    assert isinstance(caught.value, TypeError)
+
+
+@pytest.mark.parametrize("owner, name, says", [
+    (engine.TrainerConfig, "accumulate_grad_batches", "accumulate_grad=N with accumulate_over='batches'"),
+    (engine.TrainerConfig, "accelerator", "device='cpu', 'cuda'"),
+    (engine.TrainerConfig, "strategy", "torchrun .*DistributedDataParallel"),
+    (engine.TrainerConfig, "devices", "--nproc-per-node"),
+    (engine.TrainerConfig, "default_root_dir", "run_dir="),
+    (engine.TrainerConfig, "enable_progress_bar", "progress_bar='off'"),
+    (engine.CheckpointConfig, "save_top_k", "keep_best=K with monitor="),
+    (engine.CheckpointConfig, "every_n_train_steps", "every_n_steps=N"),
+    (engine.CheckpointConfig, "dirpath", r"TrainerConfig\(run_dir=...\)"),
+])
+def test_a_lightning_name_gets_its_equivalent(owner, name, says):
+    with pytest.raises(engine.ConfigError, match=rf"{owner.__name__}: unknown argument '{name}'; that is PyTorch "
+                                                 rf"Lightning's name; here: .*{says}"):
+        owner(**{name: 2})
+
+
+def test_an_unknown_name_with_no_close_one_lists_the_fields():
+    with pytest.raises(engine.ConfigError, match="unknown argument 'zzz'; it takes max_epochs, max_steps"):
+        engine.TrainerConfig(zzz=1)
+
+
+def test_known_fields_and_positional_arguments_still_work():
+    config = engine.TrainerConfig(3, max_steps=5, run_dir="memory://x", checkpoint=engine.CheckpointConfig(1, keep_last=3))
+    assert (config.max_epochs, config.max_steps, config.checkpoint.keep_last) == (3, 5, 3)

@@ -151,3 +151,38 @@ def test_data_whose_len_is_not_what_it_yields_is_warned_about_once():
 def test_data_whose_len_matches_trains_without_a_length_warning(recwarn):
     engine.Trainer(_config(max_epochs=2)).fit(Validated(), _rows())
     assert not [warning for warning in recwarn if "len(train_data)" in str(warning.message)]
+
+
+# ---- keyword arguments of Trainer and fit -------------------------------------------------------
+@pytest.mark.parametrize("keywords, says", [
+    (dict(max_epochs=3), r"Trainer: unknown argument 'max_epochs'; it is a TrainerConfig field: "
+                         r"Trainer\(TrainerConfig\(max_epochs=...\)\)"),
+    (dict(max_epoch=3), r"did you mean max_epochs\? it is a TrainerConfig field"),
+    (dict(accelerator="gpu"), r"Lightning's Trainer argument; here, in TrainerConfig: device="),
+    (dict(callback=[]), r"did you mean callbacks\?"),
+], ids=["config-field", "misspelt-config-field", "lightning", "callback"])
+def test_trainer_keywords_that_belong_elsewhere_are_named(keywords, says):
+    with pytest.raises(engine.ConfigError, match=says):
+        engine.Trainer(**keywords)
+
+
+@pytest.mark.parametrize("keywords, says", [
+    (dict(ckpt_path="last"), r"'ckpt_path'; that is PyTorch Lightning's name; here: resume='ckpt-NNNNNNNNNN'.*"
+                             r"resume='latest'"),
+    (dict(val_dataloaders=[]), "here: val_data"),
+    (dict(resum="off"), r"did you mean resume\?"),
+], ids=["ckpt_path", "val_dataloaders", "resum"])
+def test_fit_keywords_are_checked_before_anything_runs(tmp_path, keywords, says):
+    module = Validated()
+    run_dir = tmp_path / "run"
+    with pytest.raises(engine.ConfigError, match=rf"fit: unknown argument .*{says}"):
+        engine.Trainer(_config(run_dir=str(run_dir))).fit(module, _rows(), **keywords)
+    assert module.steps == 0 and not run_dir.exists()
+
+
+def test_checking_fits_keywords_keeps_its_warnings_pointing_at_the_caller(tmp_path):
+    engine.Trainer(_config(run_dir=str(tmp_path))).fit(Validated(), _rows())
+    with pytest.warns(UserWarning) as caught:  # also "metrics.jsonl of an earlier run is replaced"
+        engine.Trainer(_config(run_dir=str(tmp_path))).fit(Validated(), _rows(), resume="off")
+    assert [warning.filename for warning in caught if "resume='off': starting a fresh run" in str(warning.message)] \
+        == [__file__]

@@ -280,3 +280,32 @@ def test_odd_configure_optimizers_results_are_described_in_one_line(returned, sh
         _fit(Odd(), _rows())
     assert shown in str(caught.value)
     assert "\n" not in str(caught.value)  # an optimizer's repr spans lines ("Parameter Group 0 ...")
+
+
+class LogsAndReturns(Plain):
+    """validation_step logs ``logged`` with self.log and returns ``returned`` (a loss or a dict)."""
+
+    def __init__(self, logged, returned) -> None:
+        super().__init__()
+        self.logged, self.returned = logged, returned
+
+    def validation_step(self, batch):
+        self.log(self.logged, 1.0)
+        return self.returned(torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("returned, how", [(lambda loss: loss, r"returned by validation_step \(its loss"),
+                                           (lambda loss: {"val_loss": loss}, "returned by validation_step in its dict")],
+                         ids=["loss", "dict"])
+def test_a_name_both_returned_and_logged_in_validation_is_refused(returned, how):
+    # Before, the two were averaged silently: val_loss 1.5 from a logged 1.0 and a returned 2.0.
+    trainer = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off"))
+    with pytest.raises(engine.ModuleContractError,
+                       match=rf"'val_loss' is both {how}.* and logged with self.log\('val_loss', ...\)"):
+        trainer.fit(LogsAndReturns("val_loss", returned), _rows(), _rows())
+
+
+def test_a_logged_name_beside_the_returned_loss_keeps_both_values():
+    result = engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(
+        LogsAndReturns("val_logged", lambda loss: loss), _rows(), _rows())
+    assert result.metrics["val_loss"] == 2.0 and result.metrics["val_logged"] == 1.0

@@ -12,7 +12,7 @@ import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
-from scenarios import SCENARIOS, train_with_checkpoints
+from scenarios import SCENARIOS, scenario_params, train_with_checkpoints
 
 
 def train(name, run_dir, epochs=2, resume="auto", keep_last=None, **extra):
@@ -23,7 +23,7 @@ def memory_url():
     return f"memory://resume-{uuid.uuid4().hex}"
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", scenario_params())
 def test_resume_from_every_checkpoint(name, tmp_path):
     """memory:// keeps this fast; every seventh resume goes through a local directory."""
     reference = memory_url()

@@ -167,12 +167,12 @@ class WorkerLoader:
     """The private copy of a DataLoader with workers, and the sampler that seeds its samples
     (None when its samples cannot be seeded: an IterableDataset, a loader with its own state)."""
 
-    def __init__(self, loader: DataLoader, signals: Sequence[int], stateful: bool) -> None:
+    def __init__(self, loader: DataLoader, signals: Sequence[int], stateful: bool, seed_samples: bool = True) -> None:
         private = copy.copy(loader)
         object.__setattr__(private, "_iterator", None)
         self.persistent = bool(loader.persistent_workers)
         self.sampler: SampleKeySampler | None = None
-        if not isinstance(loader.dataset, IterableDataset) and not stateful:
+        if seed_samples and not isinstance(loader.dataset, IterableDataset) and not stateful:
             batched = loader.batch_sampler is not None
             inner: Iterable[Any] = loader.batch_sampler if batched else loader.sampler  # type: ignore[assignment]
             self.sampler = SampleKeySampler(inner, batched)
@@ -181,7 +181,8 @@ class WorkerLoader:
             object.__setattr__(private, "dataset", SampleSeededDataset(loader.dataset))
         private.worker_init_fn = WorkerInit(signals, loader.worker_init_fn, unwrap_dataset=self.sampler is not None)
         self.loader = private
-        _warn_if_not_exact(loader, stateful)
+        if seed_samples:
+            _warn_if_not_exact(loader, stateful)
 
 
 def _warn_if_not_exact(loader: DataLoader, stateful: bool) -> None:
@@ -213,3 +214,58 @@ def preemption_signals_blocked(signals: Sequence[int]) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def shut_down_workers(iterator: Iterator[Any]) -> None:
+    """Stop the worker processes of a DataLoader iterator now (a no-op for other iterators)."""
+    shut_down = getattr(iterator, "_shutdown_workers", None)  # torch's multiprocessing iterator
+    if callable(shut_down):
+        shut_down()
+
+
+class PreemptionSafeLoader:
+    """Iterates ``loader`` so that its worker processes outlive a preemption signal.
+
+    The engine wraps the validation data in one; wrap a DataLoader with workers that your own
+    code iterates while ``fit`` runs (an extra evaluation in a callback, say) the same way, or a
+    SIGTERM to the process group kills its workers and the run fails instead of committing::
+
+        probe = engine.preemption_safe(DataLoader(probe_set, num_workers=2))
+        ...
+        for batch in probe:  # inside on_validation_end, for example
+            ...
+        probe.close()  # stops persistent workers (they ignore SIGTERM)
+
+    A loader without worker processes is iterated as given. ``signals`` are the preemption
+    signals (those of ``TrainerConfig.preemption_signals``). What the loader yields is
+    unchanged: its random numbers are drawn as the loader itself draws them.
+    """
+
+    def __init__(self, loader: Iterable[Any], signals: Sequence[int]) -> None:
+        self.signals = tuple(int(number) for number in signals)
+        self._workers = (WorkerLoader(loader, self.signals, stateful=False, seed_samples=False)  # type: ignore[arg-type]
+                         if has_workers(loader) else None)
+        self.loader: Iterable[Any] = loader if self._workers is None else self._workers.loader
+        self._last_iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._workers is None:
+            return iter(self.loader)
+        with preemption_signals_blocked(self.signals):
+            iterator = iter(self.loader)
+        # A persistent loader hands back the same iterator each time; another one's workers are
+        # stopped when it is exhausted, or here when it was left early.
+        if self._last_iterator is not None and self._last_iterator is not iterator:
+            shut_down_workers(self._last_iterator)
+        self._last_iterator = iterator
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the worker processes now. Workers that ignore SIGTERM would otherwise keep a
+        process that exits with persistent workers alive (multiprocessing stops them with it)."""
+        if self._last_iterator is not None:
+            shut_down_workers(self._last_iterator)
+        self._last_iterator = None

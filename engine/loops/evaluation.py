@@ -9,6 +9,11 @@ draws: training with and without validation is bit-identical.
 Passes are not checkpointed halfway: the checkpoint written right after a pass holds its results;
 a kill during a pass resumes from the checkpoint before it and runs the pass again from its
 start, which gives the same numbers (same weights, same seeded streams).
+
+A preemption signal during a pass lets the pass finish: the stop is taken at the boundary that
+follows it, whose checkpoint holds the pass's results, so its metrics row is written once and
+the resumed run goes on exactly. The validation data's worker processes ignore the signal
+(:class:`~engine.data.workers.PreemptionSafeLoader`) so that the pass can finish.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from engine import faults
+from engine.data.workers import PreemptionSafeLoader
 from engine.errors import DataError, ModuleContractError
 from engine.loops.step_output import Hidden, detach_hidden
 from engine.rng import capture_global_rng, restore_global_rng
@@ -34,7 +40,7 @@ Splitter = Callable[[Any, int], Sequence[Any]]
 class EvaluationLoop:
     """Runs validation passes; ``progress`` counts passes, ``batches`` the batches of a pass."""
 
-    def __init__(self, module: torch.nn.Module, data: Iterable[Any], call_step: ValidationCall,
+    def __init__(self, module: torch.nn.Module, data: PreemptionSafeLoader, call_step: ValidationCall,
                  splitter: Splitter | None, split_length: int | None, carry_hidden: bool,
                  logger: MetricLogger) -> None:
         self.progress = Progress()
@@ -119,6 +125,10 @@ class EvaluationLoop:
             raise ModuleContractError(
                 f"validation_step must return a scalar loss, a dict of scalars or None; got {type(result).__name__}"
             )
+
+    def close(self) -> None:
+        """Stop the validation data's worker processes (they ignore the preemption signals)."""
+        self._data.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "validated_at_step": self.validated_at_step}

@@ -227,26 +227,39 @@ class PreemptionSafeLoader:
     """Iterates ``loader`` so that its worker processes outlive a preemption signal.
 
     The engine wraps the validation data in one; wrap a DataLoader with workers that your own
-    code iterates while ``fit`` runs (an extra evaluation in a callback, say) the same way, or a
-    SIGTERM to the process group kills its workers and the run fails instead of committing::
-
-        probe = engine.preemption_safe(DataLoader(probe_set, num_workers=2))
-        ...
-        for batch in probe:  # inside on_validation_end, for example
-            ...
-        probe.close()  # stops persistent workers (they ignore SIGTERM)
+    code iterates while ``fit`` runs (an extra evaluation in a callback, say) the same way, with
+    :func:`engine.preemption_safe`, or a SIGTERM to the process group kills its workers and the
+    run fails instead of committing.
 
     A loader without worker processes is iterated as given. ``signals`` are the preemption
-    signals (those of ``TrainerConfig.preemption_signals``). What the loader yields is
-    unchanged: its random numbers are drawn as the loader itself draws them.
+    signals (those of ``TrainerConfig.preemption_signals``). With ``seed_samples`` (the engine's
+    validation data) a map-style loader's samples are seeded like the training data's, from the
+    seed given to :meth:`seed_pass` and their position in the pass; otherwise what the loader
+    yields is unchanged.
     """
 
-    def __init__(self, loader: Iterable[Any], signals: Sequence[int]) -> None:
+    def __init__(self, loader: Iterable[Any], signals: Sequence[int], seed_samples: bool = False) -> None:
         self.signals = tuple(int(number) for number in signals)
-        self._workers = (WorkerLoader(loader, self.signals, stateful=False, seed_samples=False)  # type: ignore[arg-type]
+        self._workers = (WorkerLoader(loader, self.signals, stateful=False, seed_samples=seed_samples)  # type: ignore[arg-type]
                          if has_workers(loader) else None)
         self.loader: Iterable[Any] = loader if self._workers is None else self._workers.loader
         self._last_iterator: Iterator[Any] | None = None
+
+    def seed_pass(self, seed: int) -> None:
+        """Seed the samples of the next pass from ``seed`` (call right before ``iter``).
+
+        The DataLoader draws its workers' base seed from the global torch generator (or its own)
+        when it starts workers: with ``persistent_workers`` only in the first pass a process
+        runs, which a resumed run reaches at another pass. That draw is undone before the sampler
+        shuffles, in every pass, so the order does not depend on when workers were started."""
+        sampler = None if self._workers is None else self._workers.sampler
+        if sampler is None:
+            return
+        sampler.seed = seed
+        own_generator = getattr(self.loader, "generator", None)
+        generator = own_generator if isinstance(own_generator, torch.Generator) else torch.default_generator
+        state = generator.get_state()
+        sampler.rewind = lambda: generator.set_state(state)
 
     def __iter__(self) -> Iterator[Any]:
         if self._workers is None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -80,8 +80,10 @@ class EvaluationLoop:
         assert self.seed is not None, "choose_seed() or load_state_dict() before run()"
         self._logger.begin_evaluation()
         try:
-            with _isolated_rng(self.seed + progress.total.started), torch.no_grad(), _eval_mode(self._module):
-                for batch in _batches(self._data):
+            pass_seed = self.seed + progress.total.started
+            with _isolated_rng(pass_seed), torch.no_grad(), _eval_mode(self._module):
+                self._data.seed_pass(pass_seed)
+                for batch in self._data:
                     self._run_batch(batch)
         except BaseException:
             self._logger.end_evaluation()
@@ -137,10 +139,6 @@ class EvaluationLoop:
         self.seed = int(state["seed"])
         step = state["validated_at_step"]
         self.validated_at_step = None if step is None else int(step)
-
-
-def _batches(data: Iterable[Any]) -> Iterator[Any]:
-    return iter(data)
 
 
 @contextlib.contextmanager

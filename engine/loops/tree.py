@@ -197,7 +197,7 @@ def build_loops(
                                batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     evaluation = (None if val_data is None
-                  else _evaluation_loop(module, PreemptionSafeLoader(val_data, config.preemption_signals), split_length,
+                  else _evaluation_loop(module, PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True), split_length,
                                         carry, logger, device, precision))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)

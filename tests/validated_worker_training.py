@@ -3,9 +3,11 @@
 
 Run as a script; with ``--pause-at N --handshake DIR`` the N-th validation batch of the run
 writes ``DIR/validating`` and waits for ``DIR/go`` before it returns, so that a test knows a
-validation pass is running (its workers alive) when it signals the process group::
+validation pass is running (its workers alive) when it signals the process group. With
+``--probe`` a callback iterates a loader of its own with workers (through
+``engine.preemption_safe``) after the third split, and the pause is in its first batch instead::
 
-    python tests/validated_worker_training.py RUN_DIR [--persistent] [--pause-at N --handshake DIR]
+    python tests/validated_worker_training.py RUN_DIR [--persistent] [--pause-at N | --probe] [--handshake DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ class ValidatedRegressor(Regressor):
         return torch.nn.functional.mse_loss(self.layer(x), y)
 
 
+class Probe(engine.Callback):
+    """Iterates a DataLoader of its own with worker processes after the third split (a user's
+    extra evaluation), through ``engine.preemption_safe``; pauses in its first batch."""
+
+    def __init__(self, handshake: pathlib.Path) -> None:
+        self.handshake, self.splits = handshake, 0
+        # Its own generator: the workers' base seed is not drawn from the run's random streams.
+        loader = DataLoader(AugmentedDataset(), batch_size=4, num_workers=WORKERS, generator=torch.Generator())
+        self.loader = engine.preemption_safe(loader)
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.splits += 1
+        if self.splits != 3:
+            return
+        for index, _ in enumerate(self.loader):
+            if index == 0:
+                wait_for_go(self.handshake)
+        self.loader.close()
+
+
 def wait_for_go(handshake: pathlib.Path) -> None:
     (handshake / "validating").write_text("")
     deadline = time.monotonic() + HANDSHAKE_LIMIT_SECONDS
@@ -50,7 +72,7 @@ def wait_for_go(handshake: pathlib.Path) -> None:
 
 
 def train(run_dir: str, persistent: bool = False, pause_at: int | None = None,
-          handshake: pathlib.Path | None = None) -> engine.FitResult:
+          handshake: pathlib.Path | None = None, callbacks: tuple[engine.Callback, ...] = ()) -> engine.FitResult:
     """Two epochs, a validation every few steps and at each epoch end, checkpoints only after
     validations and at the stop (the preemption checkpoint is then easy to tell)."""
     seed_all(0)
@@ -60,7 +82,7 @@ def train(run_dir: str, persistent: bool = False, pause_at: int | None = None,
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1000, keep_last=None))
     val_data = DataLoader(AugmentedDataset(), batch_size=1, shuffle=True, num_workers=WORKERS,
                           persistent_workers=persistent)
-    return engine.Trainer(config).fit(model, make_loader(persistent), val_data)
+    return engine.Trainer(config, callbacks).fit(model, make_loader(persistent), val_data)
 
 
 def main(argv: list[str]) -> int:
@@ -69,9 +91,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--persistent", action="store_true")
     parser.add_argument("--pause-at", type=int, default=None, help="pause in this validation batch (1-based)")
+    parser.add_argument("--probe", action="store_true", help="pause in a callback's own loader instead")
     parser.add_argument("--handshake", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    result = train(args.run_dir, args.persistent, args.pause_at, args.handshake)
+    callbacks = (Probe(args.handshake),) if args.probe else ()
+    result = train(args.run_dir, args.persistent, args.pause_at, args.handshake, callbacks)
     print(f"done {result.cursor}", flush=True)
     return 0
 

@@ -36,19 +36,16 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, str]:
     return runs
 
 
-def run_and_signal_group_during_validation(run_dir: str, handshake: pathlib.Path, pause_at: int,
-                                           persistent: bool) -> tuple[int, str]:
-    """Start the training script, SIGTERM its process group while validation batch ``pause_at``
-    runs, and return (exit status, stderr)."""
+def run_and_signal_group_in_pause(run_dir: str, handshake: pathlib.Path, *options: str) -> tuple[int, str]:
+    """Start the training script, SIGTERM its process group while it pauses (in a validation
+    batch or a callback's loader, see ``options``), and return (exit status, stderr)."""
     handshake.mkdir()
-    command = [sys.executable, SCRIPT, run_dir, "--pause-at", str(pause_at), "--handshake", str(handshake)]
-    if persistent:
-        command.append("--persistent")
+    command = [sys.executable, SCRIPT, run_dir, "--handshake", str(handshake), *options]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=ENVIRONMENT)  # its own group, as a batch job
     try:
         while not (handshake / "validating").exists():
-            assert process.poll() is None, f"the run ended ({process.returncode}) before validation batch {pause_at}"
+            assert process.poll() is None, f"the run ended ({process.returncode}) before its pause"
             try:
                 process.wait(timeout=0.02)
             except subprocess.TimeoutExpired:
@@ -70,7 +67,8 @@ def run_and_signal_group_during_validation(run_dir: str, handshake: pathlib.Path
 def test_sigterm_to_the_group_during_validation_commits_exits_75_and_resumes_exactly(
         references: dict[bool, str], tmp_path: pathlib.Path, pause_at: int, persistent: bool) -> None:
     run_dir = str(tmp_path / "run")
-    status, stderr = run_and_signal_group_during_validation(run_dir, tmp_path / "handshake", pause_at, persistent)
+    options = ["--pause-at", str(pause_at)] + (["--persistent"] if persistent else [])
+    status, stderr = run_and_signal_group_in_pause(run_dir, tmp_path / "handshake", *options)
     assert status == 75, stderr[-3000:]
     assert "preempted by SIGTERM" in stderr and "killed by signal" not in stderr
 
@@ -83,3 +81,17 @@ def test_sigterm_to_the_group_during_validation_commits_exits_75_and_resumes_exa
     result = train(run_dir, persistent)
     assert result.resumed_from == stopped.name
     assert_same_run(references[persistent], run_dir)
+
+
+def test_sigterm_to_the_group_while_a_callback_iterates_its_own_preemption_safe_loader(
+        references: dict[bool, str], tmp_path: pathlib.Path) -> None:
+    run_dir = str(tmp_path / "run")
+    status, stderr = run_and_signal_group_in_pause(run_dir, tmp_path / "handshake", "--probe")
+    assert status == 75, stderr[-3000:]
+    assert "preempted by SIGTERM" in stderr and "killed by signal" not in stderr
+    stopped = CheckpointStore(Storage(run_dir)).latest()
+    assert stopped is not None and stopped.progress.cursor.batch == 2  # the boundary after the callback's pause
+
+    result = train(run_dir)
+    assert result.resumed_from == stopped.name
+    assert_same_run(references[False], run_dir)

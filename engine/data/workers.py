@@ -259,7 +259,11 @@ class PreemptionSafeLoader:
         own_generator = getattr(self.loader, "generator", None)
         generator = own_generator if isinstance(own_generator, torch.Generator) else torch.default_generator
         state = generator.get_state()
-        sampler.rewind = lambda: generator.set_state(state)
+
+        def rewind() -> None:
+            generator.set_state(state)
+
+        sampler.rewind = rewind
 
     def __iter__(self) -> Iterator[Any]:
         if self._workers is None:

@@ -15,7 +15,9 @@ sleeps in each validation batch, so that a signal can land inside a pass.
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
 syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
 ``DIVERGE_AT`` (first try only) add a tiny offset to one parameter of that rank after that many
-splits (a replica that drifted).
+splits (a replica that drifted). ``VALIDATION_PAUSE="RANK/BATCH"`` (first try only): that rank
+writes ``OUT_DIR/validating-<rank>`` in its BATCH-th validation batch and waits for ``OUT_DIR/go``
+(so a test signals it while it validates, its validation DataLoader workers alive).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class Model(engine.Module):
         return torch.nn.functional.mse_loss(self.head(self.dropout(out)), y), hidden
 
     def validation_step(self, batch: Any, hidden: Any = None) -> Any:
+        self.validation_batches += 1
+        if self.validation_batches == self.pause_at_validation_batch:
+            pause_for_go(self.out)
         x, y = batch
         out, hidden = self.rnn(x, hidden)
         time.sleep(self.validation_sleep)
@@ -65,6 +70,16 @@ class Model(engine.Module):
         return torch.optim.Adam(self.parameters(), lr=0.02)
 
     validation_sleep = 0.0
+    validation_batches = 0
+    pause_at_validation_batch: int | None = None
+    out = pathlib.Path()
+
+
+def pause_for_go(out: pathlib.Path) -> None:
+    (out / f"validating-{os.environ['RANK']}").write_text("")
+    deadline = time.monotonic() + 120
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Diverge(engine.Callback):
@@ -112,7 +127,10 @@ def main() -> int:
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
-    model.validation_sleep = args.val_slow
+    model.validation_sleep, model.out = args.val_slow, out
+    pause_rank, _, pause_batch = os.environ.get("VALIDATION_PAUSE", "").partition("/")
+    if restart == 0 and pause_rank == str(rank):
+        model.pause_at_validation_batch = int(pause_batch)
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),

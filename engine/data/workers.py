@@ -240,7 +240,10 @@ class PreemptionSafeLoader:
 
     def __init__(self, loader: Iterable[Any], signals: Sequence[int], seed_samples: bool = False) -> None:
         self.signals = tuple(int(number) for number in signals)
-        self._workers = (WorkerLoader(loader, self.signals, stateful=False, seed_samples=seed_samples)  # type: ignore[arg-type]
+        # A loader with its own state_dict() (torchdata's) keeps its sampler: it tracks it.
+        stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+        self._workers = (WorkerLoader(loader, self.signals, stateful=False,  # type: ignore[arg-type]
+                                      seed_samples=seed_samples and not stateful)
                          if has_workers(loader) else None)
         self.loader: Iterable[Any] = loader if self._workers is None else self._workers.loader
         self._last_iterator: Iterator[Any] | None = None

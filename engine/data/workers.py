@@ -1,7 +1,7 @@
 """DataLoader worker processes: they outlive a preemption signal, and what they draw is exact.
 
-For a ``DataLoader`` with ``num_workers > 0`` the engine iterates a private copy of it (the
-user's loader is left untouched) with two additions:
+For a training ``DataLoader`` with ``num_workers > 0`` the engine iterates a private copy of it
+(the user's loader is left untouched) with two additions:
 
 * **Preemption.** ``scancel`` and a SLURM time limit send SIGTERM to the whole process group,
   workers included. A worker killed by it makes the main process fail with ``RuntimeError:
@@ -17,6 +17,10 @@ user's loader is left untouched) with two additions:
   generator from (epoch seed, position) right before ``dataset[index]``. What a sample draws
   then depends only on the run's random state at the epoch start, the epoch and its position:
   not on the worker, the number of workers, ``persistent_workers`` or a resume.
+
+The validation data goes through a :class:`PreemptionSafeLoader` (both additions, its samples
+seeded per validation pass); a user's own loader can too, through ``engine.preemption_safe``
+(the preemption part only).
 
 A loader without workers is iterated as given: the main process's own random streams are
 checkpointed and restored, so nothing has to be reseeded (and a plain run draws exactly what a

@@ -4,7 +4,9 @@ A pass runs under ``torch.no_grad()`` with the module in eval mode (its previous
 after), and under random streams of its own: every global RNG is saved, seeded from the run's
 validation seed and the pass number, and put back afterwards. So a shuffled validation loader or
 dropout left on by the user draws the same numbers in every run and never shifts what training
-draws: training with and without validation is bit-identical.
+draws: training with and without validation is bit-identical. With DataLoader worker processes
+each sample is seeded from the pass's seed and its position in the pass (as training samples
+are), so persistent workers started in another pass after a resume draw the same values.
 
 Passes are not checkpointed halfway: the checkpoint written right after a pass holds its results;
 a kill during a pass resumes from the checkpoint before it and runs the pass again from its

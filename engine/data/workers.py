@@ -36,6 +36,7 @@ import random
 import signal
 import struct
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -250,7 +251,11 @@ class PreemptionSafeLoader:
                                       seed_samples=seed_samples and not stateful)
                          if has_workers(loader) else None)
         self.loader: Iterable[Any] = loader if self._workers is None else self._workers.loader
-        self._last_iterator: Iterator[Any] | None = None
+        # The newest iterator, in a list the finalizer shares without keeping this object alive:
+        # its persistent workers ignore SIGTERM, so a process exiting with them alive would wait
+        # for them forever (multiprocessing ends them with SIGTERM) unless they are stopped first.
+        self._last_iterator: list[Iterator[Any]] = []
+        self._finalizer = weakref.finalize(self, _shut_down_each, self._last_iterator)
 
     def seed_pass(self, seed: int) -> None:
         """Seed the samples of the next pass from ``seed`` (call right before ``iter``).
@@ -279,17 +284,21 @@ class PreemptionSafeLoader:
             iterator = iter(self.loader)
         # A persistent loader hands back the same iterator each time; another one's workers are
         # stopped when it is exhausted, or here when it was left early.
-        if self._last_iterator is not None and self._last_iterator is not iterator:
-            shut_down_workers(self._last_iterator)
-        self._last_iterator = iterator
+        if self._last_iterator and self._last_iterator[0] is not iterator:
+            _shut_down_each(self._last_iterator)
+        self._last_iterator[:] = [iterator]
         return iterator
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Stop the worker processes now. Workers that ignore SIGTERM would otherwise keep a
-        process that exits with persistent workers alive (multiprocessing stops them with it)."""
-        if self._last_iterator is not None:
-            shut_down_workers(self._last_iterator)
-        self._last_iterator = None
+        """Stop the worker processes now (otherwise when this loader is garbage collected or
+        the process exits)."""
+        _shut_down_each(self._last_iterator)
+
+
+def _shut_down_each(iterators: list[Iterator[Any]]) -> None:
+    for iterator in iterators:
+        shut_down_workers(iterator)
+    iterators.clear()

@@ -57,7 +57,8 @@ def preemption_safe(loader: Iterable[Any], signals: Sequence[int] | None = None)
     The engine does this itself for the training and validation data. Wrap a loader with
     ``num_workers > 0`` that your own code iterates during ``fit`` (in a callback, say): a
     SIGTERM sent to the process group would otherwise kill its workers, and the run would fail
-    instead of committing its preemption checkpoint. Call ``close()`` on it when done with it.
+    instead of committing its preemption checkpoint. Its ``close()`` stops the workers at once;
+    otherwise they are stopped when it is garbage collected or the process exits.
 
     Args:
         loader: any iterable; a DataLoader with worker processes is iterated through a private

@@ -163,6 +163,23 @@ def test_preemption_safe_loader_workers_ignore_the_signals_and_run_the_users_ini
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process is untouched
 
 
+EXIT_WITH_PERSISTENT_WORKERS_OPEN = """
+import torch, engine
+from torch.utils.data import DataLoader, TensorDataset
+loader = engine.preemption_safe(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2,
+                                           persistent_workers=True))
+print(sum(len(batch) for batch in loader), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_exits_with_a_preemption_safe_loaders_persistent_workers_never_closed():
+    # Its workers ignore SIGTERM, which multiprocessing sends them at exit: they are stopped first.
+    completed = subprocess.run([sys.executable, "-c", EXIT_WITH_PERSISTENT_WORKERS_OPEN], capture_output=True,
+                               text=True, timeout=120, env=ENVIRONMENT)
+    assert completed.returncode == 0 and completed.stdout.strip() == "4", completed.stderr[-2000:]
+
+
 def test_resume_after_each_validation_with_persistent_validation_workers_is_exact():
     """Validation samples drawn in persistent workers: the resumed run starts them in another
     pass than the run that never stopped, and still validates on the same values."""

@@ -196,9 +196,11 @@ def build_loops(
         epoch_loop = EpochLoop(data, OnDevice(WholeBatch(runner), device), position, stop,
                                batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
-    evaluation = (None if val_data is None
-                  else _evaluation_loop(module, PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True), split_length,
-                                        carry, logger, device, precision))
+    evaluation = None
+    if val_data is not None:
+        # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
+        safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
+        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)
 

@@ -6,6 +6,7 @@ Public API (see docs/quickstart.md)::
     Module, LRSchedule, split_along_time
     Callback, RunView, EarlyStopping
     fingerprint, load_weights, export_weights
+    preemption_safe (a DataLoader of your own whose workers outlive a preemption signal)
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
             WriterConflict, ReplicaDivergence, InjectedFault
@@ -34,6 +35,7 @@ from engine.module import Module
 from engine.optim_setup import LRSchedule
 from engine.result import FitResult
 from engine.data.splitting import split_along_time
+from engine.run.preemption import preemption_safe
 from engine.trainer import Trainer
 from engine.weights import export_weights, load_weights
 
@@ -63,5 +65,6 @@ __all__ = [
     "export_weights",
     "fingerprint",
     "load_weights",
+    "preemption_safe",
     "split_along_time",
 ]

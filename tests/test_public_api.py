@@ -76,7 +76,7 @@ def test_engine_exports_the_documented_api():
         "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
         "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
         "CheckpointWriteError", "WriterConflict", "ReplicaDivergence", "InjectedFault", "EarlyStopping", "load_weights",
-        "export_weights",
+        "export_weights", "preemption_safe",
     }
     assert set(engine.__all__) == documented
 

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked
+from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, shut_down_workers
 from engine.errors import DataError
 from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
 
@@ -202,7 +202,7 @@ class EpochData:
         if self._workers is not None:
             for earlier in self._worker_iterators:
                 if earlier is not iterator:
-                    _shut_down_workers(earlier)
+                    shut_down_workers(earlier)
             self._worker_iterators = [iterator]
         return iterator
 
@@ -211,7 +211,7 @@ class EpochData:
         loader is garbage collected, and a process exiting with them alive waits forever:
         multiprocessing terminates them with SIGTERM, which they ignore."""
         for iterator in self._worker_iterators:
-            _shut_down_workers(iterator)
+            shut_down_workers(iterator)
         self._worker_iterators = []
 
     def _signals_to_block(self) -> tuple[int, ...]:
@@ -284,12 +284,6 @@ class EpochData:
         self._loader_state = state["loader_state"]
         if self._stateful and self.batches_consumed == 0 and self._loader_state is not None:
             self.loader.load_state_dict(self._loader_state)
-
-
-def _shut_down_workers(iterator: Iterator[Any]) -> None:
-    shut_down = getattr(iterator, "_shutdown_workers", None)  # torch's multiprocessing iterator
-    if callable(shut_down):
-        shut_down()
 
 
 def _length_or_none(loader: Any) -> int | None:

@@ -1,7 +1,7 @@
 """DataLoader worker processes: they outlive a preemption signal, and what they draw is exact.
 
-For a ``DataLoader`` with ``num_workers > 0`` the engine iterates a private copy of it (the
-user's loader is left untouched) with two additions:
+For a training ``DataLoader`` with ``num_workers > 0`` the engine iterates a private copy of it
+(the user's loader is left untouched) with two additions:
 
 * **Preemption.** ``scancel`` and a SLURM time limit send SIGTERM to the whole process group,
   workers included. A worker killed by it makes the main process fail with ``RuntimeError:
@@ -18,6 +18,10 @@ user's loader is left untouched) with two additions:
   then depends only on the run's random state at the epoch start, the epoch and its position:
   not on the worker, the number of workers, ``persistent_workers`` or a resume.
 
+The validation data goes through a :class:`PreemptionSafeLoader` (both additions, its samples
+seeded per validation pass); a user's own loader can too, through ``engine.preemption_safe``
+(the preemption part only).
+
 A loader without workers is iterated as given: the main process's own random streams are
 checkpointed and restored, so nothing has to be reseeded (and a plain run draws exactly what a
 hand-written loop draws).
@@ -32,6 +36,7 @@ import random
 import signal
 import struct
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -167,12 +172,12 @@ class WorkerLoader:
     """The private copy of a DataLoader with workers, and the sampler that seeds its samples
     (None when its samples cannot be seeded: an IterableDataset, a loader with its own state)."""
 
-    def __init__(self, loader: DataLoader, signals: Sequence[int], stateful: bool) -> None:
+    def __init__(self, loader: DataLoader, signals: Sequence[int], stateful: bool, seed_samples: bool = True) -> None:
         private = copy.copy(loader)
         object.__setattr__(private, "_iterator", None)
         self.persistent = bool(loader.persistent_workers)
         self.sampler: SampleKeySampler | None = None
-        if not isinstance(loader.dataset, IterableDataset) and not stateful:
+        if seed_samples and not isinstance(loader.dataset, IterableDataset) and not stateful:
             batched = loader.batch_sampler is not None
             inner: Iterable[Any] = loader.batch_sampler if batched else loader.sampler  # type: ignore[assignment]
             self.sampler = SampleKeySampler(inner, batched)
@@ -181,7 +186,8 @@ class WorkerLoader:
             object.__setattr__(private, "dataset", SampleSeededDataset(loader.dataset))
         private.worker_init_fn = WorkerInit(signals, loader.worker_init_fn, unwrap_dataset=self.sampler is not None)
         self.loader = private
-        _warn_if_not_exact(loader, stateful)
+        if seed_samples:
+            _warn_if_not_exact(loader, stateful)
 
 
 def _warn_if_not_exact(loader: DataLoader, stateful: bool) -> None:
@@ -213,3 +219,86 @@ def preemption_signals_blocked(signals: Sequence[int]) -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def shut_down_workers(iterator: Iterator[Any]) -> None:
+    """Stop the worker processes of a DataLoader iterator now (a no-op for other iterators)."""
+    shut_down = getattr(iterator, "_shutdown_workers", None)  # torch's multiprocessing iterator
+    if callable(shut_down):
+        shut_down()
+
+
+class PreemptionSafeLoader:
+    """Iterates ``loader`` so that its worker processes outlive a preemption signal.
+
+    The engine wraps the validation data in one; wrap a DataLoader with workers that your own
+    code iterates while ``fit`` runs (an extra evaluation in a callback, say) the same way, with
+    :func:`engine.preemption_safe`, or a SIGTERM to the process group kills its workers and the
+    run fails instead of committing.
+
+    A loader without worker processes is iterated as given. ``signals`` are the preemption
+    signals (those of ``TrainerConfig.preemption_signals``). With ``seed_samples`` (the engine's
+    validation data) a map-style loader's samples are seeded like the training data's, from the
+    seed given to :meth:`seed_pass` and their position in the pass; otherwise what the loader
+    yields is unchanged.
+    """
+
+    def __init__(self, loader: Iterable[Any], signals: Sequence[int], seed_samples: bool = False) -> None:
+        self.signals = tuple(int(number) for number in signals)
+        # A loader with its own state_dict() (torchdata's) keeps its sampler: it tracks it.
+        stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+        self._workers = (WorkerLoader(loader, self.signals, stateful=False,  # type: ignore[arg-type]
+                                      seed_samples=seed_samples and not stateful)
+                         if has_workers(loader) else None)
+        self.loader: Iterable[Any] = loader if self._workers is None else self._workers.loader
+        # The newest iterator, in a list the finalizer shares without keeping this object alive:
+        # its persistent workers ignore SIGTERM, so a process exiting with them alive would wait
+        # for them forever (multiprocessing ends them with SIGTERM) unless they are stopped first.
+        self._last_iterator: list[Iterator[Any]] = []
+        self._finalizer = weakref.finalize(self, _shut_down_each, self._last_iterator)
+
+    def seed_pass(self, seed: int) -> None:
+        """Seed the samples of the next pass from ``seed`` (call right before ``iter``).
+
+        The DataLoader draws its workers' base seed from the global torch generator (or its own)
+        when it starts workers: with ``persistent_workers`` only in the first pass a process
+        runs, which a resumed run reaches at another pass. That draw is undone before the sampler
+        shuffles, in every pass, so the order does not depend on when workers were started."""
+        sampler = None if self._workers is None else self._workers.sampler
+        if sampler is None:
+            return
+        sampler.seed = seed
+        own_generator = getattr(self.loader, "generator", None)
+        generator = own_generator if isinstance(own_generator, torch.Generator) else torch.default_generator
+        state = generator.get_state()
+
+        def rewind() -> None:
+            generator.set_state(state)
+
+        sampler.rewind = rewind
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._workers is None:
+            return iter(self.loader)
+        with preemption_signals_blocked(self.signals):
+            iterator = iter(self.loader)
+        # A persistent loader hands back the same iterator each time; another one's workers are
+        # stopped when it is exhausted, or here when it was left early.
+        if self._last_iterator and self._last_iterator[0] is not iterator:
+            _shut_down_each(self._last_iterator)
+        self._last_iterator[:] = [iterator]
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the worker processes now (otherwise when this loader is garbage collected or
+        the process exits)."""
+        _shut_down_each(self._last_iterator)
+
+
+def _shut_down_each(iterators: list[Iterator[Any]]) -> None:
+    for iterator in iterators:
+        shut_down_workers(iterator)
+    iterators.clear()

@@ -4,11 +4,18 @@ A pass runs under ``torch.no_grad()`` with the module in eval mode (its previous
 after), and under random streams of its own: every global RNG is saved, seeded from the run's
 validation seed and the pass number, and put back afterwards. So a shuffled validation loader or
 dropout left on by the user draws the same numbers in every run and never shifts what training
-draws: training with and without validation is bit-identical.
+draws: training with and without validation is bit-identical. With DataLoader worker processes
+each sample is seeded from the pass's seed and its position in the pass (as training samples
+are), so persistent workers started in another pass after a resume draw the same values.
 
 Passes are not checkpointed halfway: the checkpoint written right after a pass holds its results;
 a kill during a pass resumes from the checkpoint before it and runs the pass again from its
 start, which gives the same numbers (same weights, same seeded streams).
+
+A preemption signal during a pass lets the pass finish: the stop is taken at the boundary that
+follows it, whose checkpoint holds the pass's results, so its metrics row is written once and
+the resumed run goes on exactly. The validation data's worker processes ignore the signal
+(:class:`~engine.data.workers.PreemptionSafeLoader`) so that the pass can finish.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from engine import faults
+from engine.data.workers import PreemptionSafeLoader
 from engine.errors import DataError, ModuleContractError
 from engine.loops.step_output import Hidden, detach_hidden
 from engine.rng import capture_global_rng, restore_global_rng
@@ -34,7 +42,7 @@ Splitter = Callable[[Any, int], Sequence[Any]]
 class EvaluationLoop:
     """Runs validation passes; ``progress`` counts passes, ``batches`` the batches of a pass."""
 
-    def __init__(self, module: torch.nn.Module, data: Iterable[Any], call_step: ValidationCall,
+    def __init__(self, module: torch.nn.Module, data: PreemptionSafeLoader, call_step: ValidationCall,
                  splitter: Splitter | None, split_length: int | None, carry_hidden: bool,
                  logger: MetricLogger) -> None:
         self.progress = Progress()
@@ -74,8 +82,10 @@ class EvaluationLoop:
         assert self.seed is not None, "choose_seed() or load_state_dict() before run()"
         self._logger.begin_evaluation()
         try:
-            with _isolated_rng(self.seed + progress.total.started), torch.no_grad(), _eval_mode(self._module):
-                for batch in _batches(self._data):
+            pass_seed = self.seed + progress.total.started
+            with _isolated_rng(pass_seed), torch.no_grad(), _eval_mode(self._module):
+                self._data.seed_pass(pass_seed)
+                for batch in self._data:
                     self._run_batch(batch)
         except BaseException:
             self._logger.end_evaluation()
@@ -120,6 +130,10 @@ class EvaluationLoop:
                 f"validation_step must return a scalar loss, a dict of scalars or None; got {type(result).__name__}"
             )
 
+    def close(self) -> None:
+        """Stop the validation data's worker processes (they ignore the preemption signals)."""
+        self._data.close()
+
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "validated_at_step": self.validated_at_step}
 
@@ -127,10 +141,6 @@ class EvaluationLoop:
         self.seed = int(state["seed"])
         step = state["validated_at_step"]
         self.validated_at_step = None if step is None else int(step)
-
-
-def _batches(data: Iterable[Any]) -> Iterator[Any]:
-    return iter(data)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ import torch
 
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
+from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
@@ -117,6 +118,8 @@ class LoopTree:
 
     def close(self) -> None:
         self.step_counter.close()
+        if self.evaluation is not None:
+            self.evaluation.close()
 
 
 def tbptt_split_length(module: torch.nn.Module) -> int | None:
@@ -193,13 +196,16 @@ def build_loops(
         epoch_loop = EpochLoop(data, OnDevice(WholeBatch(runner), device), position, stop,
                                batch_boundary=boundaries.split)
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
-    evaluation = (None if val_data is None
-                  else _evaluation_loop(module, val_data, split_length, carry, logger, device, precision))
+    evaluation = None
+    if val_data is not None:
+        # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
+        safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
+        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)
 
 
-def _evaluation_loop(module: torch.nn.Module, val_data: Iterable[Any], split_length: int | None, carry: bool,
+def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,
                      logger: MetricLogger, device: torch.device, precision: Precision) -> EvaluationLoop:
     step = getattr(module, "validation_step", None)
     if not callable(step):

@@ -13,7 +13,10 @@ import subprocess
 import threading
 import warnings
 from types import FrameType
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+from engine.config import TrainerConfig
+from engine.data.workers import PreemptionSafeLoader
 
 
 class PreemptionWatcher:
@@ -46,6 +49,30 @@ class PreemptionWatcher:
     @property
     def reason(self) -> str:
         return f"preempted by {signal.Signals(self.received).name}" if self.received is not None else ""
+
+
+def preemption_safe(loader: Iterable[Any], signals: Sequence[int] | None = None) -> PreemptionSafeLoader:
+    """``loader`` wrapped so that its DataLoader worker processes ignore the preemption signals.
+
+    The engine does this itself for the training and validation data. Wrap a loader with
+    ``num_workers > 0`` that your own code iterates during ``fit`` (in a callback, say): a
+    SIGTERM sent to the process group would otherwise kill its workers, and the run would fail
+    instead of committing its preemption checkpoint. Its ``close()`` stops the workers at once;
+    otherwise they are stopped when it is garbage collected or the process exits.
+
+    Args:
+        loader: any iterable; a DataLoader with worker processes is iterated through a private
+            copy, anything else as given.
+        signals: the preemption signals; ``None`` means ``TrainerConfig``'s default
+            (SIGTERM, SIGUSR1). Pass ``config.preemption_signals`` if you changed them.
+
+    Example::
+
+        probe = engine.preemption_safe(DataLoader(probe_set, batch_size=64, num_workers=4))
+        for batch in probe:
+            ...
+    """
+    return PreemptionSafeLoader(loader, TrainerConfig.preemption_signals if signals is None else signals)
 
 
 def run_requeue_command(command: str) -> None:

@@ -149,6 +149,53 @@ def test_workers_ignore_the_preemption_signals_and_run_the_users_init(persistent
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process is untouched
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+def test_preemption_safe_loader_workers_ignore_the_signals_and_run_the_users_init(persistent):
+    loader = DataLoader(WorkerReport(), batch_size=None, num_workers=2, worker_init_fn=user_worker_init,
+                        persistent_workers=persistent)
+    safe = engine.preemption_safe(loader)
+    try:
+        passes = [[report.tolist() for report in safe] for _ in range(2)]
+    finally:
+        safe.close()
+    assert passes[0] == passes[1] == [[1, 1, 1], [1, 1, 2], [1, 1, 1], [1, 1, 2]]
+    assert loader.worker_init_fn is user_worker_init and isinstance(loader.dataset, WorkerReport)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # this process is untouched
+
+
+EXIT_WITH_PERSISTENT_WORKERS_OPEN = """
+import torch, engine
+from torch.utils.data import DataLoader, TensorDataset
+loader = engine.preemption_safe(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2,
+                                           persistent_workers=True))
+print(sum(len(batch) for batch in loader), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_process_exits_with_a_preemption_safe_loaders_persistent_workers_never_closed():
+    # Its workers ignore SIGTERM, which multiprocessing sends them at exit: they are stopped first.
+    completed = subprocess.run([sys.executable, "-c", EXIT_WITH_PERSISTENT_WORKERS_OPEN], capture_output=True,
+                               text=True, timeout=120, env=ENVIRONMENT)
+    assert completed.returncode == 0 and completed.stdout.strip() == "4", completed.stderr[-2000:]
+
+
+def test_resume_after_each_validation_with_persistent_validation_workers_is_exact():
+    """Validation samples drawn in persistent workers: the resumed run starts them in another
+    pass than the run that never stopped, and still validates on the same values."""
+    from validated_worker_training import train as train_validated
+
+    reference = memory_url()
+    train_validated(reference, persistent=True)
+    names = CheckpointStore(Storage(reference)).names()
+    assert len(names) >= 3  # one after each validation pass
+    for name in names[:-1]:
+        resumed = memory_url()
+        copy_run_until(reference, resumed, name)
+        assert train_validated(resumed, persistent=True).resumed_from == name
+        assert_same_run(reference, resumed)
+
+
 def test_a_batched_getitems_dataset_keeps_its_fast_path():
     class Batched(AugmentedDataset):
         calls = 0

@@ -8,10 +8,16 @@ splits: every kind of per-rank state differs between ranks. Each worker writes, 
 ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
 pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training.
 
+With ``--validate-every N`` each rank also validates (on the whole validation set, shuffled, with
+``--val-workers`` DataLoader workers) every N optimizer steps and at epoch ends; ``--val-slow``
+sleeps in each validation batch, so that a signal can land inside a pass.
+
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
 syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
 ``DIVERGE_AT`` (first try only) add a tiny offset to one parameter of that rank after that many
-splits (a replica that drifted).
+splits (a replica that drifted). ``VALIDATION_PAUSE="RANK/BATCH"`` (first try only): that rank
+writes ``OUT_DIR/validating-<rank>`` in its BATCH-th validation batch and waits for ``OUT_DIR/go``
+(so a test signals it while it validates, its validation DataLoader workers alive).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
 
 import argparse
 import pathlib
+import time
 from typing import Any
 
 import torch
@@ -50,8 +57,29 @@ class Model(engine.Module):
         self.last_hidden = hidden
         return torch.nn.functional.mse_loss(self.head(self.dropout(out)), y), hidden
 
+    def validation_step(self, batch: Any, hidden: Any = None) -> Any:
+        self.validation_batches += 1
+        if self.validation_batches == self.pause_at_validation_batch:
+            pause_for_go(self.out)
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        time.sleep(self.validation_sleep)
+        return torch.nn.functional.mse_loss(self.head(out), y), hidden
+
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=0.02)
+
+    validation_sleep = 0.0
+    validation_batches = 0
+    pause_at_validation_batch: int | None = None
+    out = pathlib.Path()
+
+
+def pause_for_go(out: pathlib.Path) -> None:
+    (out / f"validating-{os.environ['RANK']}").write_text("")
+    deadline = time.monotonic() + 120
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Diverge(engine.Callback):
@@ -76,6 +104,9 @@ def main() -> int:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
+    parser.add_argument("--validate-every", type=int, default=None, help="validate every N optimizer steps")
+    parser.add_argument("--val-workers", type=int, default=0)
+    parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -96,18 +127,31 @@ def main() -> int:
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    model.validation_sleep, model.out = args.val_slow, out
+    pause_rank, _, pause_batch = os.environ.get("VALIDATION_PAUSE", "").partition("/")
+    if restart == 0 and pause_rank == str(rank):
+        model.pause_at_validation_batch = int(pause_batch)
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+        val_every_n_steps=args.validate_every, val_at_epoch_end=args.validate_every is not None,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
-    result = engine.Trainer(config, callbacks).fit(model, loader)
+    val_data = None if args.validate_every is None else validation_loader(x.shape[0] // 3, args.val_workers)
+    result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
     final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
     torch.save(final, out / f"final-{rank}.pt")
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0
+
+
+def validation_loader(samples: int, workers: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(samples, TIME, FEATURES, generator=generator)
+    return DataLoader(TensorDataset(x, x.cumsum(dim=1)[..., :1] * 0.1), batch_size=BATCH, shuffle=True,
+                      num_workers=workers)
 
 
 class Sleep(engine.Callback):

@@ -24,7 +24,7 @@ def torchrun_command(ranks: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *
 
 def environment(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items()
-           if key not in ("SPLITLOOP_FAULTS", "KILLS", "DIVERGE_RANK", "DIVERGE_AT")}
+           if key not in ("SPLITLOOP_FAULTS", "KILLS", "DIVERGE_RANK", "DIVERGE_AT", "VALIDATION_PAUSE")}
     env["PYTHONPATH"] = REPOSITORY + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)

@@ -95,7 +95,9 @@ class Trainer:
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:
-            print(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "
-                  f"{result.cursor}; exiting with {preempted_exit_status(self.config.preemption_exit_code)}", file=sys.stderr, flush=True)
+            # One write, newline included: the lines of several ranks under torchrun must not interleave.
+            sys.stderr.write(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "
+                             f"{result.cursor}; exiting with {preempted_exit_status(self.config.preemption_exit_code)}\n")
+            sys.stderr.flush()
             raise SystemExit(preempted_exit_status(self.config.preemption_exit_code))
         return result

@@ -26,24 +26,31 @@ import fcntl
 import json
 import math
 import os
+import re
+import secrets
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from engine.checkpoint.lease import LOCK_FILE
+from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
 
 MARKER_FILE = "tier.json"
+TIER_LOCK_FILE = "tier.lock"
+RUN_ID_FILE = "run.id"  # in the run directory
+_RUN_ID_LENGTH = 32
+_RUN_ID = re.compile(f"[0-9a-f]{{{_RUN_ID_LENGTH}}}", re.ASCII)
 
 StateValidator = Callable[[str, Any], None]
 
 
 class FastTier:
-    """The fast tier's directory: its marker (the fence) and its checkpoint store."""
+    """The fast tier's directory: its marker (the fence), its lock (the live run that uses it)
+    and its checkpoint store, bound to one run (see the module docstring)."""
 
     def __init__(self, path: str, run_storage: Storage) -> None:
         self.storage = Storage(path)
@@ -54,19 +61,28 @@ class FastTier:
         if run_storage.is_local and os.path.realpath(self.storage.root) == self._owner:
             raise ConfigError(f"CheckpointConfig.local_tier: {path!r} is the run directory itself; "
                               "give the fast tier a directory of its own")
+        self._run_storage = run_storage
         self.store = CheckpointStore(self.storage, durable=False)
         self.usable = False
+        self._lock_descriptor: int | None = None
 
     def claim(self, previous_generation: int, generation: int) -> bool:
-        """Decide whether this tier's checkpoints belong to this run's previous writer (kept) or
-        not (deleted), then record ``generation`` as its writer. Call holding the run's lease."""
+        """Bind the tier to this run (refused while another run uses it), decide whether its
+        checkpoints belong to this run's previous writer (kept) or not (deleted), then record
+        ``generation`` as its writer. Call holding the run's lease; :meth:`release` at the end."""
+        run = self.store.run = _run_identity(self._run_storage)
+        held_by_another_process = not self._lock()
         try:
             marker = json.loads(self.storage.read(MARKER_FILE))
         except (OSError, ValueError):
             marker = None
-        self.usable = marker == {"run_dir": self._owner, "generation": previous_generation}
+        ours = {"run_dir": self._owner, "run": run}
+        self.usable = marker == {**ours, "generation": previous_generation}
         other_run = marker.get("run_dir") if isinstance(marker, dict) else None
-        if isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run):
+        # A process holding the lock is this run's previous writer only if the marker says so.
+        if (held_by_another_process and not self.usable) or \
+                (isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run)):
+            self.release()
             raise ConfigError(f"CheckpointConfig.local_tier: {self.storage.url!r} is the fast tier of another run, "
                               f"{other_run!r}, whose writer is running now; its checkpoints are left alone. Give "
                               "each run a fast tier of its own (e.g. /dev/shm/<run name>)")
@@ -75,10 +91,51 @@ class FastTier:
                 self.storage.remove_tree(f"{CHECKPOINT_DIR}/{entry}")
         if marker is not None and not self.usable:
             warnings.warn(f"ignoring the fast checkpoint tier {self.storage.url}: it was written for "
-                          f"{marker!r}, not for {self._owner} after writer generation {previous_generation}",
+                          f"{marker!r}, not for {ours!r} after writer generation {previous_generation}",
                           stacklevel=3)
-        self.storage.replace(MARKER_FILE, json.dumps({"run_dir": self._owner, "generation": generation}).encode())
+        self.storage.replace(MARKER_FILE, json.dumps({**ours, "generation": generation}).encode())
         return self.usable
+
+    def _lock(self) -> bool:
+        """Hold ``tier.lock`` (flock) from now until :meth:`release`, whatever the run
+        directory's storage: the kernel drops it when the process dies. False (and nothing
+        held) when another live process holds it."""
+        descriptor = os.open(self.storage.writable_path(TIER_LOCK_FILE),
+                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return False
+        except OSError:
+            os.close(descriptor)
+            raise
+        self._lock_descriptor = descriptor
+        _LOCK_DESCRIPTORS.add(descriptor)  # closed in forked children (DataLoader workers)
+        return True
+
+    def release(self) -> None:
+        """Let another run use the tier (closing the descriptor drops the lock)."""
+        if self._lock_descriptor is not None:
+            descriptor, self._lock_descriptor = self._lock_descriptor, None
+            _LOCK_DESCRIPTORS.discard(descriptor)
+            os.close(descriptor)
+
+
+def _run_identity(run_storage: Storage) -> str:
+    """The run's identity, kept in ``run.id`` of its run directory (created by its first
+    writer with a fast tier; call holding the lease). Copies of the run directory share it."""
+    try:
+        identity = run_storage.read(RUN_ID_FILE, _RUN_ID_LENGTH + 1).decode("ascii").strip()
+    except FileNotFoundError:
+        identity = ""
+    except (OSError, UnicodeDecodeError):
+        identity = ""  # unreadable: a new identity; this tier's checkpoints are not used
+    if _RUN_ID.fullmatch(identity):
+        return identity
+    identity = secrets.token_hex(_RUN_ID_LENGTH // 2)
+    run_storage.replace(RUN_ID_FILE, identity.encode("ascii"))
+    return identity
 
 
 def _has_a_live_writer(run_dir: str) -> bool:

@@ -133,6 +133,17 @@ def _check_cuda_state(label: str, state: object) -> None:
         raise ValueError(f"{label}: the CUDA generator offset {offset} is not a multiple of 4")
 
 
+def check_generator_state(label: str, state: object) -> None:
+    """Raise ValueError unless ``state`` is one a ``torch.Generator`` accepts (a DataLoader's or
+    a sampler's): a CPU generator's, tried on a scratch one, or a CUDA generator's."""
+    _check_byte_state(label, state)
+    assert isinstance(state, torch.Tensor)
+    if state.numel() == _CUDA_STATE_BYTES:
+        _check_cuda_state(label, state)
+        return
+    _apply_to_scratch(label, lambda: torch.Generator().set_state(state.cpu()))
+
+
 def _apply_to_scratch(label: str, apply: Callable[[], object]) -> None:
     """Run ``apply`` (which sets a state on a new, private generator): what that generator
     refuses becomes a ValueError naming the stream."""

@@ -14,7 +14,7 @@ import torch
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
-from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 
@@ -108,13 +108,13 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-def _forge_rng(run_dir, name, forge):
-    """Re-commit checkpoint ``name`` of ``run_dir`` under the same name with its RNG state
-    changed by ``forge``: new files, a new manifest, every checksum valid."""
+def _forge_rng(run_dir, name, where, forge):
+    """Re-commit checkpoint ``name`` of ``run_dir`` under the same name with the RNG map that
+    ``where(state)`` picks changed by ``forge``: new files, a new manifest, every checksum valid."""
     store = CheckpointStore(Storage(run_dir))
     loaded = store.load(name)
     progress_bytes = store.storage.read(f"checkpoints/{name}/progress.msgpack")
-    forge(loaded.state["rng"])
+    forge(where(loaded.state))
     store.storage.remove_tree(f"checkpoints/{name}")
     forged = CheckpointStore(Storage(run_dir))
     forged.write(encode_state(loaded.state), progress_bytes, loaded.manifest.cursor,
@@ -122,23 +122,47 @@ def _forge_rng(run_dir, name, forge):
     assert forged.verifies(name)
 
 
+# The global streams now, and at the start of the epoch (restored to replay the epoch's shuffle
+# when a resume lands mid-epoch, as it does at the checkpoint forged below).
+WHERE = {
+    "rng": (lambda state: state["rng"], "the RNG state"),
+    "epoch_start_rng": (lambda state: state["loops"]["data"]["epoch_start_rng"], "the data position's random state"),
+}
+
+
 @pytest.mark.slow
-def test_a_forged_rng_state_is_invalid_and_resume_falls_back_exactly(reference, tmp_path):
+@pytest.mark.parametrize("where", sorted(WHERE))
+def test_a_forged_rng_state_is_invalid_and_resume_falls_back_exactly(where, reference, tmp_path):
     names = CheckpointStore(Storage(reference)).names()
     newest, previous = names[10], names[9]
     run_dir = str(tmp_path / "run")
     copy_run_until(reference, run_dir, newest)
-    _forge_rng(run_dir, newest, FORGED["torch_cpu"])
+    pick, described = WHERE[where]
+    _forge_rng(run_dir, newest, pick, FORGED["torch_cpu"])
 
     process = subprocess.run([sys.executable, "-m", "engine", "inspect", run_dir, "--json"],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr[-2000:]
     report = json.loads(process.stdout)
     entry = next(e for e in report["checkpoints"] if e["name"] == newest)
-    assert entry["valid"] is False and "torch_cpu" in entry["error"], entry
+    assert entry["valid"] is False and described in entry["error"] and "torch_cpu" in entry["error"], entry
     assert report["latest"] == previous
 
-    with pytest.warns(UserWarning, match=f"skipping checkpoint {newest}.*RNG state"):
+    with pytest.warns(UserWarning, match=f"skipping checkpoint {newest}.*{described}"):
         result = train_with_checkpoints("tbptt", run_dir, keep_last=None)
     assert result.resumed_from == previous
     assert_same_run(reference, run_dir)
+
+
+@pytest.mark.parametrize("state", [torch.zeros(5056, dtype=torch.uint8), torch.zeros(7, dtype=torch.uint8),
+                                   torch.zeros(16, dtype=torch.uint8) + 3, torch.zeros(4, dtype=torch.int64)],
+                         ids=["invalid mt19937", "short", "cuda offset", "int64"])
+def test_a_loader_generator_state_its_generator_refuses_fails_the_check(state):
+    with pytest.raises(ValueError, match="loader"):
+        check_generator_state("loader", state)
+
+
+def test_a_loader_generator_state_passes_the_check():
+    generator = torch.Generator().manual_seed(4)
+    torch.randperm(100, generator=generator)
+    check_generator_state("loader", generator.get_state())

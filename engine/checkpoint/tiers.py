@@ -12,12 +12,20 @@
 * resume takes the newest checkpoint that verifies across both tiers, by (writer generation,
   sequence).
 
-The fast tier is fenced by ``tier.json``, which names the run dir and the writer generation
-that last wrote it. A new writer uses the fast tier's checkpoints only when ``tier.json`` names
-this run dir and the previous holder of the run dir's writer lease; otherwise (another run, a
-writer that has been superseded, a tier from another node's history) its checkpoints are
-deleted unread. It then records its own generation there before writing. A tier that names
-another run whose writer is live on this node is refused (ConfigError), not taken over.
+The fast tier is bound to one run, whatever the run dir's storage (local or ``s3://``). The
+run's identity is a random id in the run dir's ``run.id``; every checkpoint the tier's store
+commits records it in its manifest, and every read (resume, the durable copy) refuses one that
+records another (never resumed from). A run holds an ``flock`` on the tier's ``tier.lock`` for
+its whole life; the kernel drops it when the process dies.
+
+The fast tier is fenced by ``tier.json``, which names the run dir, the run's identity and the
+writer generation that last wrote it. A new writer uses the fast tier's checkpoints only when
+``tier.json`` names this run and the previous holder of the run dir's writer lease; otherwise
+(another run, a writer that has been superseded, a tier from another node's history) its
+checkpoints are deleted unread. It then records its own generation there before writing. A tier
+whose lock another live process holds (unless ``tier.json`` names that process as this run's
+previous writer), or that names another run whose writer is live on this node, is refused
+(ConfigError), not taken over.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
-from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
+from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
 
 MARKER_FILE = "tier.json"
 TIER_LOCK_FILE = "tier.lock"
@@ -277,9 +277,12 @@ class DurablePromoter:
             error, self._error = self._error, None
         if error is None:
             return
-        if isinstance(error, CheckpointError):
+        if isinstance(error, (CheckpointWriteError, WriterConflict)):
             raise error
-        raise CheckpointWriteError(f"copying a checkpoint to the durable tier failed: {error}") from error
+        # Reading the fast tier failed too (its checkpoint vanished, or does not verify): for the
+        # run, a durable copy that could not be written, under CheckpointConfig.on_io_error.
+        raise CheckpointWriteError(f"copying a checkpoint to the durable tier failed: {type(error).__name__}: "
+                                   f"{error}") from error
 
     def close(self, newest: str | None) -> None:
         """Make ``newest`` durable (unless it already is), wait, stop the thread, then raise

@@ -59,3 +59,23 @@ def test_a_full_disk_during_the_last_durable_copy_surfaces_as_the_write_error(tm
     result = train(run_dir, fast)
     assert result.resumed_from == last
     assert_same_run(reference, run_dir)
+
+
+def test_a_fast_checkpoint_lost_before_its_durable_copy_is_a_write_error(tmp_path, monkeypatch):
+    """The fast tier loses the checkpoint its durable copy is about to read (its /dev/shm wiped
+    under the run): a CheckpointWriteError under on_io_error, not a CheckpointNotFound escaping
+    from the run's shutdown."""
+    original = CheckpointStore.copy_from
+
+    def copy_after_the_source_vanished(self, source, name, *args, **kwargs):
+        source.storage.remove_tree(f"checkpoints/{name}")
+        return original(self, source, name, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "copy_from", copy_after_the_source_vanished)
+    run_dir, fast = str(tmp_path / "run"), str(tmp_path / "fast")
+    with pytest.raises(engine.CheckpointWriteError, match="durable tier failed: CheckpointNotFound"):
+        train(run_dir, fast)
+    with pytest.warns(UserWarning, match="training goes on.*durable tier failed"):
+        result = train_with_checkpoints("tbptt", str(tmp_path / "warned"), tier=(str(tmp_path / "warned-fast"), 4),
+                                        on_io_error="warn")
+    assert result.epochs_completed == 2

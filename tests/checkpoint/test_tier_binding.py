@@ -4,6 +4,7 @@ that is given it while that run is live is refused and touches nothing; and a ch
 another run wrote there (recorded in its manifest) is reported and skipped, never resumed from.
 Real processes, a real SIGKILL, every resume compared bit for bit."""
 
+import json
 import os
 import shutil
 import signal
@@ -12,12 +13,16 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 import engine
+from engine.checkpoint.codec import encode_state
+from engine.checkpoint.manifest import Manifest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 import forkserver
 from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
+from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run
 from s3_server import s3_endpoint, s3_run_url  # noqa: F401  (fixtures)
 from scenarios import train_with_checkpoints
@@ -92,3 +97,37 @@ def test_checkpoints_another_run_wrote_into_the_tier_are_never_resumed_from(s3_r
         result = train_with_checkpoints("tbptt", s3_run_url, tier=(fast, 1000), lease_expiry=LEASE_EXPIRY)
     assert result.resumed_from == ours[-1]
     assert_same_run(reference, s3_run_url)
+
+
+def commit(store, sequence):
+    cursor = Cursor(0, 0, sequence, 0)
+    return store.write(encode_state({"weight": torch.full((3,), float(sequence))}),
+                       encode_tree(ProgressTree(cursor=cursor)), cursor, 1, sequence=sequence)
+
+
+def test_a_store_bound_to_a_run_reads_only_that_runs_checkpoints(tmp_path):
+    store = CheckpointStore(Storage(str(tmp_path)))
+    unbound = commit(store, 1)  # as written by an earlier version: no run recorded
+    store.run = "a" * 32
+    mine = commit(store, 2)
+    other = CheckpointStore(Storage(str(tmp_path)))
+    other.run = "b" * 32
+    theirs = commit(other, 3)
+    reader = CheckpointStore(Storage(str(tmp_path)))
+    reader.run = "a" * 32
+    assert reader.load(mine).manifest.run == "a" * 32
+    for name, recorded in ((unbound, None), (theirs, "b" * 32)):
+        with pytest.raises(engine.CheckpointIncompatible, match=f"{name}: written by another run \\(run {recorded!r}"):
+            reader.load(name)
+    with pytest.warns(UserWarning, match=f"skipping checkpoint {theirs}: .*written by another run"):
+        assert reader.latest().name == mine
+    assert CheckpointStore(Storage(str(tmp_path))).latest().name == theirs  # an unbound reader (the run dir's) reads all
+
+
+@pytest.mark.parametrize("value", [5, "", "x" * 65, None])
+def test_a_malformed_run_in_a_manifest_is_corrupt(value):
+    manifest = json.loads(Manifest(1, None, {}, 0.0, 1, run="r").to_json())
+    assert manifest["run"] == "r"
+    manifest["run"] = value
+    with pytest.raises(engine.CheckpointCorrupt, match="'run' must be a string"):
+        Manifest.from_json(json.dumps(manifest).encode())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,6 +57,7 @@ class RngSnapshot:
             if numpy is None:
                 raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
             name, keys, position, has_gauss, cached = saved_numpy
+            _check_words("numpy", keys)
             numpy_state = (name, keys.numpy().astype(numpy.uint32), position, has_gauss, cached)
         return cls(
             torch_cpu=state["torch_cpu"],
@@ -67,19 +68,30 @@ class RngSnapshot:
 
 
     def check(self) -> None:
-        """Raise ValueError unless every stream has the type and size its generator accepts."""
+        """Raise ValueError unless every stream holds a state its generator accepts: the
+        types and sizes, and each state applied to a scratch generator of its kind (never to
+        the global ones), so that whatever ``set_rng_state`` would refuse is refused here,
+        before anything of the run is restored."""
         _check_byte_state("torch_cpu", self.torch_cpu)
+        _apply_to_scratch("torch_cpu", lambda: torch.Generator().set_state(self.torch_cpu.cpu()))
         if len(self.torch_cuda) > 1:
             raise ValueError(f"torch_cuda: expected the generator of at most one device, got {len(self.torch_cuda)}")
         for index, state in enumerate(self.torch_cuda):
-            _check_byte_state(f"torch_cuda[{index}]", state)
+            _check_cuda_state(f"torch_cuda[{index}]", state)
         version, internal, gauss = self.python
         if not isinstance(version, int) or len(internal) != _MT_WORDS + 1 or not (gauss is None or isinstance(gauss, float)):
             raise ValueError("python: not a random.getstate() value")
+        _apply_to_scratch("python", lambda: random.Random().setstate(self.python))
         if self.numpy is not None:
             name, keys, position, has_gauss, cached = self.numpy
             if name != "MT19937" or keys.shape != (_MT_WORDS,) or not isinstance(position, int):
                 raise ValueError("numpy: not a numpy.random.get_state() value")
+            # NumPy accepts a position past the key (its next draw then reads beyond it).
+            if not 0 <= position <= _MT_WORDS or has_gauss not in (0, 1) or not isinstance(cached, float):
+                raise ValueError(f"numpy: position {position!r}, has_gauss {has_gauss!r} or cached gaussian "
+                                 f"{cached!r} out of range (0..{_MT_WORDS}, 0 or 1, a float)")
+            numpy_state = self.numpy
+            _apply_to_scratch("numpy", lambda: numpy.random.RandomState().set_state(numpy_state))
 
 
 _MT_WORDS = 624
@@ -105,11 +117,55 @@ def _check_byte_state(label: str, state: object) -> None:
         raise ValueError(f"{label}: expected a 1-D uint8 tensor, got {state!r:.80}")
 
 
+# A CUDA (Philox) generator state: its seed and its offset, 8 bytes each; torch refuses any
+# other size and an offset that is not a multiple of 4. Checked by hand: a scratch CUDA
+# generator would need a device (and its context) where the checkpoint is only inspected.
+_CUDA_STATE_BYTES = 16
+
+
+def _check_cuda_state(label: str, state: object) -> None:
+    _check_byte_state(label, state)
+    assert isinstance(state, torch.Tensor)
+    if state.numel() != _CUDA_STATE_BYTES:
+        raise ValueError(f"{label}: a CUDA generator state is {_CUDA_STATE_BYTES} bytes, got {state.numel()}")
+    offset = int.from_bytes(bytes(state[8:].tolist()), "little", signed=True)
+    if offset % 4 != 0:
+        raise ValueError(f"{label}: the CUDA generator offset {offset} is not a multiple of 4")
+
+
+def check_generator_state(label: str, state: object) -> None:
+    """Raise ValueError unless ``state`` is one a ``torch.Generator`` accepts (a DataLoader's or
+    a sampler's): a CPU generator's, tried on a scratch one, or a CUDA generator's."""
+    _check_byte_state(label, state)
+    assert isinstance(state, torch.Tensor)
+    if state.numel() == _CUDA_STATE_BYTES:
+        _check_cuda_state(label, state)
+        return
+    _apply_to_scratch(label, lambda: torch.Generator().set_state(state.cpu()))
+
+
+def _apply_to_scratch(label: str, apply: Callable[[], object]) -> None:
+    """Run ``apply`` (which sets a state on a new, private generator): what that generator
+    refuses becomes a ValueError naming the stream."""
+    try:
+        apply()
+    except (RuntimeError, ValueError, TypeError, OverflowError, IndexError) as error:
+        raise ValueError(f"{label}: its generator refuses the state: {error}") from error
+
+
 def _as_random_state(value: Any) -> tuple:
     version, internal, gauss = value
-    if not isinstance(internal, torch.Tensor) or internal.dtype != torch.int64 or internal.dim() != 1:
-        raise ValueError("python: the Mersenne Twister words must be a 1-D int64 tensor")
+    _check_words("python", internal)
     return (int(version), tuple(internal.tolist()), gauss)
+
+
+def _check_words(label: str, words: object) -> None:
+    """Mersenne Twister words travel as int64; each must fit the generator's 32 bits (its
+    setter would truncate a larger one silently, not refuse it)."""
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int64 or words.dim() != 1:
+        raise ValueError(f"{label}: the Mersenne Twister words must be a 1-D int64 tensor")
+    if words.numel() and (int(words.min()) < 0 or int(words.max()) >= 1 << 32):
+        raise ValueError(f"{label}: a Mersenne Twister word lies outside 0..2**32-1")
 
 
 def capture_global_rng() -> RngSnapshot:

@@ -318,7 +318,7 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
                            every: int = 1, keep_last: int | None = 3, asynchronous: bool = False,
                            callbacks: tuple = (), lease_expiry: float | None = None, **extra: Any) -> engine.FitResult:
     """Train scenario ``name`` into ``run_dir`` with a checkpoint every ``every`` splits."""
-    model, loader = build(name)
+    model, loader = build(name, extra.pop("seed", None))  # another seed: another run of the same setup
     lease = {} if lease_expiry is None else {"lease_expiry_seconds": lease_expiry}
     tier = extra.pop("tier", None)  # (local tier directory, durable every N splits)
     if tier is not None:
@@ -367,13 +367,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--local-tier", default=None, help="fast checkpoint tier directory")
     parser.add_argument("--durable-every", type=int, default=4, help="with --local-tier: durable every N splits")
     parser.add_argument("--stop-after-fence", type=int, default=0, help="SIGSTOP after the N-th commit-point fence check")
+    parser.add_argument("--seed", type=int, default=None, help="another seed: a different run of the same setup")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)
     callbacks = (AnnounceStart(), SlowDown(args.sleep)) if args.sleep else (AnnounceStart(),)
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
-                                    keep_last=args.keep_last or None, lease_expiry=args.lease_expiry,
+                                    keep_last=args.keep_last or None, lease_expiry=args.lease_expiry, seed=args.seed,
                                     **({"tier": (args.local_tier, args.durable_every)} if args.local_tier else {}))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0

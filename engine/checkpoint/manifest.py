@@ -60,6 +60,9 @@ class Manifest:
     created_unix: float
     writer_generation: int
     monitor: MonitorRecord | None = None
+    # The identity of the run that wrote it, recorded by a fast tier's checkpoints (a tier is
+    # bound to one run: engine.checkpoint.tiers); None elsewhere.
+    run: str | None = None
 
     def to_json(self) -> bytes:
         data = {
@@ -73,6 +76,8 @@ class Manifest:
         }
         if self.monitor is not None:
             data["monitor"] = dataclasses.asdict(self.monitor)
+        if self.run is not None:
+            data["run"] = self.run
         # Compact: with an indent, json falls back from its C encoder to Python (~0.2 ms a commit).
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
@@ -88,8 +93,9 @@ class Manifest:
         except RecursionError as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} nests too deeply to be a manifest") from error
         expected = {"format", "version", "sequence", "cursor", "files", "created_unix", "writer_generation"}
-        if not isinstance(data, dict) or set(data) - {"monitor"} != expected:
-            raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)} (and optionally 'monitor')")
+        if not isinstance(data, dict) or set(data) - _OPTIONAL_KEYS != expected:
+            raise CheckpointCorrupt(f"{MANIFEST_FILE} does not have the keys {sorted(expected)} (and optionally "
+                                    f"{' and '.join(map(repr, sorted(_OPTIONAL_KEYS)))})")
         if data["format"] != FORMAT or type(data["version"]) is not int or data["version"] != VERSION:
             raise CheckpointCorrupt(f"{MANIFEST_FILE}: format {data['format']!r} version {data['version']!r} is not {FORMAT!r} {VERSION}")
         try:
@@ -98,10 +104,21 @@ class Manifest:
                 raise ValueError(f"'files' must be an object, got {type(data['files']).__name__}")
             files = {check_name(name): _file_record(record) for name, record in data["files"].items()}
             monitor = _monitor_record(data["monitor"]) if "monitor" in data else None
+            run = _run_identity(data["run"]) if "run" in data else None
             return cls(_count(data, "sequence"), cursor, files, _timestamp(data["created_unix"]),
-                       _count(data, "writer_generation"), monitor)
+                       _count(data, "writer_generation"), monitor, run)
         except (ValueError, TypeError, AttributeError, RecursionError) as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
+
+
+_OPTIONAL_KEYS = frozenset({"monitor", "run"})
+MAX_RUN_IDENTITY = 64
+
+
+def _run_identity(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_RUN_IDENTITY:
+        raise ValueError(f"'run' must be a string of 1 to {MAX_RUN_IDENTITY} characters, got {value!r:.80}")
+    return value
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

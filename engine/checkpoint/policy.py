@@ -323,7 +323,8 @@ class RunCheckpointer:
 
     def close(self, failing: bool) -> None:
         """Flush pending writes and release the lease. With ``failing`` (an exception is on its
-        way up) write errors become warnings so they do not hide the original one."""
+        way up) every error of this cleanup becomes a warning, so that the original one is the
+        error the user sees; otherwise the first write error is raised once all is released."""
         try:
             # The writer first (its last checkpoint reaches the fast tier), then the fast tier's
             # newest checkpoint reaches the durable tier, even when the writer failed.
@@ -332,13 +333,31 @@ class RunCheckpointer:
             for closer in closers:
                 try:
                     closer.close()
-                except (WriterConflict, CheckpointWriteError) as error:
+                except Exception as error:
                     if failing:
                         warnings.warn(f"pending checkpoint write failed while stopping: {error}", stacklevel=3)
-                    elif isinstance(error, WriterConflict):
+                    elif isinstance(error, WriterConflict) or not isinstance(error, CheckpointWriteError):
                         raise
                     else:
                         self._handle_io_error(error)
-        finally:
-            self.store.close()
-            self._lease.release()
+        except BaseException:
+            self._release(failing=True)  # the error above is the one to see
+            raise
+        self._release(failing)
+
+    def _release(self, failing: bool) -> None:
+        """Close the store, release the lease and the fast tier, each even when one before it
+        failed. With ``failing``, their errors are warnings (they must not replace the error on
+        its way up); otherwise the first is raised."""
+        first: Exception | None = None
+        for release in (self.store.close, self._lease.release, *([self._fast.release] if self._fast else [])):
+            try:
+                release()
+            except Exception as error:
+                if not failing:
+                    first = first or error
+                    continue
+                warnings.warn(f"cleaning up the checkpointer while stopping failed: {type(error).__name__}: {error}",
+                              stacklevel=4)
+        if first is not None:
+            raise first

@@ -35,8 +35,8 @@ from engine.checkpoint import checksum as checksums
 from engine.checkpoint.codec import EncodedState, decode_state
 from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, FileRecord, Manifest, verify_file
-from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError,
-                           WriterConflict)
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound,
+                           CheckpointWriteError, ConfigError, WriterConflict)
 from engine.checkpoint.rank_files import is_rank_file
 from engine.checkpoint.storage import LocalDirectoryFiles, Storage
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
@@ -111,6 +111,9 @@ class CheckpointStore:
         # A staging directory of this process holding a retired checkpoint's files, which the
         # next write overwrites in place instead of creating files (local filesystems).
         self._spare: str | None = None
+        # The run this store is bound to (a fast tier: engine.checkpoint.tiers): every manifest
+        # it commits records it, and a checkpoint recording another (or none) is never read.
+        self.run: str | None = None
         if create:
             storage.makedirs(CHECKPOINT_DIR)
 
@@ -224,7 +227,7 @@ class CheckpointStore:
             if gather_parts is not None:
                 records.update(gather_parts())
             faults.reach("checkpoint_before_manifest")
-            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor)
+            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor, self.run)
             if local is None:
                 if fence is not None:
                     fence()  # the manifest is the commit point here
@@ -443,6 +446,7 @@ class CheckpointStore:
         directory = f"{CHECKPOINT_DIR}/{name}"
         manifest = self._read_manifest(name)
         self._refuse_if_fenced(name, manifest)
+        self._refuse_if_of_another_run(name, manifest)
         extra = set(manifest.files) - set(DATA_FILES)
         if not set(DATA_FILES) <= set(manifest.files) or not all(map(is_rank_file, extra)):
             raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)} "
@@ -470,6 +474,15 @@ class CheckpointStore:
                     f"{name}: written by writer generation {manifest.writer_generation} after generation "
                     f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
                 )
+
+    def _refuse_if_of_another_run(self, name: str, manifest: Manifest) -> None:
+        """In a store bound to a run: a checkpoint that another run wrote (two runs given one
+        fast tier), or one that names no run."""
+        if self.run is not None and manifest.run != self.run:
+            raise CheckpointIncompatible(
+                f"{name}: written by another run (run {manifest.run!r}, this run is {self.run!r}) into the "
+                f"shared fast tier {self.storage.url}; never resumed from or copied"
+            )
 
     def _read_manifest(self, name: str) -> Manifest:
         if not isinstance(name, str) or not _NAME.fullmatch(name):

@@ -12,12 +12,20 @@
 * resume takes the newest checkpoint that verifies across both tiers, by (writer generation,
   sequence).
 
-The fast tier is fenced by ``tier.json``, which names the run dir and the writer generation
-that last wrote it. A new writer uses the fast tier's checkpoints only when ``tier.json`` names
-this run dir and the previous holder of the run dir's writer lease; otherwise (another run, a
-writer that has been superseded, a tier from another node's history) its checkpoints are
-deleted unread. It then records its own generation there before writing. A tier that names
-another run whose writer is live on this node is refused (ConfigError), not taken over.
+The fast tier is bound to one run, whatever the run dir's storage (local or ``s3://``). The
+run's identity is a random id in the run dir's ``run.id``; every checkpoint the tier's store
+commits records it in its manifest, and every read (resume, the durable copy) refuses one that
+records another (never resumed from). A run holds an ``flock`` on the tier's ``tier.lock`` for
+its whole life; the kernel drops it when the process dies.
+
+The fast tier is fenced by ``tier.json``, which names the run dir, the run's identity and the
+writer generation that last wrote it. A new writer uses the fast tier's checkpoints only when
+``tier.json`` names this run and the previous holder of the run dir's writer lease; otherwise
+(another run, a writer that has been superseded, a tier from another node's history) its
+checkpoints are deleted unread. It then records its own generation there before writing. A tier
+whose lock another live process holds (unless ``tier.json`` names that process as this run's
+previous writer), or that names another run whose writer is live on this node, is refused
+(ConfigError), not taken over.
 """
 
 from __future__ import annotations
@@ -26,24 +34,31 @@ import fcntl
 import json
 import math
 import os
+import re
+import secrets
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from engine.checkpoint.lease import LOCK_FILE
+from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
-from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError
+from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
 
 MARKER_FILE = "tier.json"
+TIER_LOCK_FILE = "tier.lock"
+RUN_ID_FILE = "run.id"  # in the run directory
+_RUN_ID_LENGTH = 32
+_RUN_ID = re.compile(f"[0-9a-f]{{{_RUN_ID_LENGTH}}}", re.ASCII)
 
 StateValidator = Callable[[str, Any], None]
 
 
 class FastTier:
-    """The fast tier's directory: its marker (the fence) and its checkpoint store."""
+    """The fast tier's directory: its marker (the fence), its lock (the live run that uses it)
+    and its checkpoint store, bound to one run (see the module docstring)."""
 
     def __init__(self, path: str, run_storage: Storage) -> None:
         self.storage = Storage(path)
@@ -54,8 +69,10 @@ class FastTier:
         if run_storage.is_local and os.path.realpath(self.storage.root) == self._owner:
             raise ConfigError(f"CheckpointConfig.local_tier: {path!r} is the run directory itself; "
                               "give the fast tier a directory of its own")
+        self._run_storage = run_storage
         self.store = CheckpointStore(self.storage, durable=False)
         self.usable = False
+        self._lock_descriptor: int | None = None
 
     def _marker(self) -> Any:
         try:
@@ -67,17 +84,25 @@ class FastTier:
         """The highest sequence this tier holds when its checkpoints are the ones this run's
         writer ``previous_generation`` committed (0 otherwise): with the run dir's, the takeover
         fence. Such a checkpoint copied later into the run dir is not a stale writer's."""
-        if self._marker() != {"run_dir": self._owner, "generation": previous_generation}:
+        run = _recorded_run_identity(self._run_storage)
+        if run is None or self._marker() != {"run_dir": self._owner, "run": run, "generation": previous_generation}:
             return 0
         return self.store.newest_committed_sequence()
 
     def claim(self, previous_generation: int, generation: int) -> bool:
-        """Decide whether this tier's checkpoints belong to this run's previous writer (kept) or
-        not (deleted), then record ``generation`` as its writer. Call holding the run's lease."""
+        """Bind the tier to this run (refused while another run uses it), decide whether its
+        checkpoints belong to this run's previous writer (kept) or not (deleted), then record
+        ``generation`` as its writer. Call holding the run's lease; :meth:`release` at the end."""
+        run = self.store.run = _run_identity(self._run_storage)
+        held_by_another_process = not self._lock()
         marker = self._marker()
-        self.usable = marker == {"run_dir": self._owner, "generation": previous_generation}
+        ours = {"run_dir": self._owner, "run": run}
+        self.usable = marker == {**ours, "generation": previous_generation}
         other_run = marker.get("run_dir") if isinstance(marker, dict) else None
-        if isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run):
+        # A process holding the lock is this run's previous writer only if the marker says so.
+        if (held_by_another_process and not self.usable) or \
+                (isinstance(other_run, str) and other_run != self._owner and _has_a_live_writer(other_run)):
+            self.release()
             raise ConfigError(f"CheckpointConfig.local_tier: {self.storage.url!r} is the fast tier of another run, "
                               f"{other_run!r}, whose writer is running now; its checkpoints are left alone. Give "
                               "each run a fast tier of its own (e.g. /dev/shm/<run name>)")
@@ -86,10 +111,56 @@ class FastTier:
                 self.storage.remove_tree(f"{CHECKPOINT_DIR}/{entry}")
         if marker is not None and not self.usable:
             warnings.warn(f"ignoring the fast checkpoint tier {self.storage.url}: it was written for "
-                          f"{marker!r}, not for {self._owner} after writer generation {previous_generation}",
+                          f"{marker!r}, not for {ours!r} after writer generation {previous_generation}",
                           stacklevel=3)
-        self.storage.replace(MARKER_FILE, json.dumps({"run_dir": self._owner, "generation": generation}).encode())
+        self.storage.replace(MARKER_FILE, json.dumps({**ours, "generation": generation}).encode())
         return self.usable
+
+    def _lock(self) -> bool:
+        """Hold ``tier.lock`` (flock) from now until :meth:`release`, whatever the run
+        directory's storage: the kernel drops it when the process dies. False (and nothing
+        held) when another live process holds it."""
+        descriptor = os.open(self.storage.writable_path(TIER_LOCK_FILE),
+                             os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            return False
+        except OSError:
+            os.close(descriptor)
+            raise
+        self._lock_descriptor = descriptor
+        _LOCK_DESCRIPTORS.add(descriptor)  # closed in forked children (DataLoader workers)
+        return True
+
+    def release(self) -> None:
+        """Let another run use the tier (closing the descriptor drops the lock)."""
+        if self._lock_descriptor is not None:
+            descriptor, self._lock_descriptor = self._lock_descriptor, None
+            _LOCK_DESCRIPTORS.discard(descriptor)
+            os.close(descriptor)
+
+
+def _run_identity(run_storage: Storage) -> str:
+    """The run's identity, kept in ``run.id`` of its run directory (created by its first
+    writer with a fast tier; call holding the lease). Copies of the run directory share it."""
+    identity = _recorded_run_identity(run_storage)
+    if identity is not None:
+        return identity
+    identity = secrets.token_hex(_RUN_ID_LENGTH // 2)
+    run_storage.replace(RUN_ID_FILE, identity.encode("ascii"))
+    return identity
+
+
+def _recorded_run_identity(run_storage: Storage) -> str | None:
+    """The identity in ``run.id`` of the run directory; None when there is none yet or it is
+    unreadable or malformed (then a new one is made, and this tier's checkpoints are not used)."""
+    try:
+        identity = run_storage.read(RUN_ID_FILE, _RUN_ID_LENGTH + 1).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return identity if _RUN_ID.fullmatch(identity) else None
 
 
 def _has_a_live_writer(run_dir: str) -> bool:
@@ -231,9 +302,12 @@ class DurablePromoter:
             error, self._error = self._error, None
         if error is None:
             return
-        if isinstance(error, CheckpointError):
+        if isinstance(error, (CheckpointWriteError, WriterConflict)):
             raise error
-        raise CheckpointWriteError(f"copying a checkpoint to the durable tier failed: {error}") from error
+        # Reading the fast tier failed too (its checkpoint vanished, or does not verify): for the
+        # run, a durable copy that could not be written, under CheckpointConfig.on_io_error.
+        raise CheckpointWriteError(f"copying a checkpoint to the durable tier failed: {type(error).__name__}: "
+                                   f"{error}") from error
 
     def close(self, newest: str | None) -> None:
         """Make ``newest`` durable (unless it already is), wait, stop the thread, then raise

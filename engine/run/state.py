@@ -34,7 +34,7 @@ from engine.distributed.state_parts import WORLD_SIZE, check_world_size
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.optim_setup import OptimizerSetup
-from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 from engine.run.compiled import live_keys, plain_state
 from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
 from progress import ProgressSchemaError, ProgressTree, encode_tree
@@ -170,9 +170,26 @@ def validate(name: str, state: Any) -> None:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as error:
         raise CheckpointCorrupt(f"{name}: the RNG state is malformed: {error}") from error
     try:
+        _check_data_random_states(state[LOOPS]["data"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as error:
+        raise CheckpointCorrupt(f"{name}: the data position's random state is malformed: {error}") from error
+    try:
         check_envelope_shape(state[ENVELOPE])
     except ValueError as error:
         raise CheckpointCorrupt(f"{name}: the {ENVELOPE} is malformed: {error}") from error
+
+
+def _check_data_random_states(data: Any) -> None:
+    """The random states the data position restores (engine.data.position: the loader's and
+    samplers' generators now and at the epoch start, the global streams at the epoch start),
+    each checked the way its generator would take it. ValueError names the bad one."""
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a map, got {type(data).__name__}")
+    for key in ("generators_now", "epoch_start_generators"):
+        for index, generator_state in enumerate(data[key]):
+            check_generator_state(f"{key}[{index}]", generator_state)
+    if data["epoch_start_rng"] is not None:
+        RngSnapshot.from_state(data["epoch_start_rng"]).check()
 
 
 def _expect(name: str, key: str, value: Any, kind: type) -> None:

@@ -25,7 +25,7 @@ from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.errors import CheckpointNotFound, ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
-from engine.loops.stop import split_boundary_stop_reason
+from engine.loops.stop import run_end, split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
 from engine.module import bind_precision, bind_run
 from engine.optim_setup import read_optimizer_setup
@@ -38,7 +38,7 @@ from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
-from progress import Cursor
+from progress import Cursor, RunEnd
 
 
 class FitRun:
@@ -124,7 +124,7 @@ class FitRun:
             optimizer_steps=self.tree.step_counter.total,
             stop_reason=self.stop.reason,
             resumed_from=self.resumed_from,
-            last_checkpoint=None if self.checkpoints is None else self.checkpoints.last_name,
+            last_checkpoint=self._last_checkpoint(),
             checkpoint_interval=None if self.checkpoints is None else self.checkpoints.checkpoint_interval,
             progress=self.tree.progress_tree(self.cursor),
             preempted=preempted,
@@ -151,7 +151,8 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
-            self.display.start(self.config.run_dir, loaded)
+            notes = [self._resume_end(loaded.progress.end)]
+            self.display.start(self.config.run_dir, loaded, [note for note in notes if note])
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -159,6 +160,25 @@ class FitRun:
             if reason is not None:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
+
+    def _resume_end(self, end: RunEnd | None) -> str | None:
+        """A checkpoint of a finished run: stop at once (nothing more to train) unless a limit
+        was raised since; returns what the start line says about it (None: the run had not ended)."""
+        if end is None:
+            return None
+        config = self.config
+        raised = end.raised_limits(config.max_epochs, config.max_steps, config.max_time)
+        if raised:
+            return f"the run had finished ({end.reason}); {', '.join(raised)}: training on"
+        self.stop.request(end.reason)
+        return (f"the run has finished ({end.reason}): nothing more to train; raise max_epochs, max_steps or "
+                "max_time to train on")
+
+    def _last_checkpoint(self) -> str | None:
+        """The run's newest checkpoint: the last one this call wrote, else the one it resumed from."""
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.last_name or self.resumed_from
 
     def _stop_requested_by_callback(self, reason: object) -> None:
         # A None reason would read as "no stop requested", and FitResult.stop_reason is a str.
@@ -292,8 +312,13 @@ class FitRun:
 
     # ---- saving -----------------------------------------------------------------------
     def _save(self, force: bool = False) -> None:
-        snapshot = run_state.capture(self.parts, self.tree.progress_tree(self.cursor),
-                                     self.metrics.length_after_flush(), self._elapsed())
+        progress = self.tree.progress_tree(self.cursor)
+        config = self.config
+        # The stop is part of the checkpoint: a run killed right after its stopping commit, or
+        # started again once it ended, stays finished (a preemption is not an end).
+        progress.end = run_end(self.stop.finish_reason, progress.records["fit.epochs"].total.completed,
+                               config.max_epochs, config.max_steps, config.max_time)
+        snapshot = run_state.capture(self.parts, progress, self.metrics.length_after_flush(), self._elapsed())
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)

@@ -258,10 +258,15 @@ class FitRun:
         """Distributed: every rank takes the same stop and checkpoint decisions at this boundary."""
         assert self.distributed is not None
         agreed = distributed.agree(self.distributed, self.stop.preempted, self.stop.requested, checkpoint_due)
+        # Every rank's checkpoint records the same end (the progress is checked equal across
+        # ranks): the reason of a rank that stopped by itself, agreed before the others fill one in.
+        finish_reason = distributed.agree_on_reason(self.distributed, self.stop.finish_reason) if agreed.stop else None
         if agreed.preempted and not self.stop.preempted:
             self.stop.request_preemption("preempted (the signal reached another rank)")
         elif agreed.stop and not self.stop.requested:
             self.stop.request("stop requested on another rank")
+        if agreed.stop:
+            self.stop.finish_reason = finish_reason
         return agreed.checkpoint and self.checkpoints is not None
 
     def _validate_if_due(self, steps: int) -> bool:

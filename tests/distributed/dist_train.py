@@ -76,6 +76,8 @@ def main() -> int:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
+    parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
+    parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -92,6 +94,8 @@ def main() -> int:
         callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
     if args.slow:
         callbacks.append(Sleep(args.slow, out / f"splits-{rank}"))
+    if args.stop_rank == rank:
+        callbacks.append(StopAt(args.stop_at))
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
@@ -104,10 +108,23 @@ def main() -> int:
     result = engine.Trainer(config, callbacks).fit(model, loader)
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
-    final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
+    if model.last_hidden is not None:  # None when this process trained nothing (a finished run)
+        final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
     torch.save(final, out / f"final-{rank}.pt")
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0
+
+
+class StopAt(engine.Callback):
+    """Asks the run to stop after ``at`` splits of this process (a stop only this rank decides)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            view.request_stop(f"rank-local stop after {self.at} splits")
 
 
 class Sleep(engine.Callback):

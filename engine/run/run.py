@@ -11,6 +11,7 @@ The order at each boundary, in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any, Iterable, Sequence
@@ -21,6 +22,7 @@ from engine import distributed, faults
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import LoadedCheckpoint
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.errors import CheckpointNotFound, ConfigError, ModuleContractError
@@ -37,8 +39,19 @@ from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
+from engine.run.overrides import BuiltSettings, overridden_settings
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
 from progress import Cursor, RunEnd
+
+
+@dataclasses.dataclass
+class ResumedStart:
+    """What the start line of a resumed run says: the checkpoint, the settings
+    configure_optimizers built before the restore, and what the checkpoint's end means."""
+
+    loaded: LoadedCheckpoint
+    built: BuiltSettings
+    end_note: str | None
 
 
 class FitRun:
@@ -83,6 +96,7 @@ class FitRun:
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
+        self._resumed: ResumedStart | None = None
         self._elapsed_before = 0.0
         self._started = time.monotonic()
 
@@ -93,6 +107,7 @@ class FitRun:
                 self._start(resume)
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
+                self._announce_start()
                 self.tree.fit.run()
                 if self.checkpoints is not None:
                     if not self.checkpoints.holds(self._boundary_mark()):
@@ -151,8 +166,7 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
-            notes = [self._resume_end(loaded.progress.end)]
-            self.display.start(self.config.run_dir, loaded, [note for note in notes if note])
+            self._resumed = ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end))
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -173,6 +187,26 @@ class FitRun:
         self.stop.request(end.reason)
         return (f"the run has finished ({end.reason}): nothing more to train; raise max_epochs, max_steps or "
                 "max_time to train on")
+
+    def _announce_start(self) -> None:
+        """The start line, once the callbacks' on_fit_start ran (they may set hyper-parameters
+        after the restore): a resumed run also says whether it had finished and which settings
+        of configure_optimizers the checkpoint replaced, the latter as a warning too."""
+        resumed = self._resumed
+        if resumed is None:
+            self.display.start(self.config.run_dir, None)
+            return
+        notes = [resumed.end_note, self._overridden(resumed.loaded.name, overridden_settings(resumed.built, self.setup))]
+        self.display.start(self.config.run_dir, resumed.loaded, [note for note in notes if note])
+
+    def _overridden(self, name: str, overridden: list[str]) -> str | None:
+        if not overridden:
+            return None
+        text = (f"{name} overrides what configure_optimizers built: {'; '.join(overridden)}; the run goes on with the "
+                "checkpoint's values (to change them on resume, set them in a callback's on_fit_start: "
+                "docs/guarantees.md, Changing hyper-parameters on resume)")
+        warnings.warn(text, stacklevel=5)
+        return text
 
     def _last_checkpoint(self) -> str | None:
         """The run's newest checkpoint: the last one this call wrote, else the one it resumed from."""
@@ -199,7 +233,6 @@ class FitRun:
                           stacklevel=5)
 
     def _start_fresh(self) -> None:
-        self.display.start(self.config.run_dir, None)
         self.metrics.start_fresh()
         if self.tree.evaluation is not None:
             self.tree.evaluation.choose_seed()

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from engine.checkpoint.lease import LOCK_FILE
 from engine.checkpoint.retention import Retention
@@ -116,9 +116,13 @@ def stores_newest_first(stores: list[CheckpointStore]) -> list[tuple[CheckpointS
     return [(store, name) for *_, store, name in entries]
 
 
-def latest_across(stores: list[CheckpointStore], validate: StateValidator) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``stores`` that verifies and passes ``validate``."""
+def latest_across(stores: list[CheckpointStore], validate: StateValidator,
+                  skip: Collection[str] = ()) -> LoadedCheckpoint | None:
+    """The newest checkpoint of ``stores`` that verifies and passes ``validate``, leaving out
+    those in ``skip``."""
     for store, name in stores_newest_first(stores):
+        if name in skip:
+            continue
         try:
             return store.load(name, validate)
         except CheckpointError as error:

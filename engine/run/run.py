@@ -20,6 +20,7 @@ import torch
 
 from engine import distributed, faults
 from engine.callbacks import Callback, RunStatus, RunView
+from engine.checkpoint.abandoned import describe_names
 from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import LoadedCheckpoint
@@ -157,6 +158,8 @@ class FitRun:
         if resume == "off":
             self._warn_fresh_over_checkpoints()
         loaded = self.checkpoints.select(resume, run_state.validate)
+        if loaded is not None and resume.startswith("ckpt-"):
+            self._abandon_newer(loaded.name)
         if loaded is None:
             self._start_fresh()
         else:
@@ -220,6 +223,21 @@ class FitRun:
             raise ModuleContractError(f"RunView.request_stop: the reason must be a non-empty string saying why the "
                                       f"run stops, got {reason!r}")
         self.stop.request(reason)
+
+    def _abandon_newer(self, name: str) -> None:
+        """resume="ckpt-…" from an older checkpoint: the newer ones are left behind; say so
+        before anything is deleted (engine.checkpoint.abandoned)."""
+        assert self.checkpoints is not None and self.config.checkpoint is not None
+        newer = self.checkpoints.abandon_newer_than(name)
+        if not newer:
+            return
+        keep_last = self.config.checkpoint.keep_last
+        fate = ("kept (keep_last=None)" if keep_last is None else
+                "kept until this run commits its first checkpoint, then deleted by retention (to keep them, stop "
+                "now and copy them elsewhere)")
+        warnings.warn(f"resume={name!r}: {self.config.run_dir} holds {len(newer)} newer checkpoint(s), "
+                      f"{describe_names(newer)}, of the history this run branches off; resume='auto' no longer "
+                      f"returns to them; they are {fate}", stacklevel=5)
 
     def _warn_fresh_over_checkpoints(self) -> None:
         """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""

@@ -69,7 +69,8 @@ def test_with_keep_last_none_the_abandoned_checkpoints_stay_but_auto_skips_them(
     assert result.resumed_from == branch_point
     assert set(before) <= set(names(run_dir))
     # Returning to an abandoned checkpoint by name takes it off the list.
-    train_with_checkpoints("tbptt", run_dir, keep_last=None, resume=before[-1], epochs=2)
+    with pytest.warns(UserWarning, match="newer checkpoint"):
+        train_with_checkpoints("tbptt", run_dir, keep_last=None, resume=before[-1], epochs=2)
     assert before[-1] not in json.loads((tmp_path / "run" / ABANDONED_FILE).read_text())["abandoned"]
 
 

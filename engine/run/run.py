@@ -42,7 +42,7 @@ from engine.run.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.run.overrides import BuiltSettings, overridden_settings
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
-from progress import Cursor, RunEnd
+from progress import Cursor, ProgressTree, RunEnd
 
 
 @dataclasses.dataclass
@@ -142,7 +142,7 @@ class FitRun:
             resumed_from=self.resumed_from,
             last_checkpoint=self._last_checkpoint(),
             checkpoint_interval=None if self.checkpoints is None else self.checkpoints.checkpoint_interval,
-            progress=self.tree.progress_tree(self.cursor),
+            progress=self._progress(),
             preempted=preempted,
             resumed_cursor=self.resumed_cursor,
             metrics=dict(self.logger.latest),
@@ -367,14 +367,18 @@ class FitRun:
                               f"the run has {sorted(self.logger.latest)}")
 
     # ---- saving -----------------------------------------------------------------------
-    def _save(self, force: bool = False) -> None:
+    def _progress(self) -> ProgressTree:
+        """The progress of every loop, with how the run ended if it did. The stop is part of
+        the checkpoint: a run killed right after its stopping commit, or started again once it
+        ended, stays finished (a preemption is not an end)."""
         progress = self.tree.progress_tree(self.cursor)
         config = self.config
-        # The stop is part of the checkpoint: a run killed right after its stopping commit, or
-        # started again once it ended, stays finished (a preemption is not an end).
-        progress.end = run_end(self.stop.finish_reason, progress.records["fit.epochs"].total.completed,
+        progress.end = run_end(self.stop.finish_reason, self.tree.fit.progress.total.completed,
                                config.max_epochs, config.max_steps, config.max_time)
-        snapshot = run_state.capture(self.parts, progress, self.metrics.length_after_flush(), self._elapsed())
+        return progress
+
+    def _save(self, force: bool = False) -> None:
+        snapshot = run_state.capture(self.parts, self._progress(), self.metrics.length_after_flush(), self._elapsed())
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)

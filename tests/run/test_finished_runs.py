@@ -94,6 +94,7 @@ def test_a_finished_run_returns_its_result_and_checkpoint(tmp_path, capsys):
     assert again.resumed_from == first.last_checkpoint == again.last_checkpoint
     assert (again.optimizer_steps, again.cursor, again.stop_reason) == (first.optimizer_steps, first.cursor,
                                                                        first.stop_reason)
+    assert again.progress.end == first.progress.end and first.progress.end.reason == first.stop_reason
     assert "nothing more to train; raise max_epochs, max_steps or max_time to train on" in capsys.readouterr().err
 
 

@@ -4,8 +4,7 @@ The model is the kill tests' SeqModel (shuffled data, dropout); its ``validation
 a *shuffled* validation loader and keeps functional dropout on, so validation draws random
 numbers, which must never shift training's. Run as a script for the subprocess kill tests::
 
-    python tests/validation_scenarios.py RUN_DIR [--every-steps N] [--patience P] [--monitor NAME] [--mode min|max]
-                                         [--sleep S] [--epochs E]
+    python tests/validation_scenarios.py RUN_DIR [--every-steps N] [--patience P] [--sleep S]
 """
 
 from __future__ import annotations
@@ -98,17 +97,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--every-steps", type=int, default=5)
     parser.add_argument("--patience", type=int, default=0)
-    parser.add_argument("--monitor", default="val_loss", help="the metric early stopping watches")
-    parser.add_argument("--mode", default="min", choices=("min", "max"))
     parser.add_argument("--sleep", type=float, default=0.0)
-    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args(argv)
     callbacks: list[engine.Callback] = [Announce(args.sleep)]
     if args.patience:
-        callbacks.append(engine.EarlyStopping(monitor=args.monitor, mode=args.mode, patience=args.patience))
-    _, result = train_validated(args.run_dir, epochs=args.epochs, every_steps=args.every_steps,
-                                callbacks=tuple(callbacks), checkpoint=best_policy())
-    print(f"done: {result.optimizer_steps} optimizer steps; stopped: {result.stop_reason}", flush=True)
+        callbacks.append(engine.EarlyStopping(monitor="val_loss", mode="min", patience=args.patience))
+    train_validated(args.run_dir, epochs=3, every_steps=args.every_steps, callbacks=tuple(callbacks),
+                    checkpoint=best_policy())
     return 0
 
 

@@ -18,28 +18,22 @@ import torch
 import engine
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
+from early_stop_scenario import early_stopper, train_early_stopped
 from resume_helpers import assert_same_run, read_metrics
 from scenarios import train_with_checkpoints
-from validation_scenarios import best_policy, train_validated
+from validation_scenarios import train_validated
 
-SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
+SCRIPT = str(pathlib.Path(__file__).parent.parent / "early_stop_scenario.py")
 TIMEOUT = 120
-# Early stopping on a noisy metric: the run stops at a split boundary in the middle of epoch 1.
-EARLY_STOP_ARGS = ("--patience", "2", "--monitor", "val_noise", "--mode", "max", "--every-steps", "3")
-
-
-def early_stopper():
-    return engine.EarlyStopping("val_noise", mode="max", patience=2)
 
 
 def run_script(run_dir, faults=None):
-    """validation_scenarios.py in a real process, early-stopping; returns the completed process."""
+    """early_stop_scenario.py in a real process; returns the completed process."""
     env = dict(os.environ)
     env.pop("SPLITLOOP_FAULTS", None)
     if faults:
         env["SPLITLOOP_FAULTS"] = faults
-    return forkserver.run([sys.executable, SCRIPT, run_dir, *EARLY_STOP_ARGS], env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return forkserver.run([sys.executable, SCRIPT, run_dir], env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def latest(run_dir):
@@ -50,8 +44,7 @@ def latest(run_dir):
 def early_stopped_reference(tmp_path_factory):
     """The uninterrupted early-stopped run (in this process, as the kill tests' references)."""
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    _, result = train_validated(run_dir, epochs=3, every_steps=3, callbacks=(early_stopper(),),
-                                checkpoint=best_policy())
+    result = train_early_stopped(run_dir)
     assert result.stop_reason.startswith("early stopping")
     return run_dir, result
 

@@ -294,7 +294,9 @@ def child_main(mode: str, run_dir: str | None, model: str) -> None:
     module, loader = build_resume_model(model)
     stopper = StopAfterSplits(3 if mode == "prepare" else 1)
     checkpoint = engine.CheckpointConfig() if run_dir is not None else None
-    config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
+    # The prepared run ended by a callback's stop: the resuming child raises max_epochs to train on.
+    config = engine.TrainerConfig(max_epochs=2 if mode == "resume" else 1, run_dir=run_dir, checkpoint=checkpoint,
+                                  progress_bar="off")
     result = engine.Trainer(config, callbacks=[stopper]).fit(module, loader, resume="latest" if mode == "resume" else "off")
     print(f"resumed from {result.resumed_from}")
     print(f"first split at {stopper.first_split_unix!r}")

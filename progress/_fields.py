@@ -20,12 +20,13 @@ def fields_to_dict(record: Any, encode_value: Callable[[Any], Any]) -> dict[str,
     return {f.name: encode_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
 
 
-def check_keys(cls: type, data: Mapping[str, Any]) -> None:
-    """Raise ProgressSchemaError unless ``data`` has exactly the field names of ``cls``."""
+def check_keys(cls: type, data: Mapping[str, Any], optional: frozenset[str] = frozenset()) -> None:
+    """Raise ProgressSchemaError unless ``data`` has exactly the field names of ``cls`` (those
+    in ``optional``, added after the first version, may be missing)."""
     if not isinstance(data, Mapping):
         raise ProgressSchemaError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
     expected = {f.name for f in dataclasses.fields(cls)}
-    missing = sorted(expected - set(data))
+    missing = sorted(expected - set(data) - optional)
     unknown = sorted(set(data) - expected, key=str)
     if missing:
         raise ProgressSchemaError(f"{cls.__name__}: missing keys {missing}")

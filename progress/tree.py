@@ -8,34 +8,42 @@ from typing import Any, Mapping
 from progress._fields import check_keys
 from progress.counters import Progress
 from progress.cursor import Cursor
+from progress.ending import RunEnd
 from progress.errors import ProgressSchemaError
+
+# Keys that trees written by earlier versions lack: a missing one reads as None.
+OPTIONAL_KEYS = frozenset({"end"})
 
 
 @dataclasses.dataclass
 class ProgressTree:
     """``records`` maps a loop's record name (``"fit.epochs"``, ``"epoch.batches"``, ...) to its
     :class:`Progress`; ``cursor`` is the position of the last completed split, or None before
-    the first one."""
+    the first one; ``end`` says how the run ended when this progress is its end (None while it
+    goes on, and in checkpoints of earlier versions, which lack the key)."""
 
     records: dict[str, Progress] = dataclasses.field(default_factory=dict)
     cursor: Cursor | None = None
+    end: RunEnd | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "records": {name: record.to_dict() for name, record in self.records.items()},
             "cursor": None if self.cursor is None else self.cursor.to_dict(),
+            "end": None if self.end is None else self.end.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ProgressTree":
-        check_keys(cls, data)
+        check_keys(cls, data, optional=OPTIONAL_KEYS)
         records = data["records"]
         if not isinstance(records, Mapping) or not all(isinstance(k, str) for k in records):
             raise ProgressSchemaError("ProgressTree.records: expected a mapping of names to records")
-        cursor = data["cursor"]
+        cursor, end = data["cursor"], data.get("end")
         return cls(
             records={name: _record(name, value) for name, value in records.items()},
             cursor=None if cursor is None else Cursor.from_dict(cursor),
+            end=None if end is None else RunEnd.from_dict(end),
         )
 
 

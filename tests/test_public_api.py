@@ -82,7 +82,7 @@ def test_engine_exports_the_documented_api():
 
 
 def test_progress_exports_the_documented_api():
-    documented = {"Counts", "Progress", "Cursor", "ProgressTree", "encode_tree", "decode_tree",
+    documented = {"Counts", "Progress", "Cursor", "ProgressTree", "RunEnd", "encode_tree", "decode_tree",
                   "ProgressSchemaError", "SCHEMA_VERSION"}
     assert set(progress.__all__) == documented
 

@@ -13,11 +13,12 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.checkpoint.abandoned import describe_names, read_abandoned, write_abandoned
 from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.tiers import FastTier, TierWriter, latest_across, load_named
+from engine.checkpoint.tiers import FastTier, TierWriter, latest_across, load_named, stores_newest_first
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.checkpoint.manifest import MonitorRecord
@@ -117,7 +118,8 @@ class RunCheckpointer:
         stores = self._stores()
         if resume not in ("auto", "latest"):
             return load_named(stores, resume, validate)
-        latest = self.store.latest(validate) if len(stores) == 1 else latest_across(stores, validate)
+        abandoned = self._skipped_as_abandoned(stores)
+        latest = self.store.latest(validate, abandoned) if len(stores) == 1 else latest_across(stores, validate, abandoned)
         if latest is not None:
             return latest
         existing = [name for store in stores for name in store.committed_names()]
@@ -129,6 +131,29 @@ class RunCheckpointer:
         if resume == "latest":
             raise CheckpointNotFound(f"resume='latest' but {self._storage.url} holds no checkpoint")
         return None
+
+    def _skipped_as_abandoned(self, stores: list[CheckpointStore]) -> frozenset[str]:
+        """The abandoned checkpoints "auto"/"latest" leaves out, with a warning naming those
+        still present."""
+        abandoned = read_abandoned(self._storage)
+        present = sorted({name for store in stores for name in store.committed_names()} & abandoned)
+        if present:
+            warnings.warn(f"resume: skipping {describe_names(present)}: a run resumed from an older checkpoint "
+                          f"abandoned them ({self._storage.url}/abandoned.json); resume one by name to return to it",
+                          stacklevel=4)
+        return abandoned
+
+    def abandon_newer_than(self, name: str) -> list[str]:
+        """Resuming by name from ``name``: record the checkpoints newer than it as abandoned
+        (engine.checkpoint.abandoned) before any commit; returns their names, oldest first."""
+        names = [entry for _, entry in stores_newest_first(self._stores())]
+        newer = sorted(set(names[:names.index(name)])) if name in names else []
+        if self._group is None or self._group.is_writer:
+            recorded = read_abandoned(self._storage)
+            abandoned = (recorded - {name}) | set(newer)
+            if abandoned != recorded:
+                write_abandoned(self._storage, abandoned)
+        return newer
 
     def start(self, optimizer_steps: int, resumed_mark: BoundaryMark | None) -> None:
         """Start the writer (after any resume); ``resumed_mark`` is the boundary of the
@@ -144,7 +169,8 @@ class RunCheckpointer:
         self._units_at_last_save = resumed_mark[0] if resumed_mark is not None else 0
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         policy = self.policy
-        retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor)
+        abandoned = read_abandoned(self._storage) if self._group is None or self._group.is_writer else frozenset()
+        retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
         if policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
                                             policy.max_in_flight, policy.when_behind, self._group)

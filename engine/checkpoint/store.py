@@ -333,18 +333,22 @@ class CheckpointStore:
             warnings.warn(f"could not abort unfinished uploads under {CHECKPOINT_DIR}/: {error}", stacklevel=2)
 
     def apply_retention(self, keep_last: int | None, generation: int | None = None,
-                        protected: Collection[str] = ()) -> None:
+                        protected: Collection[str] = (), abandoned: Collection[str] = ()) -> None:
         """Keep the newest ``keep_last`` checkpoints that verify, newest by (writer generation,
         sequence); delete the older ones (valid or not), but never one of a newer generation
         than ``generation`` (the caller's) nor one in ``protected`` (the best ones, which do not
         count towards ``keep_last``). Invalid ones newer than the oldest kept are left alone; a
-        ``ckpt-*`` without a readable manifest is deleted once older than it."""
+        ``ckpt-*`` without a readable manifest is deleted once older than it. ``abandoned``
+        ones (engine.checkpoint.abandoned) are deleted and not counted."""
         if keep_last is None:
             return
         kept: list[str] = []
         doomed: list[str] = []
         entries = self.newest_first()
         for name, manifest in entries:
+            if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
+                doomed.append(name)
+                continue
             if manifest is None or name in protected:
                 continue
             if len(kept) < keep_last:
@@ -501,11 +505,13 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
         return manifest
 
-    def latest(self, validate: StateValidator | None = None) -> LoadedCheckpoint | None:
+    def latest(self, validate: StateValidator | None = None, skip: Collection[str] = ()) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies (and passes ``validate``), newest by (writer
-        generation, sequence). Newer ones that do not are reported with a warning and skipped;
-        None when there is none at all."""
+        generation, sequence), leaving out those in ``skip``. Newer ones that do not are
+        reported with a warning and skipped; None when there is none at all."""
         for name, _ in self.newest_first():
+            if name in skip:
+                continue
             try:
                 return self.load(name, validate)
             except CheckpointError as error:

@@ -39,7 +39,7 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
@@ -198,9 +198,13 @@ def stores_newest_first(stores: list[CheckpointStore]) -> list[tuple[CheckpointS
     return [(store, name) for *_, store, name in entries]
 
 
-def latest_across(stores: list[CheckpointStore], validate: StateValidator) -> LoadedCheckpoint | None:
-    """The newest checkpoint of ``stores`` that verifies and passes ``validate``."""
+def latest_across(stores: list[CheckpointStore], validate: StateValidator,
+                  skip: Collection[str] = ()) -> LoadedCheckpoint | None:
+    """The newest checkpoint of ``stores`` that verifies and passes ``validate``, leaving out
+    those in ``skip``."""
     for store, name in stores_newest_first(stores):
+        if name in skip:
+            continue
         try:
             return store.load(name, validate)
         except CheckpointError as error:

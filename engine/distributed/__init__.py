@@ -13,11 +13,11 @@ One job per module:
 * :mod:`~engine.distributed.launch`: ``python -m engine launch -- torchrun ...``.
 """
 
-from engine.distributed.agreement import AgreedFlags, agree, mean_losses
+from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
 from engine.distributed.commit import GroupCommit
 from engine.distributed.environment import DistributedContext, join
 from engine.distributed.preemption_marker import preempted_exit_status, write_preemption_marker
 from engine.distributed.sampler import shard_loader
 
-__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "agree", "join", "mean_losses",
+__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "agree", "agree_on_reason", "join", "mean_losses",
            "preempted_exit_status", "shard_loader", "write_preemption_marker"]

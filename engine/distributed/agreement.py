@@ -6,11 +6,14 @@
   the maximum over the ranks. A signal that reaches one rank (or a ``max_time`` that one rank's
   clock passes first) therefore stops every rank at the same boundary, and the checkpoint
   policy's decisions (``every_seconds`` reads a clock) are the same everywhere.
+* Once a stop is agreed, why the run ended: the reason of the lowest rank that has one, so the
+  end every checkpoint records (replicated, checked equal) is the same on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -44,3 +47,21 @@ def agree(context: DistributedContext, preempted: bool, stop: bool, checkpoint: 
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.cpu().tolist()
     return AgreedFlags(values[0] > 0, values[1] > 0, values[2] > 0)
+
+
+REASON_BYTES = 1024  # a longer reason is cut (UTF-8 safely) when it is shared
+
+
+def agree_on_reason(context: DistributedContext, reason: str | None) -> str | None:
+    """The ``reason`` of the lowest rank that has one, on every rank (None when no rank has one):
+    a collective, called by every rank at the same boundary."""
+    candidate = context.rank_tensor([float(context.rank) if reason is not None else math.inf])
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN)
+    source = candidate.item()
+    if math.isinf(source):
+        return None
+    encoded = (reason or "").encode()[:REASON_BYTES]
+    buffer = context.rank_tensor([float(len(encoded)), *encoded, *[0.0] * (REASON_BYTES - len(encoded))])
+    dist.broadcast(buffer, src=int(source))
+    values = [int(value) for value in buffer.cpu().tolist()]
+    return bytes(values[1:1 + values[0]]).decode(errors="ignore")

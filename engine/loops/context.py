@@ -20,10 +20,13 @@ class StopState:
 
     The first reason given is kept, except that a preemption always wins: a scheduler that
     sent the signal must learn that the run stopped for it, whatever else asked to stop in the
-    same split."""
+    same split. ``finish_reason`` keeps the first stop that is not a preemption (a limit, a
+    callback's request): that stop *finishes* the run, and checkpoints record it, even when a
+    preemption arrived in the same split."""
 
     reason: str | None = None
     preempted: bool = False
+    finish_reason: str | None = None
 
     @property
     def requested(self) -> bool:
@@ -32,6 +35,8 @@ class StopState:
     def request(self, reason: str) -> None:
         if self.reason is None:
             self.reason = reason
+        if self.finish_reason is None:
+            self.finish_reason = reason
 
     def request_preemption(self, reason: str) -> None:
         self.reason = reason

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from progress import RunEnd
+
 
 def epochs_done(completed_epochs: int, max_epochs: int | None) -> bool:
     """True once ``max_epochs`` epochs have completed."""
@@ -17,3 +19,13 @@ def split_boundary_stop_reason(
     if max_time is not None and elapsed_seconds >= max_time:
         return f"max_time={max_time}s reached"
     return None
+
+
+def run_end(finish_reason: str | None, completed_epochs: int, max_epochs: int | None, max_steps: int | None,
+            max_time: float | None) -> RunEnd | None:
+    """How the run ended, if it did: the stop that finished it (a limit or a callback's
+    request; a preemption is not an end), or ``max_epochs`` completed; None while it goes on."""
+    reason = finish_reason
+    if reason is None and epochs_done(completed_epochs, max_epochs):
+        reason = f"max_epochs={max_epochs} reached"
+    return None if reason is None else RunEnd(reason, max_epochs, max_steps, max_time)

@@ -1,7 +1,9 @@
 """Progress display on stderr: where the run starts, how it goes, how it ended.
 
 * At start, one line: ``starting fresh in <run dir>``, or ``resuming from <checkpoint>`` with
-  the position it continues after and the checkpoint's age.
+  the position it continues after, the checkpoint's age and what the checkpoint decides for
+  this run (a finished run trains nothing more unless a limit was raised; settings the
+  checkpoint overrides).
 * While training: on a terminal a tqdm bar per epoch (completed batches of the epoch, with
   total, rate and ETA; batch, split, loss and optimizer step as postfix), which starts at the
   resumed position after a resume; otherwise (a log file, SLURM) one timestamped line every
@@ -19,7 +21,7 @@ import io
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Sequence, TextIO
 
 from tqdm import tqdm
 
@@ -90,8 +92,9 @@ class Display:
         self.checkpoint_interval: int | None = None
 
     # ---- events -------------------------------------------------------------------------
-    def start(self, run_dir: str | None, resumed: LoadedCheckpoint | None) -> None:
-        """Say where the run starts: fresh in ``run_dir``, or from the ``resumed`` checkpoint."""
+    def start(self, run_dir: str | None, resumed: LoadedCheckpoint | None, notes: Sequence[str] = ()) -> None:
+        """Say where the run starts: fresh in ``run_dir``, or from the ``resumed`` checkpoint,
+        followed by ``notes`` (what the checkpoint's end or its settings mean for this run)."""
         self._started = time.monotonic()
         if resumed is None:
             where = f"in {run_dir}" if run_dir is not None else "(run_dir is None: no checkpoints, no metrics file)"
@@ -100,7 +103,8 @@ class Display:
         self._resumed_at = resumed.progress.cursor
         age = format_age(time.time() - resumed.manifest.created_unix)
         after = "" if self._resumed_at is None else f", continuing after {describe_cursor(self._resumed_at)}"
-        self._line(f"resuming from {resumed.name} in {run_dir} (written {age} ago){after}")
+        said = "".join(f"; {note}" for note in notes)
+        self._line(f"resuming from {resumed.name} in {run_dir} (written {age} ago){after}{said}")
 
     def update(self, cursor: Cursor, loss: float, optimizer_steps: int) -> None:
         """A split (a batch without TBPTT) completed; cheap unless a refresh is due."""

@@ -11,6 +11,7 @@ The order at each boundary, in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any, Iterable, Sequence
@@ -19,13 +20,15 @@ import torch
 
 from engine import distributed, faults
 from engine.callbacks import Callback, RunStatus, RunView
+from engine.checkpoint.abandoned import describe_names
 from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import LoadedCheckpoint
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.errors import CheckpointNotFound, ConfigError, ModuleContractError
 from engine.loops.context import Position, StopState
-from engine.loops.stop import split_boundary_stop_reason
+from engine.loops.stop import run_end, split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
 from engine.module import bind_precision, bind_run
 from engine.optim_setup import read_optimizer_setup
@@ -37,8 +40,19 @@ from engine.run.display import Display
 from engine.run.logged import MetricLogger
 from engine.run.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
+from engine.run.overrides import BuiltSettings, overridden_settings
 from engine.run.preemption import PreemptionWatcher, run_requeue_command
-from progress import Cursor
+from progress import Cursor, ProgressTree, RunEnd
+
+
+@dataclasses.dataclass
+class ResumedStart:
+    """What the start line of a resumed run says: the checkpoint, the settings
+    configure_optimizers built before the restore, and what the checkpoint's end means."""
+
+    loaded: LoadedCheckpoint
+    built: BuiltSettings
+    end_note: str | None
 
 
 class FitRun:
@@ -83,6 +97,7 @@ class FitRun:
         self.cursor: Cursor | None = None
         self.resumed_from: str | None = None
         self.resumed_cursor: Cursor | None = None
+        self._resumed: ResumedStart | None = None
         self._elapsed_before = 0.0
         self._started = time.monotonic()
 
@@ -93,6 +108,7 @@ class FitRun:
                 self._start(resume)
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
+                self._announce_start()
                 self.tree.fit.run()
                 if self.checkpoints is not None:
                     if not self.checkpoints.holds(self._boundary_mark()):
@@ -124,9 +140,9 @@ class FitRun:
             optimizer_steps=self.tree.step_counter.total,
             stop_reason=self.stop.reason,
             resumed_from=self.resumed_from,
-            last_checkpoint=None if self.checkpoints is None else self.checkpoints.last_name,
+            last_checkpoint=self._last_checkpoint(),
             checkpoint_interval=None if self.checkpoints is None else self.checkpoints.checkpoint_interval,
-            progress=self.tree.progress_tree(self.cursor),
+            progress=self._progress(),
             preempted=preempted,
             resumed_cursor=self.resumed_cursor,
             metrics=dict(self.logger.latest),
@@ -142,6 +158,8 @@ class FitRun:
         if resume == "off":
             self._warn_fresh_over_checkpoints()
         loaded = self.checkpoints.select(resume, run_state.validate)
+        if loaded is not None and resume.startswith("ckpt-"):
+            self._abandon_newer(loaded.name)
         if loaded is None:
             self._start_fresh()
         else:
@@ -151,7 +169,7 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
-            self.display.start(self.config.run_dir, loaded)
+            self._resumed = ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end))
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -160,12 +178,66 @@ class FitRun:
                 self.stop.request(reason)
         self.checkpoints.start(self.tree.step_counter.total, self._boundary_mark() if loaded is not None else None)
 
+    def _resume_end(self, end: RunEnd | None) -> str | None:
+        """A checkpoint of a finished run: stop at once (nothing more to train) unless a limit
+        was raised since; returns what the start line says about it (None: the run had not ended)."""
+        if end is None:
+            return None
+        config = self.config
+        raised = end.raised_limits(config.max_epochs, config.max_steps, config.max_time)
+        if raised:
+            return f"the run had finished ({end.reason}); {', '.join(raised)}: training on"
+        self.stop.request(end.reason)
+        return (f"the run has finished ({end.reason}): nothing more to train; raise max_epochs, max_steps or "
+                "max_time to train on")
+
+    def _announce_start(self) -> None:
+        """The start line, once the callbacks' on_fit_start ran (they may set hyper-parameters
+        after the restore): a resumed run also says whether it had finished and which settings
+        of configure_optimizers the checkpoint replaced, the latter as a warning too."""
+        resumed = self._resumed
+        if resumed is None:
+            self.display.start(self.config.run_dir, None)
+            return
+        notes = [resumed.end_note, self._overridden(resumed.loaded.name, overridden_settings(resumed.built, self.setup))]
+        self.display.start(self.config.run_dir, resumed.loaded, [note for note in notes if note])
+
+    def _overridden(self, name: str, overridden: list[str]) -> str | None:
+        if not overridden:
+            return None
+        text = (f"{name} overrides what configure_optimizers built: {'; '.join(overridden)}; the run goes on with the "
+                "checkpoint's values (to change them on resume, set them in a callback's on_fit_start: "
+                "docs/guarantees.md, Changing hyper-parameters on resume)")
+        warnings.warn(text, stacklevel=5)
+        return text
+
+    def _last_checkpoint(self) -> str | None:
+        """The run's newest checkpoint: the last one this call wrote, else the one it resumed from."""
+        if self.checkpoints is None:
+            return None
+        return self.checkpoints.last_name or self.resumed_from
+
     def _stop_requested_by_callback(self, reason: object) -> None:
         # A None reason would read as "no stop requested", and FitResult.stop_reason is a str.
         if not isinstance(reason, str) or not reason.strip():
             raise ModuleContractError(f"RunView.request_stop: the reason must be a non-empty string saying why the "
                                       f"run stops, got {reason!r}")
         self.stop.request(reason)
+
+    def _abandon_newer(self, name: str) -> None:
+        """resume="ckpt-…" from an older checkpoint: the newer ones are left behind; say so
+        before anything is deleted (engine.checkpoint.abandoned)."""
+        assert self.checkpoints is not None and self.config.checkpoint is not None
+        newer = self.checkpoints.abandon_newer_than(name)
+        if not newer:
+            return
+        keep_last = self.config.checkpoint.keep_last
+        fate = ("kept (keep_last=None)" if keep_last is None else
+                "kept until this run commits its first checkpoint, then deleted by retention (to keep them, stop "
+                "now and copy them elsewhere)")
+        warnings.warn(f"resume={name!r}: {self.config.run_dir} holds {len(newer)} newer checkpoint(s), "
+                      f"{describe_names(newer)}, of the history this run branches off; resume='auto' no longer "
+                      f"returns to them; they are {fate}", stacklevel=5)
 
     def _warn_fresh_over_checkpoints(self) -> None:
         """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""
@@ -179,7 +251,6 @@ class FitRun:
                           stacklevel=5)
 
     def _start_fresh(self) -> None:
-        self.display.start(self.config.run_dir, None)
         self.metrics.start_fresh()
         if self.tree.evaluation is not None:
             self.tree.evaluation.choose_seed()
@@ -238,10 +309,15 @@ class FitRun:
         """Distributed: every rank takes the same stop and checkpoint decisions at this boundary."""
         assert self.distributed is not None
         agreed = distributed.agree(self.distributed, self.stop.preempted, self.stop.requested, checkpoint_due)
+        # Every rank's checkpoint records the same end (the progress is checked equal across
+        # ranks): the reason of a rank that stopped by itself, agreed before the others fill one in.
+        finish_reason = distributed.agree_on_reason(self.distributed, self.stop.finish_reason) if agreed.stop else None
         if agreed.preempted and not self.stop.preempted:
             self.stop.request_preemption("preempted (the signal reached another rank)")
         elif agreed.stop and not self.stop.requested:
             self.stop.request("stop requested on another rank")
+        if agreed.stop:
+            self.stop.finish_reason = finish_reason
         return agreed.checkpoint and self.checkpoints is not None
 
     def _validate_if_due(self, steps: int) -> bool:
@@ -291,9 +367,18 @@ class FitRun:
                               f"the run has {sorted(self.logger.latest)}")
 
     # ---- saving -----------------------------------------------------------------------
+    def _progress(self) -> ProgressTree:
+        """The progress of every loop, with how the run ended if it did. The stop is part of
+        the checkpoint: a run killed right after its stopping commit, or started again once it
+        ended, stays finished (a preemption is not an end)."""
+        progress = self.tree.progress_tree(self.cursor)
+        config = self.config
+        progress.end = run_end(self.stop.finish_reason, self.tree.fit.progress.total.completed,
+                               config.max_epochs, config.max_steps, config.max_time)
+        return progress
+
     def _save(self, force: bool = False) -> None:
-        snapshot = run_state.capture(self.parts, self.tree.progress_tree(self.cursor),
-                                     self.metrics.length_after_flush(), self._elapsed())
+        snapshot = run_state.capture(self.parts, self._progress(), self.metrics.length_after_flush(), self._elapsed())
         assert self.checkpoints is not None
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)

@@ -37,6 +37,7 @@ from engine.optim_setup import OptimizerSetup
 from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 from engine.run.compiled import live_keys, plain_state
 from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
+from engine.run.overrides import BuiltSettings, built_settings
 from progress import ProgressSchemaError, ProgressTree, encode_tree
 
 SIGNATURE = "signature"
@@ -119,6 +120,9 @@ class RestoredRun:
 
     metrics_bytes: int
     elapsed_seconds: float
+    # The optimizer / scheduler settings as configure_optimizers built them, before the restore
+    # replaced them with the checkpoint's (engine.run.overrides).
+    built: BuiltSettings
 
 
 def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed_seconds: float) -> RunSnapshot:
@@ -234,6 +238,7 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     A failure raises (never a partial restore downgraded to a warning)."""
     validate(name, state)
     check_compatible(name, state, parts)
+    built = built_settings(parts.setup)
     try:
         load_module_state(parts.module, state[MODULE])
         for optimizer, optimizer_state in zip(parts.setup.optimizers, state[OPTIMIZERS], strict=True):
@@ -250,7 +255,8 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
         raise CheckpointIncompatible(f"{name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
     restore_global_rng(rng)
     warn_on_envelope_change(name, state[ENVELOPE], capture_envelope(parts.tree.device))
-    return RestoredRun(metrics_bytes=state[METRICS_BYTES], elapsed_seconds=float(state[ELAPSED_SECONDS]))
+    return RestoredRun(metrics_bytes=state[METRICS_BYTES], elapsed_seconds=float(state[ELAPSED_SECONDS]),
+                       built=built)
 
 
 def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> None:

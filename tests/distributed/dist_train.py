@@ -107,6 +107,8 @@ def main() -> int:
     parser.add_argument("--validate-every", type=int, default=None, help="validate every N optimizer steps")
     parser.add_argument("--val-workers", type=int, default=0)
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
+    parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
+    parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -123,6 +125,8 @@ def main() -> int:
         callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
     if args.slow:
         callbacks.append(Sleep(args.slow, out / f"splits-{rank}"))
+    if args.stop_rank == rank:
+        callbacks.append(StopAt(args.stop_at))
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
@@ -141,7 +145,8 @@ def main() -> int:
     result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
-    final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
+    if model.last_hidden is not None:  # None when this process trained nothing (a finished run)
+        final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
     torch.save(final, out / f"final-{rank}.pt")
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0
@@ -152,6 +157,18 @@ def validation_loader(samples: int, workers: int) -> DataLoader:
     x = torch.randn(samples, TIME, FEATURES, generator=generator)
     return DataLoader(TensorDataset(x, x.cumsum(dim=1)[..., :1] * 0.1), batch_size=BATCH, shuffle=True,
                       num_workers=workers)
+
+
+class StopAt(engine.Callback):
+    """Asks the run to stop after ``at`` splits of this process (a stop only this rank decides)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            view.request_stop(f"rank-local stop after {self.at} splits")
 
 
 class Sleep(engine.Callback):

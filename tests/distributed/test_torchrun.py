@@ -151,3 +151,22 @@ def test_preemption_stops_every_rank_at_one_boundary_and_launch_exits_75(tmp_pat
     cursor = infos[0].cursor
     assert (last_row["epoch"], last_row["batch"], last_row["split"]) == (cursor.epoch, cursor.batch, cursor.split)
     assert helpers.worker_pid(out_dir, 0, restart=1) is None  # torchrun did not restart the group
+
+
+def test_a_stop_one_rank_decides_is_recorded_alike_by_every_rank_and_ends_the_run(tmp_path: pathlib.Path) -> None:
+    """Rank 1 alone asks to stop: every rank stops at that boundary, the one checkpoint records
+    rank 1's reason, and the job started again (a requeue) trains nothing more."""
+    args = ("--epochs", "2", "--stop-rank", "1", "--stop-at", "5")
+    process, run_dir, out_dir = helpers.train(tmp_path, "job", 2, *args)
+    assert process.returncode == 0, process.stderr[-4000:]
+    store = CheckpointStore(Storage(str(run_dir)), create=False)
+    first = store.latest()
+    assert first is not None and first.progress.end is not None
+    assert first.progress.end.reason == "rank-local stop after 5 splits"
+    names, metrics = store.names(), (run_dir / "metrics.jsonl").read_bytes()
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, *args), helpers.environment())
+    assert again.returncode == 0, again.stderr[-4000:]
+    steps = first.progress.records["flow.optimizer_steps"].total.completed
+    assert f"rank 0 done: rank-local stop after 5 splits steps={steps}" in again.stdout
+    assert CheckpointStore(Storage(str(run_dir)), create=False).names() == names
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics

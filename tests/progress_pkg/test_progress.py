@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 import progress
-from progress import Counts, Cursor, Progress, ProgressSchemaError, ProgressTree, decode_tree, encode_tree
+from progress import Counts, Cursor, Progress, ProgressSchemaError, ProgressTree, RunEnd, decode_tree, encode_tree
 
 COUNT_FIELDS = ("ready", "started", "processed", "completed")
 
@@ -66,7 +66,12 @@ def _distinct_tree() -> ProgressTree:
         records={"fit.epochs": _distinct_progress(1), "epoch.batches": _distinct_progress(1001),
                  "split.splits": _distinct_progress(2001)},
         cursor=_distinct_cursor(5001),
+        end=_distinct_end(),
     )
+
+
+def _distinct_end() -> RunEnd:
+    return RunEnd(reason="early stopping", max_epochs=7001, max_steps=7002, max_time=7003.5)
 
 
 def _counts_as_tuple(counts: Counts) -> tuple[int, int, int, int]:
@@ -168,6 +173,7 @@ def test_cursor_tuple_and_str():
 # ---- to_dict / from_dict field by field --------------------------------------------------
 
 RECORD_BUILDERS = {
+    "RunEnd": _distinct_end,
     "Counts": lambda: _distinct_counts(11),
     "Cursor": lambda: _distinct_cursor(21),
     "Progress": lambda: _distinct_progress(31),
@@ -211,20 +217,23 @@ def _valid_dicts():
         Cursor: _distinct_cursor(1).to_dict(),
         Progress: _distinct_progress(1).to_dict(),
         ProgressTree: _distinct_tree().to_dict(),
+        RunEnd: _distinct_end().to_dict(),
     }
 
 
-@pytest.mark.parametrize("cls", [Counts, Cursor, Progress, ProgressTree], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [Counts, Cursor, Progress, ProgressTree, RunEnd], ids=lambda c: c.__name__)
 def test_from_dict_rejects_each_missing_key(cls):
     valid = _valid_dicts()[cls]
     for key in valid:
+        if cls is ProgressTree and key == "end":
+            continue  # added later: see test_a_tree_of_an_earlier_version_without_end_reads_as_not_ended
         broken = {k: v for k, v in valid.items() if k != key}
         with pytest.raises(ProgressSchemaError, match="missing") as caught:
             cls.from_dict(broken)
         assert key in str(caught.value)
 
 
-@pytest.mark.parametrize("cls", [Counts, Cursor, Progress, ProgressTree], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [Counts, Cursor, Progress, ProgressTree, RunEnd], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("extra", ["bogus", "Ready", 7])
 def test_from_dict_rejects_unknown_keys(cls, extra):
     data = dict(_valid_dicts()[cls])
@@ -250,6 +259,39 @@ def test_from_dict_rejects_non_mappings(bad):
     for cls in (Counts, Cursor, Progress, ProgressTree):
         with pytest.raises(ProgressSchemaError, match="mapping"):
             cls.from_dict(bad)
+
+
+def test_a_tree_of_an_earlier_version_without_end_reads_as_not_ended():
+    data = _distinct_tree().to_dict()
+    del data["end"]
+    envelope = msgpack.packb(_envelope(tree=data))
+    assert decode_tree(envelope).end is None
+    assert decode_tree(envelope).cursor == _distinct_cursor(5001)
+
+
+@pytest.mark.parametrize("field, bad", [("reason", ""), ("reason", None), ("reason", 3), ("max_epochs", -1),
+                                        ("max_steps", 2.5), ("max_steps", True), ("max_time", -1.0),
+                                        ("max_time", float("nan")), ("max_time", "10")])
+def test_run_end_from_dict_rejects_bad_values(field, bad):
+    data = _distinct_end().to_dict()
+    data[field] = bad
+    with pytest.raises(ProgressSchemaError, match=f"RunEnd.{field}"):
+        RunEnd.from_dict(data)
+
+
+@pytest.mark.parametrize("now, raised", [
+    ((3, 20, 60.0), []),
+    ((2, 10, 30.0), []),  # lowered: not raised
+    ((4, 20, 60.0), ["max_epochs 3 -> 4"]),
+    ((3, None, 60.0), ["max_steps 20 -> no limit"]),
+    ((3, 21, 61.0), ["max_steps 20 -> 21", "max_time 60.0 -> 61.0"]),
+])
+def test_run_end_names_the_raised_limits(now, raised):
+    assert RunEnd("done", max_epochs=3, max_steps=20, max_time=60.0).raised_limits(*now) == raised
+
+
+def test_a_limit_that_was_unset_is_never_raised():
+    assert RunEnd("early stopping", max_epochs=None, max_steps=None, max_time=None).raised_limits(5, 10, 1.0) == []
 
 
 def test_progress_from_dict_rejects_bad_nested_counts():

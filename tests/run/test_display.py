@@ -121,7 +121,8 @@ def test_fit_says_fresh_or_resumed_and_sums_up(tmp_path, capsys):
     result = engine.Trainer(config).fit(Sequences(), sequences())
     second = capsys.readouterr().err
     assert (f"splitloop: resuming from {result.resumed_from} in {tmp_path} (written " in second
-            and "ago), continuing after epoch 0 batch 2 split 1\n" in second)
+            and "ago), continuing after epoch 0 batch 2 split 1; the run had finished (max_epochs=1 reached); "
+                "max_epochs 1 -> 2: training on\n" in second)
     assert "2 epochs completed, 12 optimizer steps" in second
     # One numbering: the display's indices are those of the cursor and metrics.jsonl.
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

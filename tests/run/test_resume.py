@@ -88,7 +88,8 @@ def test_resume_named_checkpoint(tmp_path):
     names = CheckpointStore(Storage(reference)).names()
     resumed = str(tmp_path / "resumed")
     shutil.copytree(reference, resumed)
-    result = train("tbptt", resumed, resume=names[5])
+    with pytest.warns(UserWarning, match="newer checkpoint"):
+        result = train("tbptt", resumed, resume=names[5])
     assert result.resumed_from == names[5]
     assert_same_run(reference, resumed)
 

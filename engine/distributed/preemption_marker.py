@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from engine.distributed.environment import requested_world_size
 
@@ -45,3 +46,37 @@ def preempted_exit_status(configured: int) -> int:
     """The status a preempted worker exits with: ``configured``, except 0 for a worker of a
     distributed torchrun job (the marker carries the preemption to ``python -m engine launch``)."""
     return 0 if distributed_torchrun_worker() else configured
+
+
+WORKERS_VARIABLE = "SPLITLOOP_LAUNCH_WORKERS"
+
+
+def register_launched_worker(preemption_signals: Sequence[int]) -> None:
+    """Under ``python -m engine launch``, tell the launcher that this process is a worker in
+    ``fit`` with handlers for ``preemption_signals`` installed, and which one to send it: a file
+    named by the pid, holding the signal number, in the launch's own directory. Nothing without
+    a launcher, without such signals, or outside the main thread (no handler is installed)."""
+    directory = os.environ.get(WORKERS_VARIABLE)
+    if not directory or not preemption_signals or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        with open(os.path.join(directory, str(os.getpid())), "w", encoding="utf-8") as handle:
+            handle.write(str(int(preemption_signals[0])))
+    except FileNotFoundError:
+        pass  # the launcher has gone: nobody is listening
+
+
+def registered_workers(directory: str) -> dict[int, int]:
+    """pid -> the signal that asks it to stop, for each worker registered in ``directory``."""
+    workers: dict[int, int] = {}
+    try:
+        names = [name for name in os.listdir(directory) if name.isdigit()]
+    except FileNotFoundError:
+        return workers
+    for name in names:
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as handle:
+                workers[int(name)] = int(handle.read())
+        except (OSError, ValueError):
+            continue  # being written: read at the next poll
+    return workers

@@ -89,6 +89,7 @@ class FitRun:
     # ---- running ----------------------------------------------------------------------
     def run(self, resume: str) -> FitResult:
         with self.preemption:
+            distributed.register_launched_worker(self.config.preemption_signals)
             try:
                 self._start(resume)
                 for callback in self.callbacks:

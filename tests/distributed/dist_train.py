@@ -54,6 +54,24 @@ class Model(engine.Module):
         return torch.optim.Adam(self.parameters(), lr=0.02)
 
 
+class SlowValidation(Model):
+    """Validates after each epoch, slowly, counting its validation splits in a file the test
+    watches (to signal the job while a validation pass runs)."""
+
+    def __init__(self, seconds: float, counter: pathlib.Path) -> None:
+        super().__init__()
+        self.seconds, self.counter, self.validated = seconds, counter, 0
+
+    def validation_step(self, batch: Any, hidden: Any = None) -> Any:
+        import time
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        self.validated += 1
+        self.counter.write_text(str(self.validated))
+        time.sleep(self.seconds)
+        return torch.nn.functional.mse_loss(self.head(out), y), hidden
+
+
 class Diverge(engine.Callback):
     """Makes this rank's replica drift: the next checkpoint must refuse to commit."""
 
@@ -76,13 +94,15 @@ def main() -> int:
     parser.add_argument("--async", dest="asynchronous", action="store_true")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
+    parser.add_argument("--val-slow", type=float, default=None,
+                        help="validate after each epoch, sleeping this long per validation split")
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = pathlib.Path(args.out_dir)
     callbacks: list[engine.Callback] = []
     torch.manual_seed(100)  # the same initial parameters everywhere (DDP also broadcasts rank 0's)
-    model = Model()
+    model = Model() if args.val_slow is None else SlowValidation(args.val_slow, out / f"validated-{rank}")
     torch.manual_seed(1000 + rank)  # dropout differs per rank
     for kill in filter(None, os.environ.get("KILLS", "").split(";")):
         kill_restart, kill_rank, faults = kill.split("/")
@@ -96,12 +116,14 @@ def main() -> int:
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    val_loader = None if args.val_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+        requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
-    result = engine.Trainer(config, callbacks).fit(model, loader)
+    result = engine.Trainer(config, callbacks).fit(model, loader, val_loader)
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
     final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)

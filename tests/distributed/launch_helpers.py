@@ -28,11 +28,11 @@ def phase_options(phase: str) -> tuple[str, ...]:
     return ("--every", "1000", *SLOW, *(("--val-slow", "0.3") if phase == "validation" else ()))
 
 
-def wait_for_phase(out_dir: pathlib.Path, phase: str, job: subprocess.Popen) -> None:
+def wait_for_phase(out_dir: pathlib.Path, phase: str, job: subprocess.Popen, ranks: int = 2) -> None:
     if phase == "validation":
-        helpers.wait_for(lambda: all((out_dir / f"validated-{rank}").exists() for rank in (0, 1)), "validation", job)
+        helpers.wait_for(lambda: all((out_dir / f"validated-{rank}").exists() for rank in range(ranks)), "validation", job)
     else:
-        helpers.wait_for(lambda: min(helpers.splits_done(out_dir, rank) for rank in (0, 1)) >= 2, "training", job)
+        helpers.wait_for(lambda: min(helpers.splits_done(out_dir, rank) for rank in range(ranks)) >= 2, "training", job)
 
 
 def send(job: subprocess.Popen, target: str, number: int, times: int) -> set[int]:

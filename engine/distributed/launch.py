@@ -7,14 +7,14 @@ workers returned. What the launcher does::
     start torchrun in a session of its own, with the preemption signals ignored
     (so neither a group-wide kill nor a stray SIGUSR1 ends it);
     on the first of SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 (later ones change nothing):
-        send SIGTERM once to every worker that registered (each in fit, handlers installed);
+        send each worker that registered (in fit, handlers installed) its preemption signal, once;
         keep waiting: the workers agree on a boundary, commit, exit 0; torchrun ends;
         past --grace seconds, SIGKILL whatever of the job is still running;
     when torchrun ends with workers left (it died): the same request, then the same wait;
     exit --exit-code (75) when rank 0 left this launch's marker, else torchrun's status.
 
-Workers left by a torchrun that died are re-parented to the launcher (a child subreaper on
-Linux), so none escapes it. See docs/preemption.md.
+Workers left by a torchrun that died are re-parented to the launcher (a child subreaper), so
+none escapes it. Linux only: the job's processes are followed in /proc. See docs/preemption.md.
 """
 
 from __future__ import annotations
@@ -86,11 +86,14 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
         raise ConfigError("launch: no command given; usage: python -m engine launch -- torchrun ... train.py")
     if grace_seconds <= 0:
         raise ConfigError(f"launch: --grace must be a positive number of seconds, got {grace_seconds}")
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(f"launch: needs Linux (it follows the job's processes in /proc), this is {sys.platform}; "
+                          "run torchrun directly here")
     files = LaunchFiles.create(marker)
     try:
         with PreemptionWatcher(LAUNCHER_SIGNALS) as watcher, _subreaper():
             earlier_children = set(_children(os.getpid(), process_table()))
-            job = Job(_start(command, files), earlier_children)
+            job = Job(_start(command, files), command[0], earlier_children)
             status = job.supervise(watcher, files, grace_seconds)
         return _outcome(status, watcher, files, exit_code)
     finally:
@@ -117,10 +120,7 @@ def _ignore_launcher_signals() -> None:
 @contextlib.contextmanager
 def _subreaper() -> Iterator[None]:
     """Orphaned descendants (workers of a torchrun that died) become the launcher's children
-    while the job runs (Linux; elsewhere only the command's own tree is watched)."""
-    if not sys.platform.startswith("linux"):
-        yield
-        return
+    while the job runs."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER
     prctl(set_child_subreaper, 1, 0, 0, 0)
@@ -133,8 +133,8 @@ def _subreaper() -> Iterator[None]:
 class Job:
     """The command and every process it started, re-parented orphans included."""
 
-    def __init__(self, process: subprocess.Popen, earlier_children: set[int]) -> None:
-        self.process = process
+    def __init__(self, process: subprocess.Popen, name: str, earlier_children: set[int]) -> None:
+        self.process, self.name = process, name
         self.earlier_children = earlier_children  # the caller's own children: not ours to reap
         self.status: int | None = None
 
@@ -150,7 +150,7 @@ class Job:
                 return self.status
             if self.status is not None and watcher.received is None:
                 watcher.received = signal.SIGTERM  # the command died and left workers: stop them too
-                print(f"splitloop launch: {self.process.args[0]} ended with {len(running)} process(es) left; "
+                print(f"splitloop launch: {self.name} ended with {len(running)} process(es) left; "
                       "stopping them", file=sys.stderr, flush=True)
             if watcher.received is not None:
                 deadline = time.monotonic() + grace_seconds if deadline is None else deadline

@@ -5,7 +5,12 @@ so a worker's exit status 75 cannot reach the scheduler (and a non-zero worker s
 torchrun restart the group). Instead, under torchrun a preempted run's workers exit 0 and rank
 0, after the preemption checkpoint has committed, writes a small JSON marker at the path
 ``SPLITLOOP_PREEMPTION_MARKER`` names. ``python -m engine launch -- torchrun ...`` sets that
-variable, and turns a marker into its own exit status (75 by default). See docs/preemption.md.
+variable, and turns a marker into its own exit status (75 by default).
+
+The launcher also sets ``SPLITLOOP_LAUNCH_WORKERS``, a directory of its own: each worker entering
+``fit`` registers there (its pid, and the signal that asks it to stop), and the launcher sends
+that signal, once, to each registered worker when a preemption reaches it. See
+docs/preemption.md.
 """
 
 from __future__ import annotations

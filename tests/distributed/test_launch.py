@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from engine.cli.main import main
 from engine.distributed import preemption_marker
 
@@ -28,6 +30,14 @@ def test_a_marker_written_by_the_run_becomes_75(tmp_path: pathlib.Path) -> None:
     assert main(["launch", "--marker", str(marker), "--", sys.executable, "-c", script]) == 75
     assert not marker.exists()
     assert main(["launch", "--marker", str(marker), "--exit-code", "99", "--", sys.executable, "-c", script]) == 99
+
+
+def test_a_grace_that_is_not_a_positive_number_is_a_usage_error(capsys) -> None:
+    for grace in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit) as stop:
+            main(["launch", "--grace", grace, "--", sys.executable, "-c", "pass"])
+        assert stop.value.code == 2
+        assert "--grace" in capsys.readouterr().err
 
 
 def test_a_stale_marker_of_an_earlier_run_is_ignored(tmp_path: pathlib.Path) -> None:

@@ -6,7 +6,10 @@ TBPTT over an LSTM with dropout, hidden state carried across batches, a shuffled
 DataLoader (the engine inserts the DistributedSampler) and gradient accumulation over two
 splits: every kind of per-rank state differs between ranks. Each worker writes, when its fit
 ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
-pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training.
+pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training. ``--val-slow SECONDS`` adds a
+slow validation pass after each epoch (counted in ``OUT_DIR/validated-<rank>``), to signal a job
+while it validates; ``REQUEUE_COMMAND`` becomes ``requeue_command``, as in docs/preemption.md's
+train.py. Without torchrun it runs as one process (rank 0).
 
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
 syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +

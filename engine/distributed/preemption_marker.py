@@ -27,10 +27,12 @@ MARKER_VARIABLE = "SPLITLOOP_PREEMPTION_MARKER"
 
 
 def distributed_torchrun_worker(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is a worker of a torchrun job of several processes (a job of one
-    keeps the single-process behaviour: exit 75, and torchrun starts it again)."""
+    """Whether this process is a torchrun worker whose preemption the marker carries: one of a
+    job of several processes, or of any job under ``python -m engine launch`` (a job of one
+    without the launcher keeps the single-process behaviour: exit 75, and torchrun starts it
+    again; under the launcher that restart would train on after the stop request)."""
     environ = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in environ and requested_world_size(environ) > 1
+    return "TORCHELASTIC_RUN_ID" in environ and (requested_world_size(environ) > 1 or MARKER_VARIABLE in environ)
 
 
 def write_preemption_marker(reason: str | None, checkpoint: str | None) -> None:

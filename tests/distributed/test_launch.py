@@ -55,6 +55,9 @@ def test_a_preempted_worker_of_several_exits_0_under_torchrun_and_writes_the_mar
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert preemption_marker.preempted_exit_status(75) == 0
     monkeypatch.setenv(preemption_marker.MARKER_VARIABLE, str(tmp_path / "m.json"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert preemption_marker.preempted_exit_status(75) == 0  # under the launcher a restart would train on
+    monkeypatch.setenv("WORLD_SIZE", "2")
     preemption_marker.write_preemption_marker("preempted by SIGTERM", "ckpt-0000000002")
     assert json.loads((tmp_path / "m.json").read_text())["checkpoint"] == "ckpt-0000000002"
 

@@ -82,6 +82,23 @@ def test_sigusr1_to_every_process_during_validation(tmp_path: pathlib.Path) -> N
     preempt(tmp_path, "validation", "every", signal.SIGUSR1, times=1)
 
 
+def test_a_job_of_one_process_is_not_restarted_after_the_stop(tmp_path: pathlib.Path) -> None:
+    # A lone worker used to exit 75, which torchrun answers with a restart; the restarted worker
+    # got the launcher's request again, and torchrun ended with 1 once out of restarts.
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    out_dir.mkdir()
+    command = [sys.executable, "-m", "engine", "launch", "--",
+               *helpers.torchrun_command(1, run_dir, out_dir, "--every", "1000", *launch_helpers.SLOW, max_restarts=2)]
+    with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=helpers.REPOSITORY, start_new_session=True) as job:
+        launch_helpers.wait_for_phase(out_dir, "training", job, ranks=1)
+        launch_helpers.send(job, "launcher", signal.SIGUSR1, times=1)
+        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
+    assert job.returncode == 75, stderr[-4000:]
+    assert helpers.worker_pid(out_dir, 0, restart=1) is None, "torchrun restarted the worker"
+    assert len(launch_helpers.committed(run_dir)) == 1
+
+
 MATRIX = list(itertools.product(launch_helpers.PHASES, launch_helpers.TARGETS, (signal.SIGUSR1, signal.SIGTERM), (1, 3)))
 
 

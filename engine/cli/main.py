@@ -26,6 +26,17 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    return value
+
+
 SEED = _int_in(0, 2**32 - 1)  # what torch, random and NumPy all accept
 EXIT_STATUS = _int_in(0, 255)
 
@@ -72,13 +83,18 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
                                            "dashed line where the run resumed. Needs matplotlib: pip install 'splitloop[plot]'.")
     plot.add_argument("dir", help="run directory (path or fsspec URL)")
     plot.add_argument("--out", default=None, help="PNG file to write (default: metrics.png in a local run directory)")
-    launch = commands.add_parser("launch", help="run torchrun and exit 75 when the run was preempted",
-                                 description="Run COMMAND (torchrun ... or srun ... torchrun ...). When rank 0 of the run "
-                                             "committed a preemption checkpoint, exit with --exit-code (default 75) so a "
-                                             "scheduler requeues the job; else with the command's status. See docs/preemption.md.")
-    launch.add_argument("--marker", default=None, help="marker file path (default: a file in the temp dir; on several "
-                                                       "nodes give a path on a filesystem rank 0 shares)")
+    launch = commands.add_parser("launch", help="run torchrun, own its preemption signals, exit 75 when preempted",
+                                 description="Run COMMAND (torchrun ...) in a session of its own. The first SIGTERM, SIGINT, "
+                                             "SIGUSR1 or SIGUSR2 (later ones change nothing) becomes one stop request to "
+                                             "each worker in fit; the launcher waits for their commit and for every "
+                                             "process of the job to end (SIGKILL after --grace seconds), then exits with "
+                                             "--exit-code (default 75) when rank 0 committed a preemption checkpoint, "
+                                             "else with the command's status. See docs/preemption.md.")
+    launch.add_argument("--marker", default=None, help="marker file path (default: a file in this launch's own temp "
+                                                       "directory; on several nodes give a path on a filesystem rank 0 shares)")
     launch.add_argument("--exit-code", type=EXIT_STATUS, default=75, help="exit status after a preemption, 0..255 (default 75)")
+    launch.add_argument("--grace", type=_positive_seconds, default=600.0, metavar="SECONDS",
+                        help="after a stop request, SIGKILL what of the job still runs after SECONDS (default 600)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     return parser
 
@@ -142,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "launch":
         from engine.distributed.launch import launch
         command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        return launch(command, args.marker, args.exit_code)
+        return launch(command, args.marker, args.exit_code, args.grace)
     if args.command == "plot":
         return run_plot(args.dir, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands

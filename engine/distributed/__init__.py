@@ -16,8 +16,8 @@ One job per module:
 from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
 from engine.distributed.commit import GroupCommit
 from engine.distributed.environment import DistributedContext, join
-from engine.distributed.preemption_marker import preempted_exit_status, write_preemption_marker
+from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
 from engine.distributed.sampler import shard_loader
 
 __all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "agree", "agree_on_reason", "join", "mean_losses",
-           "preempted_exit_status", "shard_loader", "write_preemption_marker"]
+           "preempted_exit_status", "register_launched_worker", "shard_loader", "write_preemption_marker"]

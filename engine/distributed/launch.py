@@ -1,58 +1,246 @@
-"""``python -m engine launch [--marker PATH] [--exit-code N] -- torchrun ...``.
+"""``python -m engine launch [--marker PATH] [--exit-code N] [--grace SECONDS] -- torchrun ...``.
 
-Runs the command (torchrun, or srun + torchrun) with ``SPLITLOOP_PREEMPTION_MARKER`` set, so
-rank 0 of a preempted run leaves a marker once its preemption checkpoint has committed. The
-launcher exits with ``--exit-code`` (75, "requeue me") when the marker is there, else with the
-command's own status. SIGTERM / SIGINT / SIGUSR1 reaching the launcher are passed on to the
-command. See docs/preemption.md.
+The launcher owns the preemption protocol of a torchrun job, because torchrun cannot: it dies
+of SIGUSR1, forwards a repeated SIGTERM into a broken shutdown, and exits 0 or 1 whatever its
+workers returned. What the launcher does::
+
+    start torchrun in a session of its own, with the preemption signals ignored
+    (so neither a group-wide kill nor a stray SIGUSR1 ends it);
+    on the first of SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 (later ones change nothing):
+        send each worker that registered (in fit, handlers installed) its preemption signal, once;
+        keep waiting: the workers agree on a boundary, commit, exit 0; torchrun ends;
+        past --grace seconds, SIGKILL whatever of the job is still running;
+    when torchrun ends with workers left (it died): the same request, then the same wait;
+    exit --exit-code (75) when rank 0 left this launch's marker, else torchrun's status.
+
+Workers left by a torchrun that died are re-parented to the launcher (a child subreaper), so
+none escapes it. Linux only: the job's processes are followed in /proc. See docs/preemption.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from types import FrameType
-from typing import Sequence
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
-from engine.distributed.preemption_marker import MARKER_VARIABLE
+from engine.distributed.preemption_marker import MARKER_VARIABLE, WORKERS_VARIABLE, registered_workers
 from engine.errors import ConfigError
+from engine.run.preemption import PreemptionWatcher
 
-FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+POLL_SECONDS = 0.1
+DEFAULT_GRACE_SECONDS = 600.0
+# torchrun handles (and forwards, and dies in the shutdown of) only what it is told to; the
+# preemption signals stay ignored in it, inherited from the launcher.
+TORCHRUN_SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 
-def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 75) -> int:
-    """Run ``command``; ``exit_code`` when the run committed a preemption checkpoint, else the
-    command's exit status."""
+@dataclass(frozen=True)
+class LaunchFiles:
+    """The files of one launch: a private directory (workers register in it) and the marker."""
+
+    directory: str
+    marker: str
+
+    @classmethod
+    def create(cls, marker: str | None) -> "LaunchFiles":
+        directory = tempfile.mkdtemp(prefix=f"splitloop-launch-{os.getpid()}-")
+        os.mkdir(os.path.join(directory, "workers"))
+        files = cls(directory, marker if marker is not None else os.path.join(directory, "preempted.json"))
+        files.remove_marker()  # a marker of an earlier launch must not turn this one into a preemption
+        return files
+
+    @property
+    def workers(self) -> str:
+        return os.path.join(self.directory, "workers")
+
+    def remove_marker(self) -> None:
+        try:
+            os.remove(self.marker)
+        except FileNotFoundError:
+            pass
+
+    def remove(self) -> None:
+        self.remove_marker()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 75,
+           grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+    """Run ``command`` (torchrun ...) under the launcher's preemption protocol (module docstring).
+
+    Returns ``exit_code`` when the run committed a preemption checkpoint, else the command's exit
+    status (128 + N for a death by signal N).
+    """
     if not command:
         raise ConfigError("launch: no command given; usage: python -m engine launch -- torchrun ... train.py")
-    if marker is None:
-        marker = os.path.join(tempfile.gettempdir(), f"splitloop-preempted-{os.getpid()}.json")
-    if os.path.exists(marker):
-        os.remove(marker)  # a marker of an earlier run must not turn this one into a preemption
-    environment = {**os.environ, MARKER_VARIABLE: marker}
+    if grace_seconds <= 0:
+        raise ConfigError(f"launch: --grace must be a positive number of seconds, got {grace_seconds}")
+    if not sys.platform.startswith("linux"):
+        raise ConfigError(f"launch: needs Linux (it follows the job's processes in /proc), this is {sys.platform}; "
+                          "run torchrun directly here")
+    files = LaunchFiles.create(marker)
     try:
-        process = subprocess.Popen(list(command), env=environment)
+        with PreemptionWatcher(LAUNCHER_SIGNALS) as watcher, _subreaper():
+            earlier_children = set(_children(os.getpid(), process_table()))
+            job = Job(_start(command, files), command[0], earlier_children)
+            status = job.supervise(watcher, files, grace_seconds)
+        return _outcome(status, watcher, files, exit_code)
+    finally:
+        files.remove()
+
+
+def _start(command: Sequence[str], files: LaunchFiles) -> subprocess.Popen:
+    environment = {**os.environ, MARKER_VARIABLE: files.marker, WORKERS_VARIABLE: files.workers}
+    environment.setdefault(TORCHRUN_SIGNALS_VARIABLE, TORCHRUN_SIGNALS)
+    try:
+        return subprocess.Popen(list(command), env=environment, start_new_session=True,
+                                preexec_fn=_ignore_launcher_signals)
     except OSError as error:
         raise ConfigError(f"launch: cannot start {command[0]!r}: {error}") from error
 
-    def forward(number: int, frame: FrameType | None) -> None:
-        process.send_signal(number)
 
-    previous = {number: signal.signal(number, forward) for number in FORWARDED_SIGNALS}
+def _ignore_launcher_signals() -> None:
+    # Runs in the child before exec: an ignored signal stays ignored across exec, a handler
+    # does not. The engine's fit installs its own handlers in each worker.
+    for number in LAUNCHER_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _subreaper() -> Iterator[None]:
+    """Orphaned descendants (workers of a torchrun that died) become the launcher's children
+    while the job runs."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER
+    prctl(set_child_subreaper, 1, 0, 0, 0)
     try:
-        status = process.wait()
+        yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    if not os.path.exists(marker):
-        return status if status >= 0 else 128 - status
-    with open(marker, encoding="utf-8") as handle:
-        record = json.load(handle)
-    os.remove(marker)
-    print(f"splitloop launch: the run was preempted ({record.get('reason')}); checkpoint "
-          f"{record.get('checkpoint')} committed; exiting with {exit_code}", file=sys.stderr, flush=True)
-    return exit_code
+        prctl(set_child_subreaper, 0, 0, 0, 0)
+
+
+class Job:
+    """The command and every process it started, re-parented orphans included."""
+
+    def __init__(self, process: subprocess.Popen, name: str, earlier_children: set[int]) -> None:
+        self.process, self.name = process, name
+        self.earlier_children = earlier_children  # the caller's own children: not ours to reap
+        self.status: int | None = None
+
+    def supervise(self, watcher: PreemptionWatcher, files: LaunchFiles, grace_seconds: float) -> int:
+        """Wait until the command and every process of the job have ended; the command's status."""
+        requested: set[int] = set()
+        deadline: float | None = None
+        while True:
+            table = process_table()
+            self._reap(table)
+            running = {pid for pid in self.members(table) if table[pid][1] not in ZOMBIE_STATES}
+            if self.status is not None and not running:
+                return self.status
+            if self.status is not None and watcher.received is None:
+                watcher.received = signal.SIGTERM  # the command died and left workers: stop them too
+                print(f"splitloop launch: {self.name} ended with {len(running)} process(es) left; "
+                      "stopping them", file=sys.stderr, flush=True)
+            if watcher.received is not None:
+                deadline = time.monotonic() + grace_seconds if deadline is None else deadline
+                _request_stop(registered_workers(files.workers), running, requested)
+                if time.monotonic() > deadline:
+                    _send(running, signal.SIGKILL)
+            time.sleep(POLL_SECONDS)
+
+    def members(self, table: dict[int, tuple[int, str]]) -> set[int]:
+        roots = [pid for pid in _children(os.getpid(), table) if pid not in self.earlier_children]
+        return set(roots) | {pid for root in roots for pid in descendants(root, table)}
+
+    def _reap(self, table: dict[int, tuple[int, str]]) -> None:
+        for pid in _children(os.getpid(), table):
+            if pid in self.earlier_children:
+                continue
+            try:
+                ended, wait_status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            if ended == self.process.pid:
+                self.process.returncode = self.status = os.waitstatus_to_exitcode(wait_status)
+
+
+def _request_stop(workers: dict[int, int], running: set[int], requested: set[int]) -> None:
+    """One preemption request (the signal it registered) per running worker of the job; the
+    engine agrees the stop across the ranks."""
+    for pid, number in workers.items():
+        if pid in running and pid not in requested:
+            _send({pid}, number)
+            requested.add(pid)
+
+
+def _send(pids: set[int], number: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+
+
+ZOMBIE_STATES = ("Z", "X")
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process, read from /proc."""
+    table: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # it ended meanwhile
+        if len(fields) >= 2:
+            table[int(entry)] = (int(fields[1]), fields[0])
+    return table
+
+
+def _children(parent: int, table: dict[int, tuple[int, str]]) -> list[int]:
+    return [pid for pid, (ppid, _) in table.items() if ppid == parent]
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> set[int]:
+    """Every descendant of process ``root`` (zombies included)."""
+    table = process_table() if table is None else table
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found: set[int] = set()
+    pending = [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found
+
+
+def _outcome(status: int, watcher: PreemptionWatcher, files: LaunchFiles, exit_code: int) -> int:
+    if os.path.exists(files.marker):
+        with open(files.marker, encoding="utf-8") as handle:
+            record = json.load(handle)
+        print(f"splitloop launch: the run was preempted ({record.get('reason')}); checkpoint "
+              f"{record.get('checkpoint')} committed; exiting with {exit_code}", file=sys.stderr, flush=True)
+        return exit_code
+    status = status if status >= 0 else 128 - status
+    if watcher.received is not None:
+        print(f"splitloop launch: {watcher.reason}, but the run committed no preemption checkpoint (it ended "
+              f"before fit, or after its last boundary); exiting with the command's status {status}",
+              file=sys.stderr, flush=True)
+    return status

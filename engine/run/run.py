@@ -104,6 +104,7 @@ class FitRun:
     # ---- running ----------------------------------------------------------------------
     def run(self, resume: str) -> FitResult:
         with self.preemption:
+            distributed.register_launched_worker(self.config.preemption_signals)
             try:
                 self._start(resume)
                 for callback in self.callbacks:
@@ -129,11 +130,11 @@ class FitRun:
             for callback in self.callbacks:
                 callback.on_fit_end(self.view)
         preempted = self.stop.preempted
-        if preempted and self.distributed is not None and self.distributed.is_writer:
+        if preempted and (self.distributed is None or self.distributed.is_writer):
             distributed.write_preemption_marker(self.stop.reason,
                                                 None if self.checkpoints is None else self.checkpoints.last_name)
-        if preempted and self.config.requeue_command and (self.distributed is None or self.distributed.is_writer):
-            run_requeue_command(self.config.requeue_command)
+            if self.config.requeue_command:
+                run_requeue_command(self.config.requeue_command)
         return FitResult(
             cursor=self.cursor,
             epochs_completed=self.tree.fit.progress.total.completed,

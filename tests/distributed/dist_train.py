@@ -6,7 +6,10 @@ TBPTT over an LSTM with dropout, hidden state carried across batches, a shuffled
 DataLoader (the engine inserts the DistributedSampler) and gradient accumulation over two
 splits: every kind of per-rank state differs between ranks. Each worker writes, when its fit
 ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
-pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training.
+pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training. ``--val-epoch-slow SECONDS`` adds a
+slow validation pass after each epoch (counted in ``OUT_DIR/validated-<rank>``), to signal a job
+while it validates; ``REQUEUE_COMMAND`` becomes ``requeue_command``, as in docs/preemption.md's
+train.py. Without torchrun it runs as one process (rank 0).
 
 With ``--validate-every N`` each rank also validates (on the whole validation set, shuffled, with
 ``--val-workers`` DataLoader workers) every N optimizer steps and at epoch ends; ``--val-slow``
@@ -82,6 +85,24 @@ def pause_for_go(out: pathlib.Path) -> None:
         time.sleep(0.01)
 
 
+class SlowValidation(Model):
+    """Validates after each epoch, slowly, counting its validation splits in a file the test
+    watches (to signal the job while a validation pass runs)."""
+
+    def __init__(self, seconds: float, counter: pathlib.Path) -> None:
+        super().__init__()
+        self.seconds, self.counter, self.validated = seconds, counter, 0
+
+    def validation_step(self, batch: Any, hidden: Any = None) -> Any:
+        import time
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        self.validated += 1
+        self.counter.write_text(str(self.validated))
+        time.sleep(self.seconds)
+        return torch.nn.functional.mse_loss(self.head(out), y), hidden
+
+
 class Diverge(engine.Callback):
     """Makes this rank's replica drift: the next checkpoint must refuse to commit."""
 
@@ -109,13 +130,15 @@ def main() -> int:
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
     parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
     parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
+    parser.add_argument("--val-epoch-slow", type=float, default=None,
+                        help="validate after each epoch, sleeping this long per validation split (counted)")
     args = parser.parse_args()
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = pathlib.Path(args.out_dir)
     callbacks: list[engine.Callback] = []
     torch.manual_seed(100)  # the same initial parameters everywhere (DDP also broadcasts rank 0's)
-    model = Model()
+    model = Model() if args.val_epoch_slow is None else SlowValidation(args.val_epoch_slow, out / f"validated-{rank}")
     torch.manual_seed(1000 + rank)  # dropout differs per rank
     for kill in filter(None, os.environ.get("KILLS", "").split(";")):
         kill_restart, kill_rank, faults = kill.split("/")
@@ -138,10 +161,15 @@ def main() -> int:
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
-        val_every_n_steps=args.validate_every, val_at_epoch_end=args.validate_every is not None,
+        val_every_n_steps=args.validate_every,
+        val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
+        requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
-    val_data = None if args.validate_every is None else validation_loader(x.shape[0] // 3, args.val_workers)
+    if args.validate_every is not None:
+        val_data = validation_loader(x.shape[0] // 3, args.val_workers)
+    else:
+        val_data = None if args.val_epoch_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
     result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()

@@ -103,7 +103,7 @@ def test_checkpoints_and_fingerprints_need_no_numpy(tmp_path, monkeypatch):
     assert result.last_checkpoint is not None
     loaded = CheckpointStore(Storage(str(tmp_path), create=False), create=False).load(result.last_checkpoint)
     assert torch.equal(loaded.state["module"]["net.weight"], model.weight.detach())
-    assert len(engine.checkpoint.fingerprint(model.state_dict(), [])) == 64
+    assert len(engine.fingerprint(model.state_dict(), [])) == 64
 
 
 def test_tensor_bytes_are_the_tensors_memory_in_order():

@@ -25,7 +25,7 @@ from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
-from engine.run.metrics_log import METRICS_FILE, MetricsLog
+from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.storage import Storage
 from progress import Cursor
 

@@ -124,7 +124,7 @@ def _align(offset: int) -> int:
 
 # Where a value sits in the tree, for error messages only: ("state",) or (parent path, key or
 # index). The text is built only when an error needs it: a checkpoint walks every node.
-_Path = tuple
+_Path = tuple[Any, ...]
 
 
 def _path_text(path: _Path) -> str:
@@ -173,7 +173,7 @@ def _deeper(depth: int, path: _Path) -> int:
     return depth
 
 
-def _dict_to_plain(value: dict, path: _Path, tensors: list[torch.Tensor], depth: int) -> dict:
+def _dict_to_plain(value: dict[Any, Any], path: _Path, tensors: list[torch.Tensor], depth: int) -> dict[Any, Any]:
     plain = {}
     for key, item in value.items():
         if type(key) not in _KEY_TYPES and not isinstance(key, (str, int, float, bool)) and key is not None:
@@ -298,7 +298,7 @@ def _namedtuple_class(name: str, fields: tuple[str, ...]) -> type:
     return cls
 
 
-def _decode_namedtuple(value: Any) -> tuple:
+def _decode_namedtuple(value: Any) -> tuple[Any, ...]:
     """A namedtuple comes back as a namedtuple class of the same name and fields (made here,
     never imported: attribute access works, isinstance with the original class does not)."""
     if (not isinstance(value, list) or len(value) != 3 or not isinstance(value[0], str)
@@ -334,7 +334,7 @@ def _refuse_timestamp(value: Any) -> Any:
     return value
 
 
-def _check_map(value: dict) -> dict:
+def _check_map(value: dict[Any, Any]) -> dict[Any, Any]:
     """Keys of the types the writer stores (a tensor or tuple key would reach user code), and
     no timestamp among the values."""
     if not _KEY_TYPES.issuperset(map(type, value)):

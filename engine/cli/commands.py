@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 from engine import faults
 from engine.checkpoint.store import CheckpointStore
@@ -42,7 +43,7 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def inspect_run(url: str) -> dict:
+def inspect_run(url: str) -> dict[str, Any]:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
     check_existing_run_dir(url)
     store = CheckpointStore(Storage(url, create=False), create=False)

@@ -84,7 +84,7 @@ def _is_stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
-def _open_skipping_loader(loader: DataLoader, skip: int) -> Iterator[Any]:
+def _open_skipping_loader(loader: DataLoader[Any], skip: int) -> Iterator[Any]:
     """Iterate a copy of ``loader`` whose (batch) sampler skips ``skip`` batches without
     loading them. DataLoader forbids re-assigning its sampler after construction, so the copy
     is patched with object.__setattr__; re-instantiating it would lose subclass arguments."""

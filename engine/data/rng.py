@@ -31,8 +31,8 @@ class RngSnapshot:
 
     torch_cpu: torch.Tensor
     torch_cuda: list[torch.Tensor]
-    python: tuple
-    numpy: tuple | None
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...] | None
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, for the checkpoint codec."""
@@ -52,7 +52,7 @@ class RngSnapshot:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RngSnapshot":
         saved_numpy = state["numpy"]
-        numpy_state: tuple | None = None
+        numpy_state: tuple[Any, ...] | None = None
         if saved_numpy is not None:
             if numpy is None:
                 raise ValueError("the checkpoint holds a NumPy RNG state but NumPy is not installed")
@@ -99,10 +99,10 @@ _MT_WORDS = 624
 # The last Python random state converted, and its tensor: a training loop rarely draws from
 # ``random``, and building the tensor from 625 ints costs ~70 us per checkpoint. The tensor is
 # never modified (checkpoints copy or write it).
-_last_python_words: tuple[tuple, torch.Tensor] | None = None
+_last_python_words: tuple[tuple[Any, ...], torch.Tensor] | None = None
 
 
-def _python_words(internal: tuple) -> torch.Tensor:
+def _python_words(internal: tuple[Any, ...]) -> torch.Tensor:
     global _last_python_words
     cached = _last_python_words
     if cached is not None and cached[0] == internal:
@@ -153,7 +153,7 @@ def _apply_to_scratch(label: str, apply: Callable[[], object]) -> None:
         raise ValueError(f"{label}: its generator refuses the state: {error}") from error
 
 
-def _as_random_state(value: Any) -> tuple:
+def _as_random_state(value: Any) -> tuple[Any, ...]:
     version, internal, gauss = value
     _check_words("python", internal)
     return (int(version), tuple(internal.tolist()), gauss)

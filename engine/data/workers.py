@@ -172,7 +172,7 @@ class WorkerLoader:
     """The private copy of a DataLoader with workers, and the sampler that seeds its samples
     (None when its samples cannot be seeded: an IterableDataset, a loader with its own state)."""
 
-    def __init__(self, loader: DataLoader, signals: Sequence[int], stateful: bool, seed_samples: bool = True) -> None:
+    def __init__(self, loader: DataLoader[Any], signals: Sequence[int], stateful: bool, seed_samples: bool = True) -> None:
         private = copy.copy(loader)
         object.__setattr__(private, "_iterator", None)
         self.persistent = bool(loader.persistent_workers)
@@ -190,7 +190,7 @@ class WorkerLoader:
             _warn_if_not_exact(loader, stateful)
 
 
-def _warn_if_not_exact(loader: DataLoader, stateful: bool) -> None:
+def _warn_if_not_exact(loader: DataLoader[Any], stateful: bool) -> None:
     if stateful:
         warnings.warn(
             f"{type(loader).__name__} has num_workers={loader.num_workers} and its own state_dict(): random numbers "

@@ -28,7 +28,7 @@ def load_corpus() -> str:
     return resources.files("engine.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
 
 
-class StreamWindows(Dataset):
+class StreamWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Window ``i`` of the text cut into ``STREAMS`` parallel streams: (inputs, targets), each
     of shape (STREAMS, WINDOW), targets shifted by one character."""
 
@@ -82,7 +82,7 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed)
 
 
-def build_demo(seed: int) -> tuple[CharLSTM, DataLoader]:
+def build_demo(seed: int) -> tuple[CharLSTM, DataLoader[Any]]:
     """The demo's model and data, initialized from ``seed``."""
     seed_everything(seed)
     dataset = StreamWindows(load_corpus())

@@ -100,7 +100,7 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
         files.remove()
 
 
-def _start(command: Sequence[str], files: LaunchFiles) -> subprocess.Popen:
+def _start(command: Sequence[str], files: LaunchFiles) -> subprocess.Popen[bytes]:
     environment = {**os.environ, MARKER_VARIABLE: files.marker, WORKERS_VARIABLE: files.workers}
     environment.setdefault(TORCHRUN_SIGNALS_VARIABLE, TORCHRUN_SIGNALS)
     try:
@@ -133,7 +133,7 @@ def _subreaper() -> Iterator[None]:
 class Job:
     """The command and every process it started, re-parented orphans included."""
 
-    def __init__(self, process: subprocess.Popen, name: str, earlier_children: set[int]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], name: str, earlier_children: set[int]) -> None:
         self.process, self.name = process, name
         self.earlier_children = earlier_children  # the caller's own children: not ours to reap
         self.status: int | None = None

@@ -28,7 +28,7 @@ def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[A
     if batch_sampler is None or type(data.sampler) not in (RandomSampler, SequentialSampler) or \
             getattr(batch_sampler, "sampler", None) is not data.sampler or data.batch_size is None:
         return data  # a custom (batch) sampler: the user decides how it shards
-    sampler: DistributedSampler = DistributedSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
+    sampler: DistributedSampler[Any] = DistributedSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
                                  shuffle=isinstance(data.sampler, RandomSampler), seed=0, drop_last=data.drop_last)
     return DataLoader(
         data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,

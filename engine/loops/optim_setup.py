@@ -111,7 +111,7 @@ def _is_two_lists(returned: object) -> bool:
             and bool(returned[0]) and all(isinstance(o, torch.optim.Optimizer) for o in returned[0]))
 
 
-def _read_lightning_dict(entry: dict) -> tuple[object, object]:
+def _read_lightning_dict(entry: dict[Any, Any]) -> tuple[object, object]:
     unknown = set(entry) - {"optimizer", "lr_scheduler"}
     if unknown or "optimizer" not in entry:
         raise ModuleContractError(
@@ -137,7 +137,7 @@ def _read_schedule(item: object) -> LRSchedule:
     return LRSchedule(cast(Scheduler, item))  # LRSchedule checks the methods at run time
 
 
-def _as_list(value: object) -> list:
+def _as_list(value: object) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]

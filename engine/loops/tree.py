@@ -26,6 +26,7 @@ from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
+from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
 from engine.loops.evaluation import EvaluationLoop
@@ -47,7 +48,7 @@ from progress import ProgressTree
 class Boundaries:
     """What the loops call at their boundaries (metrics, callbacks, stop checks, checkpoints)."""
 
-    split: Callable[[int, list], None]
+    split: Callable[[int, Losses], None]
     epoch: Callable[[int], None]
 
 

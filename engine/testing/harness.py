@@ -117,7 +117,7 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
 
     last_stderr = [""]  # of the last subprocess: explains a reference run that failed
 
-    def attempt(run_dir: str, fault: Fault | None) -> tuple[str, dict | None]:
+    def attempt(run_dir: str, fault: Fault | None) -> tuple[str, dict[str, Any] | None]:
         if isinstance(train, str):
             outcome, result, last_stderr[0] = _subprocess_attempt(train, run_dir, fault, args, timeout)
             return outcome, result
@@ -132,7 +132,7 @@ def check_fault_tolerance(train: str | TrainFunction, fault_list: Sequence[Fault
     for index, fault in enumerate(parsed):
         run_dir = os.path.join(work_dir, f"trial-{index:03d}")
         outcome, first = attempt(run_dir, fault)
-        resumed: dict | None = None
+        resumed: dict[str, Any] | None = None
         attempts = 1
         last = outcome
         while last != "completed" and attempts < max_attempts:
@@ -158,11 +158,11 @@ def check_work_dir(work_dir: str, field: str = "check_fault_tolerance: work_dir"
                           "old ones); pass a new or empty directory")
 
 
-def _fired(result: dict | None) -> bool:
+def _fired(result: dict[str, Any] | None) -> bool:
     return bool(result and result.get("fired"))
 
 
-def _resume_point(result: dict | None) -> tuple[str | None, tuple[int, int, int, int] | None]:
+def _resume_point(result: dict[str, Any] | None) -> tuple[str | None, tuple[int, int, int, int] | None]:
     if result is None:
         return None, None
     cursor = result.get("resumed_cursor")
@@ -170,7 +170,7 @@ def _resume_point(result: dict | None) -> tuple[str | None, tuple[int, int, int,
 
 
 def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None, args: Sequence[str],
-                        timeout: float) -> tuple[str, dict | None]:
+                        timeout: float) -> tuple[str, dict[str, Any] | None]:
     faults.inject([fault] if fault else [])
     saved = os.environ.pop(faults.ENVIRONMENT_VARIABLE, None)
     try:
@@ -191,7 +191,7 @@ def _in_process_attempt(train: TrainFunction, run_dir: str, fault: Fault | None,
 
 
 def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Sequence[str],
-                        timeout: float) -> tuple[str, dict | None, str]:
+                        timeout: float) -> tuple[str, dict[str, Any] | None, str]:
     """Returns the outcome, the result line the run printed (None if none) and the end of its
     stderr."""
     env = dict(os.environ)

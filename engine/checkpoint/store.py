@@ -38,7 +38,8 @@ from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Monito
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound,
                            CheckpointWriteError, ConfigError, WriterConflict)
 from engine.checkpoint.rank_files import is_rank_file
-from engine.checkpoint.storage import LocalDirectoryFiles, Storage
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.storage_local import LocalDirectoryFiles
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
 CHECKPOINT_DIR = "checkpoints"

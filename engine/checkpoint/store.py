@@ -4,16 +4,7 @@ Layout::
 
     <run dir>/checkpoints/ckpt-0000000007/{tensors.bin, state.msgpack, progress.msgpack, MANIFEST.json}
 
-Commit protocol (see docs/checkpoint-format.md):
-
-* local filesystem: write the files under ``checkpoints/tmp-<seq>-<pid>`` (same directory, so
-  the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
-  directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
-* other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
-  manifest last. Without a valid manifest the directory is not a checkpoint. On object stores
-  that can create an object only if absent (S3: ``If-None-Match: *``) every file, the manifest
-  above all, is created that way: a writer that finds a name taken was overtaken by another
-  writer and stops (WriterConflict) without overwriting or deleting anything of it.
+The commit protocol, which writes one checkpoint atomically, is engine.checkpoint.staged's.
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
 rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
@@ -25,53 +16,32 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import time
 import warnings
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 from engine import faults
-from engine.checkpoint import checksum as checksums
-from engine.checkpoint.codec import EncodedState, decode_state
+from engine.checkpoint.codec import decode_state
+from engine.checkpoint.commit import CheckpointFiles, CommitRequest
 from engine.checkpoint.lease import read_fences
-from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, FileRecord, Manifest, verify_file
+from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, Manifest, verify_file
 from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound,
-                           CheckpointWriteError, ConfigError, WriterConflict)
+                           ConfigError)
 from engine.checkpoint.rank_files import is_rank_file
+from engine.checkpoint.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, checkpoint_name, sequence_of
+from engine.checkpoint.staged import StagedCheckpoint
 from engine.checkpoint.storage import Storage
-from engine.checkpoint.storage_local import LocalDirectoryFiles
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
 
-CHECKPOINT_DIR = "checkpoints"
 DATA_FILES = ("tensors.bin", "state.msgpack", "progress.msgpack")
-SEQUENCE_DIGITS = 10
-MAX_SEQUENCE = 10 ** SEQUENCE_DIGITS - 1
-# ASCII digits only (``\d`` would also match other scripts' digits), a fixed width, whole name.
-_NAME = re.compile(r"ckpt-([0-9]{10})", re.ASCII)
-_TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
+# Spelled as before for the modules that import them from here.
+_NAME = CHECKPOINT_NAME
+_TEMPORARY = STAGING_NAME
+_sequence = sequence_of
+__all__ = ["CHECKPOINT_DIR", "DATA_FILES", "CheckpointInfo", "CheckpointStore", "LoadedCheckpoint", "checkpoint_name"]
 
-
-_OVERLAP_CHECKSUM_BYTES = 8 << 20
 _RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
 # One byte more than a manifest may hold, so that a larger file is refused as such, not read whole.
 _MANIFEST_READ_LIMIT = MAX_MANIFEST_BYTES + 1
-
-
-def checkpoint_name(sequence: int) -> str:
-    """``ckpt-`` and the sequence as exactly ten digits; refuses what does not fit."""
-    if isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 <= sequence <= MAX_SEQUENCE:
-        raise CheckpointWriteError(
-            f"checkpoint sequence {sequence!r} does not fit in {SEQUENCE_DIGITS} digits: a name such as "
-            f"ckpt-{MAX_SEQUENCE} in checkpoints/ uses up the numbering. Remove stray ckpt-* entries or "
-            "start the run in a new directory"
-        )
-    return f"ckpt-{sequence:010d}"
-
-
-def _sequence(name: str) -> int:
-    match = _NAME.fullmatch(name)
-    assert match is not None, name
-    return int(match.group(1))
 
 
 @dataclasses.dataclass
@@ -149,132 +119,38 @@ class CheckpointStore:
         return max(sequences, default=0) + 1
 
     # ---- writing ----------------------------------------------------------------------
-    def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
-              generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
-              on_data_written: Callable[[], None] | None = None,
-              fence: Callable[[], None] | None = None, monitor: MonitorRecord | None = None,
-              staging: str | None = None, gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
-        """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
-        ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
-        ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
-        (raising WriterConflict) runs immediately before the commit point. A distributed run
-        (engine.distributed.commit) names the shared ``staging`` directory and passes
-        ``gather_parts``, which returns the other ranks' durable files for the manifest."""
-        sequence = self.next_sequence() if sequence is None else sequence
-        contents: dict[str, list[memoryview | bytes]] = {
-            "tensors.bin": encoded.tensor_chunks(),
-            "state.msgpack": [encoded.header],
-            "progress.msgpack": [progress_bytes],
-        }
-        return self._commit(contents, encoded.tensor_bytes, cursor, generation, sequence, also_sync,
-                            on_data_written, fence, monitor, staging=staging, gather_parts=gather_parts)
+    def write(self, request: CommitRequest) -> str:
+        """Commit one checkpoint (engine.checkpoint.staged); returns its name. On failure
+        nothing partial remains visible."""
+        return self.stage(request).commit()
 
-    def copy_from(self, source: "CheckpointStore", name: str, also_sync: list[str] | tuple = (),
+    def stage(self, request: CommitRequest) -> StagedCheckpoint:
+        """Write ``request``'s data files, durable, and return them staged for
+        :meth:`StagedCheckpoint.commit` (a distributed run adds the other ranks' files there)."""
+        sequence = self.next_sequence() if request.sequence is None else request.sequence
+        return StagedCheckpoint.stage(self, request, sequence)
+
+    def copy_from(self, source: "CheckpointStore", name: str, also_sync: Sequence[str] = (),
                   fence: Callable[[], None] | None = None) -> str:
         """Commit a copy of ``source``'s checkpoint ``name`` here, under the same name, cursor
         and writer generation (a fast tier's checkpoint made durable). Its files are verified
         against its manifest on the way; CheckpointCorrupt if they do not."""
         manifest, contents = source._read_verified(name)
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
-        return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
-                            manifest.sequence, also_sync, None, fence, manifest.monitor, known=manifest.files)
+        files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
+        request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
+                                also_sync=also_sync, fence=fence, monitor=manifest.monitor)
+        return self.stage(request).commit()
 
-    def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
-                generation: int, sequence: int, also_sync: list[str] | tuple,
-                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None,
-                monitor: MonitorRecord | None, known: dict[str, FileRecord] | None = None,
-                staging: str | None = None, gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
-        """The commit protocol (module docstring). ``known``: the files' records, already
-        verified against these very bytes (a copy between tiers), so not checksummed again.
-        ``staging``/``gather_parts``: see :meth:`write`."""
-        name = checkpoint_name(sequence)
-        atomic_rename = self.storage.rename_is_atomic
-        exclusive = not atomic_rename and self.storage.exclusive_create
-        # A staging directory shared by several ranks already holds their parts: never recycled.
-        recycle = atomic_rename and staging is None
-        if staging is None:
-            staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
-        directory = f"{CHECKPOINT_DIR}/{staging}"
-        renamed = False
-        local: LocalDirectoryFiles | None = None
-        try:
-            self._make_staging_directory(directory, recycle=recycle)
-            local = self.storage.local_files(directory) if atomic_rename else None
-            data_paths = [f"{directory}/{file_name}" for file_name in contents]
-            # A large state is checksummed in memory while its files reach the disk; a small
-            # one inline (one fsync round fewer).
-            overlap = local is not None and self.durable and tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
-            checksum = not overlap and known is None
-            records = {}
-            for (file_name, chunks), path in zip(contents.items(), data_paths):
-                faults.reach("checkpoint_before_file")
-                if local is not None:
-                    size, crc = local.write(file_name, chunks, checksum=checksum)
-                else:
-                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum, exclusive=exclusive)
-                records[file_name] = FileRecord(size, crc)
-                faults.reach("checkpoint_after_file")
-            if overlap:
-                assert local is not None
-                pending = local.start_sync([directory])
-            if known is not None:
-                records = {n: FileRecord(r.size, known[n].crc, known[n].algorithm) for n, r in records.items()}
-            elif overlap:
-                records = {n: FileRecord(r.size, checksums.checksum(contents[n])) for n, r in records.items()}
-            if on_data_written is not None:
-                on_data_written()
-            if overlap:
-                pending.wait()
-            if gather_parts is not None:
-                records.update(gather_parts())
-            faults.reach("checkpoint_before_manifest")
-            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor, self.run)
-            if local is None:
-                if fence is not None:
-                    fence()  # the manifest is the commit point here
-                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False,
-                                   exclusive=exclusive)
-            else:
-                local.write(MANIFEST_FILE, [manifest.to_json()], checksum=False)
-                # Everything must be durable before the rename makes it visible (the data
-                # files' descriptors again when they were not synced above: fsync is cheap
-                # on a clean file).
-                if self.durable:
-                    if overlap:
-                        local.start_sync([directory, *also_sync]).wait()
-                    else:
-                        local.sync([directory, *also_sync])
-                faults.reach("checkpoint_before_rename")
-                if fence is not None:
-                    fence()
-                self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
-                renamed = True
-                faults.reach("checkpoint_after_rename")
-                if self.durable:
-                    self.storage.fsync_directory(CHECKPOINT_DIR)
-        except OSError as error:
-            if exclusive and isinstance(error, FileExistsError):
-                # Another writer created this name first: its files are not ours to delete.
-                raise WriterConflict(
-                    f"{self.storage.url}: {name} already holds a file another writer created ({error}); "
-                    "this writer was overtaken and stops without committing or deleting anything"
-                ) from error
-            if renamed:  # committed; only the durability of the rename is in doubt
-                raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
-            self._discard(directory)
-            raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
-        except BaseException:
-            if not renamed:
-                self._discard(directory)
-            raise
-        finally:
-            if local is not None:
-                local.close()
+    def remember_committed(self, name: str, manifest: Manifest) -> None:
+        """Record a checkpoint this store just committed (written from memory, checksummed on
+        the way: it verifies)."""
         self._manifests[name] = manifest
-        self._verified[name] = True  # just written from memory, checksummed on the way
-        return name
+        self._verified[name] = True
 
-    def _make_staging_directory(self, directory: str, recycle: bool) -> None:
+    def make_staging_directory(self, directory: str, recycle: bool) -> None:
+        """Create a staging directory; ``recycle``: rename this process's spare one into place
+        when there is one (its files are overwritten in place)."""
         spare, self._spare = self._spare, None
         if recycle and spare is not None:
             # A failure fails this write like any other (the spare is a tmp-* directory, which
@@ -309,9 +185,10 @@ class CheckpointStore:
         """Delete this process's spare staging directory (call when the run stops writing)."""
         spare, self._spare = self._spare, None
         if spare is not None:
-            self._discard(f"{CHECKPOINT_DIR}/{spare}")
+            self.discard(f"{CHECKPOINT_DIR}/{spare}")
 
-    def _discard(self, directory: str) -> None:
+    def discard(self, directory: str) -> None:
+        """Remove an uncommitted directory under checkpoints/, as far as it can be."""
         try:
             self.storage.remove_tree(directory)
         except OSError:
@@ -320,14 +197,14 @@ class CheckpointStore:
     def discard_staging(self, staging: str) -> None:
         """Remove an uncommitted staging directory ``tmp-*`` (others are left to readers)."""
         if _TEMPORARY.fullmatch(staging):
-            self._discard(f"{CHECKPOINT_DIR}/{staging}")
+            self.discard(f"{CHECKPOINT_DIR}/{staging}")
 
     def remove_temporaries(self) -> None:
         """Delete staging directories left by crashed writers (call while holding the lease),
         and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
             if _TEMPORARY.fullmatch(entry):
-                self._discard(f"{CHECKPOINT_DIR}/{entry}")
+                self.discard(f"{CHECKPOINT_DIR}/{entry}")
         try:
             self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
         except OSError as error:  # only storage costs are at stake; the bucket's lifecycle rule still applies

@@ -15,21 +15,20 @@ import dataclasses
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.commit import CheckpointFiles, CommitRequest, Committer, SingleCommitter
 from engine.checkpoint.lease import WriterLease
-from engine.checkpoint.manifest import FileRecord, MonitorRecord
+from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
-if TYPE_CHECKING:
-    from engine.distributed.commit import GroupCommit
 
 
 @dataclasses.dataclass
@@ -108,12 +107,13 @@ class SnapshotBuffers:
 
 
 class _Committer:
-    """What both writers do with a pending checkpoint."""
+    """What both writers do with a pending checkpoint. ``committer`` is how this process takes
+    part in the commit (default: alone; a distributed run's ranks: engine.distributed.commit)."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
-                 also_sync: Callable[[], list[str]], group: "GroupCommit | None" = None) -> None:
+                 also_sync: Callable[[], list[str]], committer: Committer | None = None) -> None:
         self.store = store
-        self.group = group
+        self.committer: Committer = committer if committer is not None else SingleCommitter()
         self.lease = lease
         self.retention = retention
         self.also_sync = also_sync
@@ -122,33 +122,42 @@ class _Committer:
         self.tiers: TierWriter | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
-        if self.group is not None:  # a distributed run: every rank writes its part (engine.distributed.commit)
-            self.last_name = self.group.commit(self, pending)
-        else:
-            self.last_name = self.commit_files(pending)
+        """Write ``pending`` and take part in its commit (see Committer)."""
+        request = self.committer.prepare(self.store, self._request(pending))
+        if not self.committer.commits:
+            self.last_name = self.committer.write(self.store, pending, request)
+            return
+        try:
+            name = self._commit_as_writer(pending, request)
+        except BaseException as error:
+            self.committer.settle(self.store, error)
+            raise
+        self.committer.settle(self.store, name)
+        self.last_name = name
 
-    def commit_files(self, pending: PendingCheckpoint, sequence: int | None = None, staging: str | None = None,
-                     gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
+    def _request(self, pending: PendingCheckpoint) -> CommitRequest:
+        return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
+                             self.lease.generation if self.lease is not None else 0,
+                             on_data_written=lambda: self.release(pending),
+                             fence=self.lease.verify if self.lease is not None else None, monitor=pending.monitor)
+
+    def _commit_as_writer(self, pending: PendingCheckpoint, request: CommitRequest) -> str:
         """Fence, publish the metrics lines, write and commit, apply retention; the name."""
-        fence = self.lease.verify if self.lease is not None else None
+        fence = request.fence
         if fence is not None:
             fence()
         if pending.publish_metrics is not None:
             pending.publish_metrics()
-        generation = self.lease.generation if self.lease is not None else 0
         if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
             def write(store: CheckpointStore, sequence: int) -> str:
-                return store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
-                                   on_data_written=lambda: self.release(pending), fence=fence,
-                                   monitor=pending.monitor)
+                return store.write(dataclasses.replace(request, sequence=sequence))
 
             return self.tiers.commit(write, pending.durable, fence, best_candidate=pending.monitor is not None)
-        name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
-                                also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
-                                fence=fence, monitor=pending.monitor, staging=staging, gather_parts=gather_parts)
+        request = dataclasses.replace(request, also_sync=self.also_sync())
+        name = self.committer.write(self.store, pending, request)
         if fence is not None:
             fence()  # a writer fenced off after its commit point deletes nothing
-        self.retention.apply(self.store, generation if self.lease is not None else None)
+        self.retention.apply(self.store, request.generation if self.lease is not None else None)
         return name
 
     def release(self, pending: PendingCheckpoint) -> None:
@@ -184,8 +193,8 @@ class BackgroundWriter(_Committer):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 group: "GroupCommit | None" = None) -> None:
-        super().__init__(store, lease, retention, also_sync, group)
+                 committer: Committer | None = None) -> None:
+        super().__init__(store, lease, retention, also_sync, committer)
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._condition = threading.Condition()

@@ -13,6 +13,7 @@ import uuid
 import pytest
 import torch
 
+from engine.checkpoint.commit import CommitRequest
 import engine
 import engine.errors
 from engine import faults
@@ -211,7 +212,7 @@ def test_the_background_writer_reports_when_it_was_writing():
 def test_the_durable_tier_promoter_reports_when_it_was_copying(tmp_path):
     fast = CheckpointStore(Storage(str(tmp_path / "fast")))
     durable = CheckpointStore(Storage(f"memory://budget-{uuid.uuid4().hex}"))
-    name = fast.write(encode_state({"weights": torch.zeros(3)}), encode_tree(ProgressTree()), None, 1)
+    name = fast.write(CommitRequest.of_state(encode_state({"weights": torch.zeros(3)}), encode_tree(ProgressTree()), None, 1))
     entered, leave = threading.Event(), threading.Event()
     original = durable.copy_from
 

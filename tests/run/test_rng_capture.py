@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -117,8 +118,8 @@ def _forge_rng(run_dir, name, where, forge):
     forge(where(loaded.state))
     store.storage.remove_tree(f"checkpoints/{name}")
     forged = CheckpointStore(Storage(run_dir))
-    forged.write(encode_state(loaded.state), progress_bytes, loaded.manifest.cursor,
-                 loaded.manifest.writer_generation, sequence=int(name[5:]))
+    forged.write(CommitRequest.of_state(encode_state(loaded.state), progress_bytes, loaded.manifest.cursor,
+                                        loaded.manifest.writer_generation, sequence=int(name[5:])))
     assert forged.verifies(name)
 
 

@@ -1,122 +1,52 @@
-"""The checkpoints of a run directory: commit, list, verify, load, retain.
-
-Layout::
-
-    <run dir>/checkpoints/ckpt-0000000007/{tensors.bin, state.msgpack, progress.msgpack, MANIFEST.json}
-
-The commit protocol, which writes one checkpoint atomically, is engine.checkpoint.staged's.
+"""The checkpoints of a run directory, for the process that writes them: the catalogue
+(engine.checkpoint.catalogue) plus committing (engine.checkpoint.staged), cleaning up what
+crashed writers left, and applying retention (engine.checkpoint.retention).
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
-rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
-checkpoint that a stale writer commits late never outranks one of the writer that took over,
-and retention never deletes a checkpoint of a newer generation than the writer's own.
+rename, or the manifest); retention never deletes a checkpoint of a newer generation than the
+writer's own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
-from typing import Any, Callable, Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 from engine import faults
-from engine.checkpoint.codec import decode_state
+from engine.checkpoint.catalogue import (DATA_FILES, CheckpointCatalogue, CheckpointInfo, LoadedCheckpoint,
+                                         StateValidator)
 from engine.checkpoint.commit import CheckpointFiles, CommitRequest
-from engine.checkpoint.lease import read_fences
-from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, Manifest, verify_file
-from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound,
-                           ConfigError)
-from engine.checkpoint.rank_files import is_rank_file
+from engine.checkpoint.manifest import MANIFEST_FILE, Manifest
 from engine.checkpoint.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, checkpoint_name, sequence_of
+from engine.checkpoint.retention import retired_by_policy
 from engine.checkpoint.staged import StagedCheckpoint
 from engine.checkpoint.storage import Storage
-from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
+from engine.errors import ConfigError
 
-DATA_FILES = ("tensors.bin", "state.msgpack", "progress.msgpack")
 # Spelled as before for the modules that import them from here.
 _NAME = CHECKPOINT_NAME
 _TEMPORARY = STAGING_NAME
-_sequence = sequence_of
-__all__ = ["CHECKPOINT_DIR", "DATA_FILES", "CheckpointInfo", "CheckpointStore", "LoadedCheckpoint", "checkpoint_name"]
+__all__ = ["CHECKPOINT_DIR", "DATA_FILES", "CheckpointInfo", "CheckpointStore", "LoadedCheckpoint", "StateValidator",
+           "checkpoint_name"]
 
 _RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
-# One byte more than a manifest may hold, so that a larger file is refused as such, not read whole.
-_MANIFEST_READ_LIMIT = MAX_MANIFEST_BYTES + 1
 
 
-@dataclasses.dataclass
-class CheckpointInfo:
-    """One entry of :meth:`CheckpointStore.inspect`."""
+class CheckpointStore(CheckpointCatalogue):
+    """A run directory's checkpoints: read them (CheckpointCatalogue), commit new ones, retire
+    old ones."""
 
-    name: str
-    sequence: int
-    cursor: Cursor | None
-    valid: bool
-    error: str | None
-    monitor: MonitorRecord | None = None
-
-
-@dataclasses.dataclass
-class LoadedCheckpoint:
-    name: str
-    manifest: Manifest
-    progress: ProgressTree
-    state: Any
-    # Verified bytes of files beyond DATA_FILES (the per-rank parts of a distributed run).
-    extra_files: dict[str, bytearray] = dataclasses.field(default_factory=dict)
-
-
-StateValidator = Callable[[str, Any], None]
-
-
-class CheckpointStore:
     def __init__(self, storage: Storage, create: bool = True, durable: bool = True) -> None:
-        self.storage = storage
+        super().__init__(storage)
         # False for a fast tier (engine.checkpoint.tiers): the same commit protocol and order,
         # without the fsyncs (such a tier survives the process, not the node).
         self.durable = durable
-        # name -> whether it verified; names are never reused, so a result stays true.
-        self._verified: dict[str, bool] = {}
-        # name -> its manifest as parsed once (a committed checkpoint's files never change).
-        self._manifests: dict[str, Manifest] = {}
         # A staging directory of this process holding a retired checkpoint's files, which the
         # next write overwrites in place instead of creating files (local filesystems).
         self._spare: str | None = None
-        # The run this store is bound to (a fast tier: engine.checkpoint.tiers): every manifest
-        # it commits records it, and a checkpoint recording another (or none) is never read.
-        self.run: str | None = None
         if create:
             storage.makedirs(CHECKPOINT_DIR)
-
-    # ---- listing ----------------------------------------------------------------------
-    def names(self) -> list[str]:
-        """Checkpoint directory names, oldest first (valid or not)."""
-        found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.fullmatch(n)]
-        return sorted(found, key=_sequence)
-
-    def newest_first(self) -> list[tuple[str, Manifest | None]]:
-        """Every ``ckpt-*`` name with its manifest (None when it cannot be read or parsed), in
-        the order resume tries them: by (writer generation, sequence), newest first. A name
-        without a readable manifest sits at its sequence within the newest generation, so a torn
-        newest checkpoint is still reported before an older one is used."""
-        entries = [(name, self._manifest_or_none(name)) for name in self.names()]
-        newest = max((m.writer_generation for _, m in entries if m is not None), default=0)
-
-        def order(entry: tuple[str, Manifest | None]) -> tuple[int, int]:
-            name, manifest = entry
-            return (newest if manifest is None else manifest.writer_generation, _sequence(name))
-
-        return sorted(entries, key=order, reverse=True)
-
-    def committed_names(self) -> list[str]:
-        """Checkpoints whose manifest exists and parses (verified or not): a directory without
-        one is an interrupted write, never a checkpoint."""
-        return [name for name in self.names() if self._manifest_or_none(name) is not None]
-
-    def next_sequence(self) -> int:
-        sequences = [int(m.group(1)) for n in self.storage.list_names(CHECKPOINT_DIR)
-                     for m in [(_NAME.fullmatch(n) or _TEMPORARY.fullmatch(n))] if m]
-        return max(sequences, default=0) + 1
 
     # ---- writing ----------------------------------------------------------------------
     def write(self, request: CommitRequest) -> str:
@@ -159,6 +89,7 @@ class CheckpointStore:
             return
         self.storage.makedirs(directory)
 
+    # ---- cleaning up ------------------------------------------------------------------
     def _retire(self, name: str) -> None:
         """Delete checkpoint ``name``; on a local filesystem the first one is kept as this
         process's spare staging directory instead (one rename: it stops being a checkpoint at
@@ -167,7 +98,7 @@ class CheckpointStore:
         self._manifests.pop(name, None)
         self._verified.pop(name, None)
         if self.storage.is_local and self._spare is None and self._recyclable(directory):
-            spare = f"tmp-{_sequence(name):010d}-{os.getpid()}"
+            spare = f"tmp-{sequence_of(name):010d}-{os.getpid()}"
             self.storage.rename(directory, f"{CHECKPOINT_DIR}/{spare}")
             self._spare = spare  # its stale manifest is harmless: a staging directory is never read
             return
@@ -196,14 +127,14 @@ class CheckpointStore:
 
     def discard_staging(self, staging: str) -> None:
         """Remove an uncommitted staging directory ``tmp-*`` (others are left to readers)."""
-        if _TEMPORARY.fullmatch(staging):
+        if STAGING_NAME.fullmatch(staging):
             self.discard(f"{CHECKPOINT_DIR}/{staging}")
 
     def remove_temporaries(self) -> None:
         """Delete staging directories left by crashed writers (call while holding the lease),
         and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
-            if _TEMPORARY.fullmatch(entry):
+            if STAGING_NAME.fullmatch(entry):
                 self.discard(f"{CHECKPOINT_DIR}/{entry}")
         try:
             self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
@@ -220,193 +151,9 @@ class CheckpointStore:
         ones (engine.checkpoint.abandoned) are deleted and not counted."""
         if keep_last is None:
             return
-        kept: list[str] = []
-        doomed: list[str] = []
-        entries = self.newest_first()
-        for name, manifest in entries:
-            if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
-                doomed.append(name)
-                continue
-            if manifest is None or name in protected:
-                continue
-            if len(kept) < keep_last:
-                if self.verifies(name):
-                    kept.append(name)
-            elif generation is None or manifest.writer_generation <= generation:
-                doomed.append(name)
-        if len(kept) < keep_last:
-            return
-        oldest_kept = min(_sequence(name) for name in kept)
-        unreadable = [name for name, manifest in entries if manifest is None and _sequence(name) < oldest_kept]
-        for name in doomed + unreadable:
+        for name in retired_by_policy(self.newest_first(), keep_last, generation, protected, abandoned, self.verifies):
             faults.reach("checkpoint_retention")
             try:
                 self._retire(name)
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
-
-    def best(self, count: int, monitor: str | None = None) -> list[str]:
-        """Up to ``count`` checkpoints that verify and recorded a value of ``monitor`` (default:
-        the metric the newest such record names), best first by the mode recorded; ties go to
-        the newest. A best one that does not verify is skipped (the next one takes its place)."""
-        records = [(name, manifest.monitor) for name, manifest in self.newest_first()
-                   if manifest is not None and manifest.monitor is not None]
-        if monitor is None and records:
-            monitor = records[0][1].name
-        ranked = sorted((entry for entry in records if entry[1].name == monitor), key=lambda entry: entry[1].better_first())
-        best: list[str] = []
-        for name, _ in ranked:
-            if len(best) >= count:
-                break
-            if self.verifies(name):
-                best.append(name)
-        return best
-
-    def verifies(self, name: str) -> bool:
-        """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
-        if name not in self._verified:
-            try:
-                self.load(name)
-            except CheckpointError:
-                self._verified[name] = False
-        return self._verified[name]
-
-    def newest_committed_sequence(self) -> int:
-        """The highest sequence among checkpoints whose manifest parses (0 when none)."""
-        return max((_sequence(name) for name, m in self.newest_first() if m is not None), default=0)
-
-    def newest_generation(self) -> int:
-        """The highest writer generation recorded by a checkpoint whose manifest parses."""
-        return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
-
-    def _manifest_or_none(self, name: str) -> Manifest | None:
-        cached = self._manifests.get(name)
-        if cached is not None:
-            return cached
-        try:
-            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}", _MANIFEST_READ_LIMIT))
-        except (OSError, CheckpointCorrupt):
-            return None
-        self._manifests[name] = manifest
-        return manifest
-
-    # ---- reading ----------------------------------------------------------------------
-    def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
-        """Verify every file against the manifest, decode, then ``validate(name, state)`` (the
-        run state's own checks). Raises CheckpointCorrupt (also for an I/O error, or a file
-        where a directory belongs and the reverse)."""
-        try:
-            loaded = self._load(name, validate)
-        except CheckpointCorrupt:
-            self._verified[name] = False
-            raise
-        except CheckpointError:  # before OSError: CheckpointNotFound is a FileNotFoundError
-            raise
-        except OSError as error:
-            self._verified[name] = False
-            raise CheckpointCorrupt(f"{name}: cannot be read: {type(error).__name__}: {error}") from error
-        self._verified.setdefault(name, True)
-        return loaded
-
-    def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
-        manifest, contents = self._read_verified(name)
-        try:
-            progress = decode_tree(bytes(contents["progress.msgpack"]))
-        except ProgressSchemaError as error:
-            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
-        try:
-            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
-        except CheckpointCorrupt as error:
-            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
-        if validate is not None:
-            validate(name, state)
-        extra = set(manifest.files) - set(DATA_FILES)
-        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
-
-    def _read_verified(self, name: str) -> tuple[Manifest, dict[str, bytearray]]:
-        """The manifest and the data files of ``name``, each checked against the manifest."""
-        directory = f"{CHECKPOINT_DIR}/{name}"
-        manifest = self._read_manifest(name)
-        self._refuse_if_fenced(name, manifest)
-        self._refuse_if_of_another_run(name, manifest)
-        extra = set(manifest.files) - set(DATA_FILES)
-        if not set(DATA_FILES) <= set(manifest.files) or not all(map(is_rank_file, extra)):
-            raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)} "
-                                    "(and rank-NNNNN.bin/.msgpack parts of a distributed run)")
-        contents = {}
-        for file_name, record in manifest.files.items():
-            path = f"{directory}/{file_name}"
-            try:
-                size = self.storage.size(path)
-            except FileNotFoundError as error:
-                raise CheckpointCorrupt(f"{name}: {file_name} is missing") from error
-            if size != record.size:
-                # Checked before reading: a hostile manifest must not make us allocate its size.
-                raise CheckpointCorrupt(f"{name}: {file_name}: {size} bytes on disk, the manifest says {record.size} (truncated or torn)")
-            data = self.storage.read_into(path, record.size)
-            verify_file(file_name, data, record)
-            contents[file_name] = data
-        return manifest, contents
-
-    def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
-        """A checkpoint committed by a writer after a newer generation took the lease over."""
-        for generation, sequence in read_fences(self.storage):
-            if manifest.writer_generation < generation and manifest.sequence > sequence:
-                raise CheckpointCorrupt(
-                    f"{name}: written by writer generation {manifest.writer_generation} after generation "
-                    f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
-                )
-
-    def _refuse_if_of_another_run(self, name: str, manifest: Manifest) -> None:
-        """In a store bound to a run: a checkpoint that another run wrote (two runs given one
-        fast tier), or one that names no run."""
-        if self.run is not None and manifest.run != self.run:
-            raise CheckpointIncompatible(
-                f"{name}: written by another run (run {manifest.run!r}, this run is {self.run!r}) into the "
-                f"shared fast tier {self.storage.url}; never resumed from or copied"
-            )
-
-    def _read_manifest(self, name: str) -> Manifest:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN, ten ASCII digits)")
-        path = f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"
-        try:
-            raw = self.storage.read(path, _MANIFEST_READ_LIMIT)
-        except FileNotFoundError as error:
-            if not self.storage.exists(f"{CHECKPOINT_DIR}/{name}"):
-                raise CheckpointNotFound(f"no checkpoint {name} in {self.storage.url}") from error
-            raise CheckpointCorrupt(f"{name}: no {MANIFEST_FILE} (the write never committed)") from error
-        except OSError as error:  # ckpt-* is a file, MANIFEST.json a directory, an EIO
-            raise CheckpointCorrupt(f"{name}: cannot read {MANIFEST_FILE}: {type(error).__name__}: {error}") from error
-        manifest = Manifest.from_json(raw)
-        if manifest.sequence != _sequence(name):
-            raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
-        return manifest
-
-    def latest(self, validate: StateValidator | None = None, skip: Collection[str] = ()) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies (and passes ``validate``), newest by (writer
-        generation, sequence), leaving out those in ``skip``. Newer ones that do not are
-        reported with a warning and skipped; None when there is none at all."""
-        for name, _ in self.newest_first():
-            if name in skip:
-                continue
-            try:
-                return self.load(name, validate)
-            except CheckpointError as error:
-                warnings.warn(f"skipping checkpoint {name}: {error}", stacklevel=2)
-        return None
-
-    def inspect(self, validate: StateValidator | None = None) -> list[CheckpointInfo]:
-        """Every ``ckpt-*`` entry with whether it verifies (and passes ``validate``) and why
-        not, in resume order (oldest first: the last valid entry is what resume picks)."""
-        infos = []
-        for name, _ in reversed(self.newest_first()):
-            sequence = _sequence(name)
-            try:
-                loaded = self.load(name, validate)
-                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor))
-            except CheckpointError as error:
-                manifest = self._manifest_or_none(name)
-                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),
-                                            manifest.monitor if manifest else None))
-        return infos

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
-import time
 from typing import Callable
 
 import torch
@@ -26,6 +24,7 @@ from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
+from engine.checkpoint.worker import BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
@@ -182,7 +181,7 @@ class SyncWriter(_Committer):
         pass
 
 
-class BackgroundWriter(_Committer):
+class BackgroundWriter(_Committer, BackgroundWorker[PendingCheckpoint]):
     """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
     being written until their files are); when none is free, ``when_behind="wait"`` blocks and
     ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none can
@@ -194,17 +193,14 @@ class BackgroundWriter(_Committer):
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
                  committer: Committer | None = None) -> None:
-        super().__init__(store, lease, retention, also_sync, committer)
+        _Committer.__init__(self, store, lease, retention, also_sync, committer)
+        BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
-        self._condition = threading.Condition()
         self._when_behind = when_behind
-        self._error: BaseException | None = None
-        self._closing = False
         self._busy = False
         self.skipped = 0
-        self._thread = threading.Thread(target=self._work, name="splitloop-checkpoint-writer", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
         """Snapshot and queue; returns False when the checkpoint was skipped."""
@@ -259,43 +255,33 @@ class BackgroundWriter(_Committer):
                 pending.buffers = None
                 self._condition.notify_all()
 
-    def _work(self) -> None:
-        while True:
-            with self._condition:
-                while not self._queue and not self._closing:
-                    self._condition.wait()
-                if not self._queue:
-                    return
-                self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
-                pending = self._queue.popleft()
-            try:
-                if pending.buffers is not None:
-                    pending.buffers.wait_until_copied()
-                self.commit(pending)
-            except BaseException as error:  # reaches the training thread at its next boundary
-                with self._condition:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                self.release(pending)
-                with self._condition:
-                    self.last_commit_end = time.monotonic()  # before _busy drops: see wrote_since
-                    self._busy = False
-                    self._condition.notify_all()
+    def _take_locked(self) -> PendingCheckpoint | None:
+        if not self._queue:
+            return None
+        self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
+        return self._queue.popleft()
 
-    # When the last commit ended (time.monotonic()); -inf before the first.
-    last_commit_end = -math.inf
+    def _run(self, pending: PendingCheckpoint) -> None:
+        if pending.buffers is not None:
+            pending.buffers.wait_until_copied()
+        self.commit(pending)
+
+    def _after(self, pending: PendingCheckpoint) -> None:
+        self.release(pending)
+
+    def _idle_locked(self) -> None:
+        self._busy = False
 
     def wrote_since(self, since: float) -> bool:
         """Whether a checkpoint was queued or being written at any moment after ``since`` (a
         ``time.monotonic()`` reading), given that nothing was submitted since then: whether a
         split that started at ``since`` overlapped a write. Lock-free (once per split): read in
-        the reverse order of the writes in :meth:`_work`."""
-        return bool(self._queue) or self._busy or self.last_commit_end >= since
+        the reverse order of the writes in BackgroundWorker._work."""
+        return bool(self._queue) or self._busy or self.last_end >= since
 
     def _raise_pending_locked(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._take_error_locked()
+        if error is not None:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
@@ -314,8 +300,5 @@ class BackgroundWriter(_Committer):
 
     def close(self) -> None:
         self.flush()
-        with self._condition:
-            self._closing = True
-            self._condition.notify_all()
-        self._thread.join()
+        self._stop_thread()
         self.check()

@@ -142,6 +142,17 @@ class Storage:
             raise ConfigError(f"run directory {url!r} does not exist")
         return storage
 
+    def __getnewargs__(self) -> tuple[str, fsspec.AbstractFileSystem, bool]:
+        # Unpickled through __new__ as well, on the same filesystem, without creating the root.
+        return self.url, self.fs, False
+
+    def __getstate__(self) -> dict[str, object]:
+        # Per-process caches and thread pools are made again where the copy is used.
+        state = dict(self.__dict__)
+        state.pop("_sync_pool", None)
+        state.pop("_real_paths", None)
+        return state
+
     def _setup(self) -> None:
         """Per-implementation state, set before the root directory is made or checked."""
 

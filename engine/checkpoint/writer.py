@@ -105,7 +105,7 @@ class SnapshotBuffers:
         self._copied = []
 
 
-class _Committer:
+class _WriterBase:
     """What both writers do with a pending checkpoint. ``committer`` is how this process takes
     part in the commit (default: alone; a distributed run's ranks: engine.distributed.commit)."""
 
@@ -164,7 +164,7 @@ class _Committer:
         raise NotImplementedError
 
 
-class SyncWriter(_Committer):
+class SyncWriter(_WriterBase):
     """Writes on the calling thread."""
 
     def release(self, pending: PendingCheckpoint) -> None:
@@ -181,7 +181,7 @@ class SyncWriter(_Committer):
         pass
 
 
-class BackgroundWriter(_Committer, BackgroundWorker[PendingCheckpoint]):
+class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
     """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
     being written until their files are); when none is free, ``when_behind="wait"`` blocks and
     ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none can
@@ -193,7 +193,7 @@ class BackgroundWriter(_Committer, BackgroundWorker[PendingCheckpoint]):
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
                  committer: Committer | None = None) -> None:
-        _Committer.__init__(self, store, lease, retention, also_sync, committer)
+        _WriterBase.__init__(self, store, lease, retention, also_sync, committer)
         BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()

@@ -13,12 +13,12 @@ import uuid
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 import engine.errors
 from engine import faults
 from engine.checkpoint.budget import AUTO_MAX_INTERVAL, OverheadBudget
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore

@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
-from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.checksum import CRC32, CRC32C, checksum
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord, verify_file
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore

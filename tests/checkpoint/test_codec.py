@@ -15,9 +15,9 @@ import numpy
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 from engine.checkpoint import codec
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import Manifest, verify_file
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore

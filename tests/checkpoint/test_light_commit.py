@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from progress import Cursor, ProgressTree, encode_tree

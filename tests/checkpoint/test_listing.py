@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.storage_local import LocalStorage
 from engine.checkpoint.store import CheckpointStore

@@ -11,8 +11,8 @@ import fsspec
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MANIFEST_FILE
 from engine.checkpoint.storage import Storage

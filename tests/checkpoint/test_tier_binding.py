@@ -15,9 +15,9 @@ import tempfile
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import Manifest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng

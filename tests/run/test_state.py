@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from engine.checkpoint.commit import CommitRequest
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run

@@ -339,7 +339,9 @@ def stop_after_fence(count: int) -> None:
     original = CheckpointStore.write
     seen = [0]
 
-    def write(self: Any, *args: Any, fence: Any = None, **kwargs: Any) -> str:
+    def write(self: Any, request: Any) -> str:
+        fence = request.fence
+
         def fence_then_freeze() -> None:
             fence()
             seen[0] += 1
@@ -347,7 +349,7 @@ def stop_after_fence(count: int) -> None:
                 print("frozen", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-        return original(self, *args, fence=None if fence is None else fence_then_freeze, **kwargs)
+        return original(self, dataclasses.replace(request, fence=None if fence is None else fence_then_freeze))
 
     CheckpointStore.write = write  # type: ignore[method-assign]
 

@@ -6,8 +6,13 @@ at the first commit after it, and not counted either."""
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Callable, Collection
 
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.manifest import Manifest
+from engine.checkpoint.names import sequence_of
+
+if TYPE_CHECKING:
+    from engine.checkpoint.store import CheckpointStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,3 +29,28 @@ class Retention:
         protected = store.best(self.keep_best, self.monitor) if self.keep_best and self.monitor else []
         store.apply_retention(self.keep_last, generation, [name for name in protected if name not in self.abandoned],
                               self.abandoned)
+
+
+def retired_by_policy(entries: list[tuple[str, Manifest | None]], keep_last: int, generation: int | None,
+                      protected: Collection[str], abandoned: Collection[str],
+                      verifies: Callable[[str], bool]) -> list[str]:
+    """The checkpoints :meth:`CheckpointStore.apply_retention` deletes, of ``entries`` (names with
+    their manifests, newest first): see there."""
+    kept: list[str] = []
+    doomed: list[str] = []
+    for name, manifest in entries:
+        if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
+            doomed.append(name)
+            continue
+        if manifest is None or name in protected:
+            continue
+        if len(kept) < keep_last:
+            if verifies(name):
+                kept.append(name)
+        elif generation is None or manifest.writer_generation <= generation:
+            doomed.append(name)
+    if len(kept) < keep_last:
+        return []
+    oldest_kept = min(sequence_of(name) for name in kept)
+    unreadable = [name for name, manifest in entries if manifest is None and sequence_of(name) < oldest_kept]
+    return doomed + unreadable

@@ -1,279 +1,86 @@
-"""The checkpoints of a run directory: commit, list, verify, load, retain.
-
-Layout::
-
-    <run dir>/checkpoints/ckpt-0000000007/{tensors.bin, state.msgpack, progress.msgpack, MANIFEST.json}
-
-Commit protocol (see docs/checkpoint-format.md):
-
-* local filesystem: write the files under ``checkpoints/tmp-<seq>-<pid>`` (same directory, so
-  the rename cannot become a copy), fsync each, write and fsync the manifest, fsync the
-  directory, rename it to ``ckpt-<seq>``, fsync ``checkpoints/``;
-* other filesystems (no atomic rename): write the data files into ``ckpt-<seq>``, then the
-  manifest last. Without a valid manifest the directory is not a checkpoint. On object stores
-  that can create an object only if absent (S3: ``If-None-Match: *``) every file, the manifest
-  above all, is created that way: a writer that finds a name taken was overtaken by another
-  writer and stops (WriterConflict) without overwriting or deleting anything of it.
+"""The checkpoints of a run directory, for the process that writes them: the catalogue
+(engine.checkpoint.catalogue) plus committing (engine.checkpoint.staged), cleaning up what
+crashed writers left, and applying retention (engine.checkpoint.retention).
 
 Fencing: the writer's ``fence`` (the lease check) runs immediately before the commit point (the
-rename, or the manifest). Readers order checkpoints by (writer generation, sequence), so a
-checkpoint that a stale writer commits late never outranks one of the writer that took over,
-and retention never deletes a checkpoint of a newer generation than the writer's own.
+rename, or the manifest); retention never deletes a checkpoint of a newer generation than the
+writer's own.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import time
 import warnings
-from typing import Any, Callable, Collection
+from typing import Callable, Collection, Sequence
 
 from engine import faults
-from engine.checkpoint import checksum as checksums
-from engine.checkpoint.codec import EncodedState, decode_state
-from engine.checkpoint.lease import read_fences
-from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, MonitorRecord, FileRecord, Manifest, verify_file
-from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound,
-                           CheckpointWriteError, ConfigError, WriterConflict)
-from engine.checkpoint.rank_files import is_rank_file
-from engine.checkpoint.storage import LocalDirectoryFiles, Storage
-from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
+from engine.checkpoint.catalogue import (DATA_FILES, CheckpointCatalogue, CheckpointInfo, LoadedCheckpoint,
+                                         StateValidator)
+from engine.checkpoint.commit import CheckpointFiles, CommitRequest
+from engine.checkpoint.manifest import MANIFEST_FILE, Manifest
+from engine.checkpoint.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, checkpoint_name, sequence_of
+from engine.checkpoint.retention import retired_by_policy
+from engine.checkpoint.staged import StagedCheckpoint
+from engine.checkpoint.storage import Storage
+from engine.errors import ConfigError
 
-CHECKPOINT_DIR = "checkpoints"
-DATA_FILES = ("tensors.bin", "state.msgpack", "progress.msgpack")
-SEQUENCE_DIGITS = 10
-MAX_SEQUENCE = 10 ** SEQUENCE_DIGITS - 1
-# ASCII digits only (``\d`` would also match other scripts' digits), a fixed width, whole name.
-_NAME = re.compile(r"ckpt-([0-9]{10})", re.ASCII)
-_TEMPORARY = re.compile(r"tmp-([0-9]{10})-[0-9]+", re.ASCII)
+# Spelled as before for the modules that import them from here.
+_NAME = CHECKPOINT_NAME
+_TEMPORARY = STAGING_NAME
+__all__ = ["CHECKPOINT_DIR", "DATA_FILES", "CheckpointInfo", "CheckpointStore", "LoadedCheckpoint", "StateValidator",
+           "checkpoint_name"]
 
-
-_OVERLAP_CHECKSUM_BYTES = 8 << 20
 _RECYCLABLE_FILES = frozenset((*DATA_FILES, MANIFEST_FILE))
-# One byte more than a manifest may hold, so that a larger file is refused as such, not read whole.
-_MANIFEST_READ_LIMIT = MAX_MANIFEST_BYTES + 1
 
 
-def checkpoint_name(sequence: int) -> str:
-    """``ckpt-`` and the sequence as exactly ten digits; refuses what does not fit."""
-    if isinstance(sequence, bool) or not isinstance(sequence, int) or not 0 <= sequence <= MAX_SEQUENCE:
-        raise CheckpointWriteError(
-            f"checkpoint sequence {sequence!r} does not fit in {SEQUENCE_DIGITS} digits: a name such as "
-            f"ckpt-{MAX_SEQUENCE} in checkpoints/ uses up the numbering. Remove stray ckpt-* entries or "
-            "start the run in a new directory"
-        )
-    return f"ckpt-{sequence:010d}"
+class CheckpointStore(CheckpointCatalogue):
+    """A run directory's checkpoints: read them (CheckpointCatalogue), commit new ones, retire
+    old ones."""
 
-
-def _sequence(name: str) -> int:
-    match = _NAME.fullmatch(name)
-    assert match is not None, name
-    return int(match.group(1))
-
-
-@dataclasses.dataclass
-class CheckpointInfo:
-    """One entry of :meth:`CheckpointStore.inspect`."""
-
-    name: str
-    sequence: int
-    cursor: Cursor | None
-    valid: bool
-    error: str | None
-    monitor: MonitorRecord | None = None
-
-
-@dataclasses.dataclass
-class LoadedCheckpoint:
-    name: str
-    manifest: Manifest
-    progress: ProgressTree
-    state: Any
-    # Verified bytes of files beyond DATA_FILES (the per-rank parts of a distributed run).
-    extra_files: dict[str, bytearray] = dataclasses.field(default_factory=dict)
-
-
-StateValidator = Callable[[str, Any], None]
-
-
-class CheckpointStore:
     def __init__(self, storage: Storage, create: bool = True, durable: bool = True) -> None:
-        self.storage = storage
+        super().__init__(storage)
         # False for a fast tier (engine.checkpoint.tiers): the same commit protocol and order,
         # without the fsyncs (such a tier survives the process, not the node).
         self.durable = durable
-        # name -> whether it verified; names are never reused, so a result stays true.
-        self._verified: dict[str, bool] = {}
-        # name -> its manifest as parsed once (a committed checkpoint's files never change).
-        self._manifests: dict[str, Manifest] = {}
         # A staging directory of this process holding a retired checkpoint's files, which the
         # next write overwrites in place instead of creating files (local filesystems).
         self._spare: str | None = None
-        # The run this store is bound to (a fast tier: engine.checkpoint.tiers): every manifest
-        # it commits records it, and a checkpoint recording another (or none) is never read.
-        self.run: str | None = None
         if create:
             storage.makedirs(CHECKPOINT_DIR)
 
-    # ---- listing ----------------------------------------------------------------------
-    def names(self) -> list[str]:
-        """Checkpoint directory names, oldest first (valid or not)."""
-        found = [n for n in self.storage.list_names(CHECKPOINT_DIR) if _NAME.fullmatch(n)]
-        return sorted(found, key=_sequence)
-
-    def newest_first(self) -> list[tuple[str, Manifest | None]]:
-        """Every ``ckpt-*`` name with its manifest (None when it cannot be read or parsed), in
-        the order resume tries them: by (writer generation, sequence), newest first. A name
-        without a readable manifest sits at its sequence within the newest generation, so a torn
-        newest checkpoint is still reported before an older one is used."""
-        entries = [(name, self._manifest_or_none(name)) for name in self.names()]
-        newest = max((m.writer_generation for _, m in entries if m is not None), default=0)
-
-        def order(entry: tuple[str, Manifest | None]) -> tuple[int, int]:
-            name, manifest = entry
-            return (newest if manifest is None else manifest.writer_generation, _sequence(name))
-
-        return sorted(entries, key=order, reverse=True)
-
-    def committed_names(self) -> list[str]:
-        """Checkpoints whose manifest exists and parses (verified or not): a directory without
-        one is an interrupted write, never a checkpoint."""
-        return [name for name in self.names() if self._manifest_or_none(name) is not None]
-
-    def next_sequence(self) -> int:
-        sequences = [int(m.group(1)) for n in self.storage.list_names(CHECKPOINT_DIR)
-                     for m in [(_NAME.fullmatch(n) or _TEMPORARY.fullmatch(n))] if m]
-        return max(sequences, default=0) + 1
-
     # ---- writing ----------------------------------------------------------------------
-    def write(self, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None,
-              generation: int, sequence: int | None = None, also_sync: list[str] | tuple = (),
-              on_data_written: Callable[[], None] | None = None,
-              fence: Callable[[], None] | None = None, monitor: MonitorRecord | None = None,
-              staging: str | None = None, gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
-        """Commit one checkpoint; returns its name. On failure nothing partial remains visible.
-        ``also_sync`` names other files (metrics.jsonl) made durable in the same fsync batch;
-        ``on_data_written`` is called once the tensors' bytes are no longer read; ``fence``
-        (raising WriterConflict) runs immediately before the commit point. A distributed run
-        (engine.distributed.commit) names the shared ``staging`` directory and passes
-        ``gather_parts``, which returns the other ranks' durable files for the manifest."""
-        sequence = self.next_sequence() if sequence is None else sequence
-        contents: dict[str, list[memoryview | bytes]] = {
-            "tensors.bin": encoded.tensor_chunks(),
-            "state.msgpack": [encoded.header],
-            "progress.msgpack": [progress_bytes],
-        }
-        return self._commit(contents, encoded.tensor_bytes, cursor, generation, sequence, also_sync,
-                            on_data_written, fence, monitor, staging=staging, gather_parts=gather_parts)
+    def write(self, request: CommitRequest) -> str:
+        """Commit one checkpoint (engine.checkpoint.staged); returns its name. On failure
+        nothing partial remains visible."""
+        return self.stage(request).commit()
 
-    def copy_from(self, source: "CheckpointStore", name: str, also_sync: list[str] | tuple = (),
+    def stage(self, request: CommitRequest) -> StagedCheckpoint:
+        """Write ``request``'s data files, durable, and return them staged for
+        :meth:`StagedCheckpoint.commit` (a distributed run adds the other ranks' files there)."""
+        sequence = self.next_sequence() if request.sequence is None else request.sequence
+        return StagedCheckpoint.stage(self, request, sequence)
+
+    def copy_from(self, source: "CheckpointStore", name: str, also_sync: Sequence[str] = (),
                   fence: Callable[[], None] | None = None) -> str:
         """Commit a copy of ``source``'s checkpoint ``name`` here, under the same name, cursor
         and writer generation (a fast tier's checkpoint made durable). Its files are verified
         against its manifest on the way; CheckpointCorrupt if they do not."""
         manifest, contents = source._read_verified(name)
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
-        return self._commit(chunks, len(contents["tensors.bin"]), manifest.cursor, manifest.writer_generation,
-                            manifest.sequence, also_sync, None, fence, manifest.monitor, known=manifest.files)
+        files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
+        request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
+                                also_sync=also_sync, fence=fence, monitor=manifest.monitor)
+        return self.stage(request).commit()
 
-    def _commit(self, contents: dict[str, list[memoryview | bytes]], tensor_bytes: int, cursor: Cursor | None,
-                generation: int, sequence: int, also_sync: list[str] | tuple,
-                on_data_written: Callable[[], None] | None, fence: Callable[[], None] | None,
-                monitor: MonitorRecord | None, known: dict[str, FileRecord] | None = None,
-                staging: str | None = None, gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
-        """The commit protocol (module docstring). ``known``: the files' records, already
-        verified against these very bytes (a copy between tiers), so not checksummed again.
-        ``staging``/``gather_parts``: see :meth:`write`."""
-        name = checkpoint_name(sequence)
-        atomic_rename = self.storage.rename_is_atomic
-        exclusive = not atomic_rename and self.storage.exclusive_create
-        # A staging directory shared by several ranks already holds their parts: never recycled.
-        recycle = atomic_rename and staging is None
-        if staging is None:
-            staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else name
-        directory = f"{CHECKPOINT_DIR}/{staging}"
-        renamed = False
-        local: LocalDirectoryFiles | None = None
-        try:
-            self._make_staging_directory(directory, recycle=recycle)
-            local = self.storage.local_files(directory) if atomic_rename else None
-            data_paths = [f"{directory}/{file_name}" for file_name in contents]
-            # A large state is checksummed in memory while its files reach the disk; a small
-            # one inline (one fsync round fewer).
-            overlap = local is not None and self.durable and tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
-            checksum = not overlap and known is None
-            records = {}
-            for (file_name, chunks), path in zip(contents.items(), data_paths):
-                faults.reach("checkpoint_before_file")
-                if local is not None:
-                    size, crc = local.write(file_name, chunks, checksum=checksum)
-                else:
-                    size, crc = self.storage.write(path, chunks, durable=False, checksum=checksum, exclusive=exclusive)
-                records[file_name] = FileRecord(size, crc)
-                faults.reach("checkpoint_after_file")
-            if overlap:
-                assert local is not None
-                pending = local.start_sync([directory])
-            if known is not None:
-                records = {n: FileRecord(r.size, known[n].crc, known[n].algorithm) for n, r in records.items()}
-            elif overlap:
-                records = {n: FileRecord(r.size, checksums.checksum(contents[n])) for n, r in records.items()}
-            if on_data_written is not None:
-                on_data_written()
-            if overlap:
-                pending.wait()
-            if gather_parts is not None:
-                records.update(gather_parts())
-            faults.reach("checkpoint_before_manifest")
-            manifest = Manifest(sequence, cursor, records, time.time(), generation, monitor, self.run)
-            if local is None:
-                if fence is not None:
-                    fence()  # the manifest is the commit point here
-                self.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False,
-                                   exclusive=exclusive)
-            else:
-                local.write(MANIFEST_FILE, [manifest.to_json()], checksum=False)
-                # Everything must be durable before the rename makes it visible (the data
-                # files' descriptors again when they were not synced above: fsync is cheap
-                # on a clean file).
-                if self.durable:
-                    if overlap:
-                        local.start_sync([directory, *also_sync]).wait()
-                    else:
-                        local.sync([directory, *also_sync])
-                faults.reach("checkpoint_before_rename")
-                if fence is not None:
-                    fence()
-                self.storage.rename(directory, f"{CHECKPOINT_DIR}/{name}")
-                renamed = True
-                faults.reach("checkpoint_after_rename")
-                if self.durable:
-                    self.storage.fsync_directory(CHECKPOINT_DIR)
-        except OSError as error:
-            if exclusive and isinstance(error, FileExistsError):
-                # Another writer created this name first: its files are not ours to delete.
-                raise WriterConflict(
-                    f"{self.storage.url}: {name} already holds a file another writer created ({error}); "
-                    "this writer was overtaken and stops without committing or deleting anything"
-                ) from error
-            if renamed:  # committed; only the durability of the rename is in doubt
-                raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
-            self._discard(directory)
-            raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
-        except BaseException:
-            if not renamed:
-                self._discard(directory)
-            raise
-        finally:
-            if local is not None:
-                local.close()
+    def remember_committed(self, name: str, manifest: Manifest) -> None:
+        """Record a checkpoint this store just committed (written from memory, checksummed on
+        the way: it verifies)."""
         self._manifests[name] = manifest
-        self._verified[name] = True  # just written from memory, checksummed on the way
-        return name
+        self._verified[name] = True
 
-    def _make_staging_directory(self, directory: str, recycle: bool) -> None:
+    def make_staging_directory(self, directory: str, recycle: bool) -> None:
+        """Create a staging directory; ``recycle``: rename this process's spare one into place
+        when there is one (its files are overwritten in place)."""
         spare, self._spare = self._spare, None
         if recycle and spare is not None:
             # A failure fails this write like any other (the spare is a tmp-* directory, which
@@ -282,6 +89,7 @@ class CheckpointStore:
             return
         self.storage.makedirs(directory)
 
+    # ---- cleaning up ------------------------------------------------------------------
     def _retire(self, name: str) -> None:
         """Delete checkpoint ``name``; on a local filesystem the first one is kept as this
         process's spare staging directory instead (one rename: it stops being a checkpoint at
@@ -290,7 +98,7 @@ class CheckpointStore:
         self._manifests.pop(name, None)
         self._verified.pop(name, None)
         if self.storage.is_local and self._spare is None and self._recyclable(directory):
-            spare = f"tmp-{_sequence(name):010d}-{os.getpid()}"
+            spare = f"tmp-{sequence_of(name):010d}-{os.getpid()}"
             self.storage.rename(directory, f"{CHECKPOINT_DIR}/{spare}")
             self._spare = spare  # its stale manifest is harmless: a staging directory is never read
             return
@@ -308,9 +116,10 @@ class CheckpointStore:
         """Delete this process's spare staging directory (call when the run stops writing)."""
         spare, self._spare = self._spare, None
         if spare is not None:
-            self._discard(f"{CHECKPOINT_DIR}/{spare}")
+            self.discard(f"{CHECKPOINT_DIR}/{spare}")
 
-    def _discard(self, directory: str) -> None:
+    def discard(self, directory: str) -> None:
+        """Remove an uncommitted directory under checkpoints/, as far as it can be."""
         try:
             self.storage.remove_tree(directory)
         except OSError:
@@ -318,15 +127,15 @@ class CheckpointStore:
 
     def discard_staging(self, staging: str) -> None:
         """Remove an uncommitted staging directory ``tmp-*`` (others are left to readers)."""
-        if _TEMPORARY.fullmatch(staging):
-            self._discard(f"{CHECKPOINT_DIR}/{staging}")
+        if STAGING_NAME.fullmatch(staging):
+            self.discard(f"{CHECKPOINT_DIR}/{staging}")
 
     def remove_temporaries(self) -> None:
         """Delete staging directories left by crashed writers (call while holding the lease),
         and on S3 the parts of their uploads that never completed."""
         for entry in self.storage.list_names(CHECKPOINT_DIR):
-            if _TEMPORARY.fullmatch(entry):
-                self._discard(f"{CHECKPOINT_DIR}/{entry}")
+            if STAGING_NAME.fullmatch(entry):
+                self.discard(f"{CHECKPOINT_DIR}/{entry}")
         try:
             self.storage.abort_unfinished_uploads(CHECKPOINT_DIR)
         except OSError as error:  # only storage costs are at stake; the bucket's lifecycle rule still applies
@@ -342,193 +151,9 @@ class CheckpointStore:
         ones (engine.checkpoint.abandoned) are deleted and not counted."""
         if keep_last is None:
             return
-        kept: list[str] = []
-        doomed: list[str] = []
-        entries = self.newest_first()
-        for name, manifest in entries:
-            if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
-                doomed.append(name)
-                continue
-            if manifest is None or name in protected:
-                continue
-            if len(kept) < keep_last:
-                if self.verifies(name):
-                    kept.append(name)
-            elif generation is None or manifest.writer_generation <= generation:
-                doomed.append(name)
-        if len(kept) < keep_last:
-            return
-        oldest_kept = min(_sequence(name) for name in kept)
-        unreadable = [name for name, manifest in entries if manifest is None and _sequence(name) < oldest_kept]
-        for name in doomed + unreadable:
+        for name in retired_by_policy(self.newest_first(), keep_last, generation, protected, abandoned, self.verifies):
             faults.reach("checkpoint_retention")
             try:
                 self._retire(name)
             except (OSError, ConfigError) as error:  # the new checkpoint is committed; an old one lingers
                 warnings.warn(f"could not delete old checkpoint {name} (keep_last={keep_last}): {error}", stacklevel=2)
-
-    def best(self, count: int, monitor: str | None = None) -> list[str]:
-        """Up to ``count`` checkpoints that verify and recorded a value of ``monitor`` (default:
-        the metric the newest such record names), best first by the mode recorded; ties go to
-        the newest. A best one that does not verify is skipped (the next one takes its place)."""
-        records = [(name, manifest.monitor) for name, manifest in self.newest_first()
-                   if manifest is not None and manifest.monitor is not None]
-        if monitor is None and records:
-            monitor = records[0][1].name
-        ranked = sorted((entry for entry in records if entry[1].name == monitor), key=lambda entry: entry[1].better_first())
-        best: list[str] = []
-        for name, _ in ranked:
-            if len(best) >= count:
-                break
-            if self.verifies(name):
-                best.append(name)
-        return best
-
-    def verifies(self, name: str) -> bool:
-        """Whether ``name`` loads (every check of :meth:`load`); cached per name."""
-        if name not in self._verified:
-            try:
-                self.load(name)
-            except CheckpointError:
-                self._verified[name] = False
-        return self._verified[name]
-
-    def newest_committed_sequence(self) -> int:
-        """The highest sequence among checkpoints whose manifest parses (0 when none)."""
-        return max((_sequence(name) for name, m in self.newest_first() if m is not None), default=0)
-
-    def newest_generation(self) -> int:
-        """The highest writer generation recorded by a checkpoint whose manifest parses."""
-        return max((m.writer_generation for _, m in self.newest_first() if m is not None), default=0)
-
-    def _manifest_or_none(self, name: str) -> Manifest | None:
-        cached = self._manifests.get(name)
-        if cached is not None:
-            return cached
-        try:
-            manifest = Manifest.from_json(self.storage.read(f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}", _MANIFEST_READ_LIMIT))
-        except (OSError, CheckpointCorrupt):
-            return None
-        self._manifests[name] = manifest
-        return manifest
-
-    # ---- reading ----------------------------------------------------------------------
-    def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
-        """Verify every file against the manifest, decode, then ``validate(name, state)`` (the
-        run state's own checks). Raises CheckpointCorrupt (also for an I/O error, or a file
-        where a directory belongs and the reverse)."""
-        try:
-            loaded = self._load(name, validate)
-        except CheckpointCorrupt:
-            self._verified[name] = False
-            raise
-        except CheckpointError:  # before OSError: CheckpointNotFound is a FileNotFoundError
-            raise
-        except OSError as error:
-            self._verified[name] = False
-            raise CheckpointCorrupt(f"{name}: cannot be read: {type(error).__name__}: {error}") from error
-        self._verified.setdefault(name, True)
-        return loaded
-
-    def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
-        manifest, contents = self._read_verified(name)
-        try:
-            progress = decode_tree(bytes(contents["progress.msgpack"]))
-        except ProgressSchemaError as error:
-            raise CheckpointCorrupt(f"{name}: progress.msgpack: {error}") from error
-        try:
-            state = decode_state(bytes(contents["state.msgpack"]), contents["tensors.bin"])
-        except CheckpointCorrupt as error:
-            raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
-        if validate is not None:
-            validate(name, state)
-        extra = set(manifest.files) - set(DATA_FILES)
-        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
-
-    def _read_verified(self, name: str) -> tuple[Manifest, dict[str, bytearray]]:
-        """The manifest and the data files of ``name``, each checked against the manifest."""
-        directory = f"{CHECKPOINT_DIR}/{name}"
-        manifest = self._read_manifest(name)
-        self._refuse_if_fenced(name, manifest)
-        self._refuse_if_of_another_run(name, manifest)
-        extra = set(manifest.files) - set(DATA_FILES)
-        if not set(DATA_FILES) <= set(manifest.files) or not all(map(is_rank_file, extra)):
-            raise CheckpointCorrupt(f"{name}: the manifest lists {sorted(manifest.files)}, expected {sorted(DATA_FILES)} "
-                                    "(and rank-NNNNN.bin/.msgpack parts of a distributed run)")
-        contents = {}
-        for file_name, record in manifest.files.items():
-            path = f"{directory}/{file_name}"
-            try:
-                size = self.storage.size(path)
-            except FileNotFoundError as error:
-                raise CheckpointCorrupt(f"{name}: {file_name} is missing") from error
-            if size != record.size:
-                # Checked before reading: a hostile manifest must not make us allocate its size.
-                raise CheckpointCorrupt(f"{name}: {file_name}: {size} bytes on disk, the manifest says {record.size} (truncated or torn)")
-            data = self.storage.read_into(path, record.size)
-            verify_file(file_name, data, record)
-            contents[file_name] = data
-        return manifest, contents
-
-    def _refuse_if_fenced(self, name: str, manifest: Manifest) -> None:
-        """A checkpoint committed by a writer after a newer generation took the lease over."""
-        for generation, sequence in read_fences(self.storage):
-            if manifest.writer_generation < generation and manifest.sequence > sequence:
-                raise CheckpointCorrupt(
-                    f"{name}: written by writer generation {manifest.writer_generation} after generation "
-                    f"{generation} took the lease over at sequence {sequence} (a stale writer); never resumed from"
-                )
-
-    def _refuse_if_of_another_run(self, name: str, manifest: Manifest) -> None:
-        """In a store bound to a run: a checkpoint that another run wrote (two runs given one
-        fast tier), or one that names no run."""
-        if self.run is not None and manifest.run != self.run:
-            raise CheckpointIncompatible(
-                f"{name}: written by another run (run {manifest.run!r}, this run is {self.run!r}) into the "
-                f"shared fast tier {self.storage.url}; never resumed from or copied"
-            )
-
-    def _read_manifest(self, name: str) -> Manifest:
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise CheckpointNotFound(f"{name!r} is not a checkpoint name (expected ckpt-NNNNNNNNNN, ten ASCII digits)")
-        path = f"{CHECKPOINT_DIR}/{name}/{MANIFEST_FILE}"
-        try:
-            raw = self.storage.read(path, _MANIFEST_READ_LIMIT)
-        except FileNotFoundError as error:
-            if not self.storage.exists(f"{CHECKPOINT_DIR}/{name}"):
-                raise CheckpointNotFound(f"no checkpoint {name} in {self.storage.url}") from error
-            raise CheckpointCorrupt(f"{name}: no {MANIFEST_FILE} (the write never committed)") from error
-        except OSError as error:  # ckpt-* is a file, MANIFEST.json a directory, an EIO
-            raise CheckpointCorrupt(f"{name}: cannot read {MANIFEST_FILE}: {type(error).__name__}: {error}") from error
-        manifest = Manifest.from_json(raw)
-        if manifest.sequence != _sequence(name):
-            raise CheckpointCorrupt(f"{name}: the manifest says it is sequence {manifest.sequence}")
-        return manifest
-
-    def latest(self, validate: StateValidator | None = None, skip: Collection[str] = ()) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies (and passes ``validate``), newest by (writer
-        generation, sequence), leaving out those in ``skip``. Newer ones that do not are
-        reported with a warning and skipped; None when there is none at all."""
-        for name, _ in self.newest_first():
-            if name in skip:
-                continue
-            try:
-                return self.load(name, validate)
-            except CheckpointError as error:
-                warnings.warn(f"skipping checkpoint {name}: {error}", stacklevel=2)
-        return None
-
-    def inspect(self, validate: StateValidator | None = None) -> list[CheckpointInfo]:
-        """Every ``ckpt-*`` entry with whether it verifies (and passes ``validate``) and why
-        not, in resume order (oldest first: the last valid entry is what resume picks)."""
-        infos = []
-        for name, _ in reversed(self.newest_first()):
-            sequence = _sequence(name)
-            try:
-                loaded = self.load(name, validate)
-                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor))
-            except CheckpointError as error:
-                manifest = self._manifest_or_none(name)
-                infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),
-                                            manifest.monitor if manifest else None))
-        return infos

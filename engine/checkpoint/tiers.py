@@ -32,17 +32,16 @@ from __future__ import annotations
 
 import fcntl
 import json
-import math
 import os
 import re
 import secrets
 import threading
-import time
 import warnings
 from typing import Any, Callable, Collection
 
 from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
+from engine.checkpoint.worker import BackgroundWorker
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
@@ -222,7 +221,7 @@ def load_named(stores: list[CheckpointStore], name: str, validate: StateValidato
     return stores[-1].load(name, validate)
 
 
-class DurablePromoter:
+class DurablePromoter(BackgroundWorker[str]):
     """Copies fast-tier checkpoints into the durable tier in a background thread. Requests
     coalesce: when the thread is busy, only the newest requested checkpoint waits, beside the
     requests that must be kept (candidate best checkpoints: ``inspect`` and
@@ -237,15 +236,12 @@ class DurablePromoter:
         self._also_sync = also_sync
         self._fence = fence
         self._generation = generation
-        self._condition = threading.Condition()
+        super().__init__(threading.Condition(), "splitloop-durable-tier")
         # (name, must be kept) in request order; a newer request drops the others.
         self._wanted: list[tuple[str, bool]] = []
         self._busy: str | None = None
-        self._closing = False
-        self._error: BaseException | None = None
         self.last_durable: str | None = None
-        self._thread = threading.Thread(target=self._work, name="splitloop-durable-tier", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     def request(self, name: str, keep: bool = False) -> None:
         """Copy ``name`` into the durable tier; with ``keep`` even when newer requests follow
@@ -261,49 +257,38 @@ class DurablePromoter:
             names = [name for name, _ in self._wanted] + ([self._busy] if self._busy is not None else [])
             return frozenset(names)
 
-    def _work(self) -> None:
-        while True:
-            with self._condition:
-                while not self._wanted and not self._closing:
-                    self._condition.wait()
-                if not self._wanted:
-                    return
-                name = self._busy = self._wanted[0][0]  # _busy before _wanted drops: see copied_since
-                self._wanted = self._wanted[1:]
-            try:
-                if self._fence is not None:
-                    self._fence()
-                self._durable.copy_from(self._fast, name, also_sync=self._also_sync(), fence=self._fence)
-                if self._fence is not None:
-                    self._fence()  # a writer fenced off after its commit point deletes nothing
-                self._retention.apply(self._durable, self._generation)
-                self.last_durable = name
-            except BaseException as error:  # surfaces on the training thread at its next boundary
-                with self._condition:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                with self._condition:
-                    self.last_copy_end = time.monotonic()  # before _busy drops: see copied_since
-                    self._busy = None
-                    self._condition.notify_all()
+    def _take_locked(self) -> str | None:
+        if not self._wanted:
+            return None
+        name = self._busy = self._wanted[0][0]  # _busy before _wanted drops: see copied_since
+        self._wanted = self._wanted[1:]
+        return name
 
-    # When the last copy ended (time.monotonic()); -inf before the first.
-    last_copy_end = -math.inf
+    def _run(self, name: str) -> None:
+        if self._fence is not None:
+            self._fence()
+        self._durable.copy_from(self._fast, name, also_sync=self._also_sync(), fence=self._fence)
+        if self._fence is not None:
+            self._fence()  # a writer fenced off after its commit point deletes nothing
+        self._retention.apply(self._durable, self._generation)
+        self.last_durable = name
+
+    def _idle_locked(self) -> None:
+        self._busy = None
 
     def copied_since(self, since: float) -> bool:
         """Whether a copy into the durable tier was requested or running at any moment after
         ``since`` (a ``time.monotonic()`` reading): whether a split that started at ``since``
         overlapped one. Lock-free (once per split): read in the reverse order of the writes in
-        :meth:`_work`."""
-        return bool(self._wanted) or self._busy is not None or self.last_copy_end >= since
+        BackgroundWorker._work."""
+        return bool(self._wanted) or self._busy is not None or self.last_end >= since
 
     def check(self) -> None:
         """Raise, on the calling thread, an error the background copy met."""
         if self._error is None:
             return
         with self._condition:
-            error, self._error = self._error, None
+            error = self._take_error_locked()
         if error is None:
             return
         if isinstance(error, (CheckpointWriteError, WriterConflict)):
@@ -320,9 +305,8 @@ class DurablePromoter:
             waiting = [name for name, _ in self._wanted]
             if newest is not None and newest != self.last_durable and self._busy != newest and newest not in waiting:
                 self._wanted = self._wanted + [(newest, False)]
-            self._closing = True
-            self._condition.notify_all()
-        self._thread.join()
+                self._condition.notify_all()
+        self._stop_thread()
         self.check()
 
 

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
-import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.commit import CheckpointFiles, CommitRequest, Committer, SingleCommitter
 from engine.checkpoint.lease import WriterLease
-from engine.checkpoint.manifest import FileRecord, MonitorRecord
+from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
+from engine.checkpoint.worker import BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
-if TYPE_CHECKING:
-    from engine.distributed.commit import GroupCommit
 
 
 @dataclasses.dataclass
@@ -107,13 +105,14 @@ class SnapshotBuffers:
         self._copied = []
 
 
-class _Committer:
-    """What both writers do with a pending checkpoint."""
+class _WriterBase:
+    """What both writers do with a pending checkpoint. ``committer`` is how this process takes
+    part in the commit (default: alone; a distributed run's ranks: engine.distributed.commit)."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
-                 also_sync: Callable[[], list[str]], group: "GroupCommit | None" = None) -> None:
+                 also_sync: Callable[[], list[str]], committer: Committer | None = None) -> None:
         self.store = store
-        self.group = group
+        self.committer: Committer = committer if committer is not None else SingleCommitter()
         self.lease = lease
         self.retention = retention
         self.also_sync = also_sync
@@ -122,33 +121,42 @@ class _Committer:
         self.tiers: TierWriter | None = None
 
     def commit(self, pending: PendingCheckpoint) -> None:
-        if self.group is not None:  # a distributed run: every rank writes its part (engine.distributed.commit)
-            self.last_name = self.group.commit(self, pending)
-        else:
-            self.last_name = self.commit_files(pending)
+        """Write ``pending`` and take part in its commit (see Committer)."""
+        request = self.committer.prepare(self.store, self._request(pending))
+        if not self.committer.commits:
+            self.last_name = self.committer.write(self.store, pending, request)
+            return
+        try:
+            name = self._commit_as_writer(pending, request)
+        except BaseException as error:
+            self.committer.settle(self.store, error)
+            raise
+        self.committer.settle(self.store, name)
+        self.last_name = name
 
-    def commit_files(self, pending: PendingCheckpoint, sequence: int | None = None, staging: str | None = None,
-                     gather_parts: Callable[[], dict[str, FileRecord]] | None = None) -> str:
+    def _request(self, pending: PendingCheckpoint) -> CommitRequest:
+        return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
+                             self.lease.generation if self.lease is not None else 0,
+                             on_data_written=lambda: self.release(pending),
+                             fence=self.lease.verify if self.lease is not None else None, monitor=pending.monitor)
+
+    def _commit_as_writer(self, pending: PendingCheckpoint, request: CommitRequest) -> str:
         """Fence, publish the metrics lines, write and commit, apply retention; the name."""
-        fence = self.lease.verify if self.lease is not None else None
+        fence = request.fence
         if fence is not None:
             fence()
         if pending.publish_metrics is not None:
             pending.publish_metrics()
-        generation = self.lease.generation if self.lease is not None else 0
         if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
             def write(store: CheckpointStore, sequence: int) -> str:
-                return store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
-                                   on_data_written=lambda: self.release(pending), fence=fence,
-                                   monitor=pending.monitor)
+                return store.write(dataclasses.replace(request, sequence=sequence))
 
             return self.tiers.commit(write, pending.durable, fence, best_candidate=pending.monitor is not None)
-        name = self.store.write(pending.encoded, pending.progress_bytes, pending.cursor, generation, sequence=sequence,
-                                also_sync=self.also_sync(), on_data_written=lambda: self.release(pending),
-                                fence=fence, monitor=pending.monitor, staging=staging, gather_parts=gather_parts)
+        request = dataclasses.replace(request, also_sync=self.also_sync())
+        name = self.committer.write(self.store, pending, request)
         if fence is not None:
             fence()  # a writer fenced off after its commit point deletes nothing
-        self.retention.apply(self.store, generation if self.lease is not None else None)
+        self.retention.apply(self.store, request.generation if self.lease is not None else None)
         return name
 
     def release(self, pending: PendingCheckpoint) -> None:
@@ -156,7 +164,7 @@ class _Committer:
         raise NotImplementedError
 
 
-class SyncWriter(_Committer):
+class SyncWriter(_WriterBase):
     """Writes on the calling thread."""
 
     def release(self, pending: PendingCheckpoint) -> None:
@@ -173,7 +181,7 @@ class SyncWriter(_Committer):
         pass
 
 
-class BackgroundWriter(_Committer):
+class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
     """Writes in a daemon thread. ``max_in_flight`` snapshots may hold buffers (queued, or
     being written until their files are); when none is free, ``when_behind="wait"`` blocks and
     ``"skip"`` replaces the oldest queued snapshot, or drops the new checkpoint when none can
@@ -184,18 +192,15 @@ class BackgroundWriter(_Committer):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 group: "GroupCommit | None" = None) -> None:
-        super().__init__(store, lease, retention, also_sync, group)
+                 committer: Committer | None = None) -> None:
+        _WriterBase.__init__(self, store, lease, retention, also_sync, committer)
+        BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
-        self._condition = threading.Condition()
         self._when_behind = when_behind
-        self._error: BaseException | None = None
-        self._closing = False
         self._busy = False
         self.skipped = 0
-        self._thread = threading.Thread(target=self._work, name="splitloop-checkpoint-writer", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
         """Snapshot and queue; returns False when the checkpoint was skipped."""
@@ -250,43 +255,33 @@ class BackgroundWriter(_Committer):
                 pending.buffers = None
                 self._condition.notify_all()
 
-    def _work(self) -> None:
-        while True:
-            with self._condition:
-                while not self._queue and not self._closing:
-                    self._condition.wait()
-                if not self._queue:
-                    return
-                self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
-                pending = self._queue.popleft()
-            try:
-                if pending.buffers is not None:
-                    pending.buffers.wait_until_copied()
-                self.commit(pending)
-            except BaseException as error:  # reaches the training thread at its next boundary
-                with self._condition:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                self.release(pending)
-                with self._condition:
-                    self.last_commit_end = time.monotonic()  # before _busy drops: see wrote_since
-                    self._busy = False
-                    self._condition.notify_all()
+    def _take_locked(self) -> PendingCheckpoint | None:
+        if not self._queue:
+            return None
+        self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
+        return self._queue.popleft()
 
-    # When the last commit ended (time.monotonic()); -inf before the first.
-    last_commit_end = -math.inf
+    def _run(self, pending: PendingCheckpoint) -> None:
+        if pending.buffers is not None:
+            pending.buffers.wait_until_copied()
+        self.commit(pending)
+
+    def _after(self, pending: PendingCheckpoint) -> None:
+        self.release(pending)
+
+    def _idle_locked(self) -> None:
+        self._busy = False
 
     def wrote_since(self, since: float) -> bool:
         """Whether a checkpoint was queued or being written at any moment after ``since`` (a
         ``time.monotonic()`` reading), given that nothing was submitted since then: whether a
         split that started at ``since`` overlapped a write. Lock-free (once per split): read in
-        the reverse order of the writes in :meth:`_work`."""
-        return bool(self._queue) or self._busy or self.last_commit_end >= since
+        the reverse order of the writes in BackgroundWorker._work."""
+        return bool(self._queue) or self._busy or self.last_end >= since
 
     def _raise_pending_locked(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._take_error_locked()
+        if error is not None:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
@@ -305,8 +300,5 @@ class BackgroundWriter(_Committer):
 
     def close(self) -> None:
         self.flush()
-        with self._condition:
-            self._closing = True
-            self._condition.notify_all()
-        self._thread.join()
+        self._stop_thread()
         self.check()

@@ -26,19 +26,19 @@ deletes; after it, the checkpoint is whole. Either way no partial checkpoint is 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
 from engine.checkpoint.codec import EncodedState, encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord
+from engine.checkpoint.writer import PendingCheckpoint
 from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, checkpoint_name
 from engine.distributed import state_parts
 from engine.distributed.environment import DistributedContext
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError, ReplicaDivergence
 
-if TYPE_CHECKING:
-    from engine.checkpoint.writer import PendingCheckpoint, _Committer
 
 
 @dataclasses.dataclass
@@ -50,12 +50,24 @@ class _PartReport:
     error: str | None
 
 
+@dataclasses.dataclass
+class _Round:
+    """The checkpoint being committed: its staging directory, and whether rank 0 gathered the
+    other ranks' reports yet (they wait in that gather whatever happens)."""
+
+    staging: str
+    gathered: bool = False
+
+
 class GroupCommit:
-    """The commit across ranks for one process of a distributed job (see the module docstring)."""
+    """The commit across ranks for one process of a distributed job (see the module docstring):
+    the :class:`engine.checkpoint.commit.Committer` of each rank, chosen once when the run is
+    distributed."""
 
     def __init__(self, context: DistributedContext) -> None:
         self.context = context
         self._next_sequence = 0
+        self._round = _Round("")
 
     @property
     def is_writer(self) -> bool:
@@ -112,58 +124,74 @@ class GroupCommit:
         written = state if self.is_writer else state_parts.rank_part(state)
         return encode_state(written), digest
 
-    def commit(self, committer: "_Committer", pending: "PendingCheckpoint") -> str:
-        """Write this rank's part of ``pending`` and take part in its commit; the name of the
-        committed checkpoint, or the error every rank raises when it did not commit."""
+    # ---- the Committer of one rank (engine.checkpoint.commit) ----------------------------
+    @property
+    def commits(self) -> bool:
+        """Rank 0 commits; the other ranks write their parts."""
+        return self.is_writer
+
+    def prepare(self, store: CheckpointStore, request: CommitRequest) -> CommitRequest:
+        """Take the next agreed sequence and the staging directory every rank writes into."""
         sequence = self._next_sequence
         self._next_sequence += 1
-        name = checkpoint_name(sequence)
-        staging = f"tmp-{sequence:010d}-{self.context.attempt}" if committer.store.storage.rename_is_atomic else name
+        staging = f"tmp-{sequence:010d}-{self.context.attempt}" if store.storage.rename_is_atomic else checkpoint_name(sequence)
+        self._round = _Round(staging)
+        return dataclasses.replace(request, sequence=sequence, staging=staging)
+
+    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
+        """Rank 0: write the main files, gather the other ranks' parts, commit. Other ranks:
+        write this rank's part, report it, and return the outcome rank 0 announces."""
+        assert request.sequence is not None and request.staging is not None, "prepare() first"
         if self.is_writer:
-            return self._commit_as_writer(committer, pending, sequence, staging)
-        report = self._write_rank_part(committer, pending, f"{CHECKPOINT_DIR}/{staging}")
+            return self._commit_as_writer(store, pending, request)
+        name = checkpoint_name(request.sequence)
+        report = self._write_rank_part(store, pending, request, f"{CHECKPOINT_DIR}/{request.staging}")
         self._gather(report)
         outcome = self._announce(None)
         if outcome != name:
             raise _outcome_error(outcome)
         return name
 
-    def _write_rank_part(self, committer: "_Committer", pending: "PendingCheckpoint", directory: str) -> _PartReport:
-        storage = committer.store.storage
+    def settle(self, store: CheckpointStore, outcome: str | BaseException) -> None:
+        """Rank 0: announce the outcome to every rank; after a failure, first the gather the
+        other ranks wait in (when it did not happen) and the removal of the staging directory."""
+        round_ = self._round
+        if isinstance(outcome, BaseException):
+            if not round_.gathered:
+                self._gather(_PartReport({}, {}, "rank 0 failed first"))
+            store.discard_staging(round_.staging)
+            self._announce(f"error: {type(outcome).__name__}: {outcome}")
+            return
+        self._announce(outcome)
+
+    def _write_rank_part(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+                         directory: str) -> _PartReport:
+        storage = store.storage
         tensors_file, header_file = state_parts.rank_files(self.context.rank)
+        release = request.on_data_written or (lambda: None)
         try:
             storage.makedirs(directory)
             records = {}
             for file_name, chunks in ((tensors_file, pending.encoded.tensor_chunks()),
                                       (header_file, [pending.encoded.header])):
                 records[file_name] = storage.write(f"{directory}/{file_name}", chunks, durable=False)
-            committer.release(pending)
+            release()
             storage.sync([f"{directory}/{file_name}" for file_name in records])
         except OSError as error:
             return _PartReport({}, pending.digest or {}, f"rank {self.context.rank}: {type(error).__name__}: {error}")
         finally:
-            committer.release(pending)
+            release()
         return _PartReport(records, pending.digest or {}, None)
 
-    def _commit_as_writer(self, committer: "_Committer", pending: "PendingCheckpoint", sequence: int, staging: str) -> str:
-        gathered = False
-
-        def gather_parts() -> dict[str, FileRecord]:
-            nonlocal gathered
-            gathered = True
-            reports = self._gather(_PartReport({}, pending.digest or {}, None))
-            return self._check_reports(reports)
-
+    def _commit_as_writer(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
+        staged = store.stage(request)
         try:
-            name = committer.commit_files(pending, sequence, staging, gather_parts)
-        except BaseException as error:
-            if not gathered:
-                self._gather(_PartReport({}, {}, "rank 0 failed first"))
-            committer.store.discard_staging(staging)
-            self._announce(f"error: {type(error).__name__}: {error}")
+            self._round.gathered = True
+            parts = self._check_reports(self._gather(_PartReport({}, pending.digest or {}, None)))
+        except BaseException:
+            staged.discard()
             raise
-        self._announce(name)
-        return name
+        return staged.commit(parts)
 
     def _check_reports(self, reports: list[_PartReport]) -> dict[str, FileRecord]:
         failed = [report.error for report in reports[1:] if report.error is not None]

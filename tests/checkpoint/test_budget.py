@@ -18,6 +18,7 @@ import engine.errors
 from engine import faults
 from engine.checkpoint.budget import AUTO_MAX_INTERVAL, OverheadBudget
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -211,7 +212,7 @@ def test_the_background_writer_reports_when_it_was_writing():
 def test_the_durable_tier_promoter_reports_when_it_was_copying(tmp_path):
     fast = CheckpointStore(Storage(str(tmp_path / "fast")))
     durable = CheckpointStore(Storage(f"memory://budget-{uuid.uuid4().hex}"))
-    name = fast.write(encode_state({"weights": torch.zeros(3)}), encode_tree(ProgressTree()), None, 1)
+    name = fast.write(CommitRequest.of_state(encode_state({"weights": torch.zeros(3)}), encode_tree(ProgressTree()), None, 1))
     entered, leave = threading.Event(), threading.Event()
     original = durable.copy_from
 

@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from engine.checkpoint.checksum import CRC32, CRC32C, checksum
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord, verify_file
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -104,12 +105,12 @@ def test_a_large_state_is_checksummed_while_its_files_reach_the_disk(tmp_path, d
 
     import progress
     from engine.checkpoint.codec import encode_state
-    from engine.checkpoint.store import _OVERLAP_CHECKSUM_BYTES
+    from engine.checkpoint.staged import _OVERLAP_CHECKSUM_BYTES
 
     weights = torch.arange(_OVERLAP_CHECKSUM_BYTES // 4 + 1000, dtype=torch.float32)
     store = CheckpointStore(Storage(str(tmp_path / "run")), durable=durable)
-    name = store.write(encode_state({"w": weights}), progress.encode_tree(progress.ProgressTree()), cursor=None,
-                       generation=0)
+    name = store.write(CommitRequest.of_state(encode_state({"w": weights}), progress.encode_tree(progress.ProgressTree()),
+                                              cursor=None, generation=0))
     directory = tmp_path / "run" / "checkpoints" / name
     manifest = json.loads((directory / "MANIFEST.json").read_text())
     for file_name, record in manifest["files"].items():

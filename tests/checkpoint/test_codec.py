@@ -17,6 +17,7 @@ import torch
 
 import engine
 from engine.checkpoint import codec
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import Manifest, verify_file
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
@@ -468,7 +469,7 @@ def test_boolean_version_is_refused():
 def _write_checkpoint(store: CheckpointStore, weight: torch.Tensor) -> str:
     encoded = codec.encode_state({"weight": weight, "step": 3})
     tree = ProgressTree(cursor=Cursor(0, 1, 2, 0))
-    return store.write(encoded, encode_tree(tree), tree.cursor, generation=0)
+    return store.write(CommitRequest.of_state(encoded, encode_tree(tree), tree.cursor, generation=0))
 
 
 def _replace_file_and_fix_manifest(directory, file_name: str, content: bytes) -> None:

@@ -14,6 +14,7 @@ import torch
 
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -28,8 +29,8 @@ def commit(store, sequence, generation, value=0.0, fence=None):
     encoded = encode_state({"weight": torch.full((3,), float(value))})
     cursor = Cursor(0, 0, sequence, 0)
     fenced = {} if fence is None else {"fence": fence}
-    return store.write(encoded, encode_tree(ProgressTree(cursor=cursor)), cursor, generation, sequence=sequence,
-                       **fenced)
+    return store.write(CommitRequest.of_state(encoded, encode_tree(ProgressTree(cursor=cursor)), cursor, generation,
+                                              sequence=sequence, **fenced))
 
 
 def run_dir_for(tmp_path, where):

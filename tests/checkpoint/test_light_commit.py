@@ -7,6 +7,7 @@ import os
 import torch
 
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from progress import Cursor, ProgressTree, encode_tree
@@ -15,7 +16,8 @@ from progress import Cursor, ProgressTree, encode_tree
 def commit(store, sequence, size=2):
     cursor = Cursor(0, 0, sequence, 0)
     state = {"weight": torch.full((size,), float(sequence))}
-    name = store.write(encode_state(state), encode_tree(ProgressTree(cursor=cursor)), cursor, 1, sequence=sequence)
+    name = store.write(CommitRequest.of_state(encode_state(state), encode_tree(ProgressTree(cursor=cursor)), cursor, 1,
+                                              sequence=sequence))
     store.apply_retention(2, 1)
     return name
 

@@ -9,7 +9,9 @@ import torch
 
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
+from engine.checkpoint.storage_local import LocalStorage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run
 from engine.checkpoint.metrics_log import METRICS_FILE
@@ -19,8 +21,9 @@ from scenarios import train_with_checkpoints
 
 def commit(store, sequence, generation=1):
     cursor = Cursor(0, 0, sequence, 0)
-    return store.write(encode_state({"weight": torch.full((2,), float(sequence))}), encode_tree(ProgressTree(cursor=cursor)),
-                       cursor, generation, sequence=sequence)
+    return store.write(CommitRequest.of_state(encode_state({"weight": torch.full((2,), float(sequence))}),
+                                              encode_tree(ProgressTree(cursor=cursor)), cursor, generation,
+                                              sequence=sequence))
 
 
 def trained(tmp_path, keep_last=None):
@@ -80,14 +83,14 @@ def test_a_file_or_directory_in_the_wrong_place_is_invalid_and_skipped(tmp_path,
 
 def test_an_io_error_reading_the_newest_checkpoint_falls_back_to_the_previous(tmp_path, monkeypatch):
     run_dir, store, names = trained(tmp_path)
-    original = Storage.read_into
+    original = LocalStorage.read_into
 
     def failing(self, relative, size):
         if relative.startswith(f"checkpoints/{names[-1]}/"):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return original(self, relative, size)
 
-    monkeypatch.setattr(Storage, "read_into", failing)
+    monkeypatch.setattr(LocalStorage, "read_into", failing)
     with pytest.raises(engine.CheckpointCorrupt, match=f"{names[-1]}: cannot be read: OSError"):
         store.load(names[-1])
     with pytest.warns(UserWarning, match=f"skipping checkpoint {names[-1]}"):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MANIFEST_FILE
 from engine.checkpoint.storage import Storage
@@ -28,8 +29,9 @@ from scenarios import train_with_checkpoints
 
 def commit(store, sequence, generation, value):
     cursor = Cursor(0, 0, sequence, 0)
-    return store.write(encode_state({"weight": torch.full((3,), float(value))}), encode_tree(ProgressTree(cursor=cursor)),
-                       cursor, generation, sequence=sequence)
+    return store.write(CommitRequest.of_state(encode_state({"weight": torch.full((3,), float(value))}),
+                                              encode_tree(ProgressTree(cursor=cursor)), cursor, generation,
+                                              sequence=sequence))
 
 
 def objects(url):

@@ -17,6 +17,7 @@ import torch
 
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import Manifest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -101,8 +102,8 @@ def test_checkpoints_another_run_wrote_into_the_tier_are_never_resumed_from(s3_r
 
 def commit(store, sequence):
     cursor = Cursor(0, 0, sequence, 0)
-    return store.write(encode_state({"weight": torch.full((3,), float(sequence))}),
-                       encode_tree(ProgressTree(cursor=cursor)), cursor, 1, sequence=sequence)
+    return store.write(CommitRequest.of_state(encode_state({"weight": torch.full((3,), float(sequence))}),
+                                              encode_tree(ProgressTree(cursor=cursor)), cursor, 1, sequence=sequence))
 
 
 def test_a_store_bound_to_a_run_reads_only_that_runs_checkpoints(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
@@ -117,8 +118,8 @@ def _forge_rng(run_dir, name, where, forge):
     forge(where(loaded.state))
     store.storage.remove_tree(f"checkpoints/{name}")
     forged = CheckpointStore(Storage(run_dir))
-    forged.write(encode_state(loaded.state), progress_bytes, loaded.manifest.cursor,
-                 loaded.manifest.writer_generation, sequence=int(name[5:]))
+    forged.write(CommitRequest.of_state(encode_state(loaded.state), progress_bytes, loaded.manifest.cursor,
+                                        loaded.manifest.writer_generation, sequence=int(name[5:])))
     assert forged.verifies(name)
 
 

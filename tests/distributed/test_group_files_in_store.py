@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -22,12 +23,11 @@ def _write(tmp_path: pathlib.Path, extra_name: str) -> tuple[CheckpointStore, st
     staging = "tmp-0000000001-123456"
     part = encode_state({"rng": {"seed": 2}})
 
-    def gather_parts() -> dict[str, FileRecord]:  # what another rank wrote into the staging directory
-        size, crc = store.storage.write(f"checkpoints/{staging}/{extra_name}", [part.header], durable=True)
-        return {extra_name: FileRecord(size, crc)}
-
-    name = store.write(encode_state({"w": torch.ones(2)}), encode_tree(ProgressTree(records={})), None, 1,
-                       sequence=1, staging=staging, gather_parts=gather_parts)
+    staged = store.stage(CommitRequest.of_state(encode_state({"w": torch.ones(2)}), encode_tree(ProgressTree(records={})),
+                                                None, 1, sequence=1, staging=staging))
+    # What another rank wrote into the staging directory, reported to rank 0.
+    size, crc = store.storage.write(f"checkpoints/{staging}/{extra_name}", [part.header], durable=True)
+    name = staged.commit({extra_name: FileRecord(size, crc)})
     return store, name
 
 

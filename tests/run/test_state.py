@@ -11,6 +11,7 @@ import torch
 
 import engine
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run
@@ -83,8 +84,8 @@ def append_checkpoint_with(run_dir, breakage):
     loaded, state = newest_state(run_dir)
     breakage(state)
     progress_bytes = Storage(run_dir).read(f"checkpoints/{loaded.name}/progress.msgpack")
-    return loaded.name, store.write(encode_state(state), bytes(progress_bytes), loaded.progress.cursor,
-                                    generation=store.newest_generation())
+    return loaded.name, store.write(CommitRequest.of_state(encode_state(state), bytes(progress_bytes),
+                                                           loaded.progress.cursor, generation=store.newest_generation()))
 
 
 @pytest.mark.parametrize("breakage", [negative_metrics_bytes, rng_with_wrong_dtype, drop_key], ids=lambda f: f.__name__)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.checkpoint.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
 from engine.checkpoint.cadence import BackgroundWork, Cadence, choose_cadence
+from engine.checkpoint.checkpointing import BoundaryMark
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from engine.distributed.commit import GroupCommit
     from engine.run.state import RunSnapshot
 
-BoundaryMark = tuple[int, int]
 
 
 class RunCheckpointer:
@@ -181,15 +181,18 @@ class RunCheckpointer:
         """The interval ``every_n_splits="auto"`` chose so far (None without "auto")."""
         return self._cadence.auto_interval
 
-    def due_at_epoch_end(self) -> bool:
-        """Whether a checkpoint is due after this epoch's end-of-epoch work: the policy asks for
-        one after each epoch, or the epoch end produced a monitored value (its record belongs to
-        a checkpoint of this boundary's weights, see :meth:`offer_metrics`)."""
-        return self.policy.at_epoch_end or self._fresh_monitor is not None
+    def due_at_epoch_end(self, asked: bool = False) -> bool:
+        """Whether a checkpoint is due after this epoch's end-of-epoch work: the run ``asked``
+        for one (to stop), the policy asks for one after each epoch, or the epoch end produced a
+        monitored value (its record belongs to a checkpoint of this boundary's weights, see
+        :meth:`offer_metrics`)."""
+        return asked or self.policy.at_epoch_end or self._fresh_monitor is not None
 
-    def due_at_split(self, units_completed: int, optimizer_steps: int) -> bool:
-        """Whether the policy asks for a checkpoint at this split boundary."""
-        return self._cadence.due_at_split(units_completed, optimizer_steps)
+    def due_at_split(self, units_completed: int, optimizer_steps: int, asked: bool = False) -> bool:
+        """Whether a checkpoint is due at this split boundary: the run ``asked`` for one (to
+        stop, or after a validation; the cadence then does not time this split), or the
+        cadence says so."""
+        return asked or self._cadence.due_at_split(units_completed, optimizer_steps)
 
     def offer_metrics(self, values: dict[str, float]) -> None:
         """New metric values were produced (a validation pass, an epoch's aggregates) at the

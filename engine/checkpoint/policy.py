@@ -65,7 +65,7 @@ class RunCheckpointer:
         if self._group is None or self._group.is_writer:
             self._lease.acquire(minimum_generation=self.store.newest_generation(),
                                 committed_sequence=self._takeover_sequence)
-            self._metrics.fence = self._lease.verify
+            self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
         if self._group is not None:
@@ -150,9 +150,9 @@ class RunCheckpointer:
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
         if policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
-                                            policy.max_in_flight, policy.when_behind, self._group)
+                                            policy.max_in_flight, policy.when_behind, self._group, self._metrics)
         else:
-            self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group)
+            self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group, self._metrics)
         self._tiering.start(self._writer, retention, also_sync, self._lease, units)
         self._cadence.start(optimizer_steps, units, self._background_work())
 
@@ -212,17 +212,13 @@ class RunCheckpointer:
         self._cadence.save_starting()
         monitor, self._fresh_monitor = self._fresh_monitor, None
         try:
-            metrics_bytes = self._metrics.snapshot()
-            if metrics_bytes != snapshot.state["metrics_bytes"]:
-                raise CheckpointWriteError(f"metrics.jsonl will hold {metrics_bytes} bytes, the snapshot recorded "
-                                           f"{snapshot.state['metrics_bytes']}")
             if self._group is None:
                 encoded, digest = encode_state(snapshot.state), None
             else:
                 encoded, digest = self._group.encode(snapshot.state, snapshot.progress_bytes)
                 force = True  # every rank must write every agreed checkpoint: none is skipped
             pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
-                                        publish_metrics=functools.partial(self._metrics.write_until, metrics_bytes),
+                                        metrics_bytes=snapshot.metrics_bytes,
                                         durable=self._tiering.durable_due(mark[0], force) or monitor is not None,
                                         monitor=monitor,
                                         digest=digest)

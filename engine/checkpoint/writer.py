@@ -30,6 +30,7 @@ from progress import Cursor
 
 if TYPE_CHECKING:
     from engine.distributed.commit import GroupCommit
+    from engine.run.metrics_log import MetricsLog
 
 
 @dataclasses.dataclass
@@ -38,8 +39,9 @@ class PendingCheckpoint:
     progress_bytes: bytes
     cursor: Cursor | None
     buffers: "SnapshotBuffers | None" = None
-    # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
-    publish_metrics: Callable[[], None] | None = None
+    # The length metrics.jsonl has once the lines this checkpoint counts are appended (after
+    # the fence, by the writer's metrics log); 0: none to publish.
+    metrics_bytes: int = 0
     # With a fast tier: whether this checkpoint must also reach the durable tier.
     durable: bool = True
     # The monitored metric's fresh value this checkpoint is taken for (best checkpoints).
@@ -111,8 +113,10 @@ class _Committer:
     """What both writers do with a pending checkpoint."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
-                 also_sync: Callable[[], list[str]], group: "GroupCommit | None" = None) -> None:
+                 also_sync: Callable[[], list[str]], group: "GroupCommit | None" = None,
+                 metrics: "MetricsLog | None" = None) -> None:
         self.store = store
+        self.metrics = metrics  # publishes each checkpoint's metrics lines
         self.group = group
         self.lease = lease
         self.retention = retention
@@ -133,8 +137,8 @@ class _Committer:
         fence = self.lease.verify if self.lease is not None else None
         if fence is not None:
             fence()
-        if pending.publish_metrics is not None:
-            pending.publish_metrics()
+        if self.metrics is not None:
+            self.metrics.write_until(pending.metrics_bytes)
         generation = self.lease.generation if self.lease is not None else 0
         if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
             def write(store: CheckpointStore, sequence: int) -> str:
@@ -184,8 +188,8 @@ class BackgroundWriter(_Committer):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 group: "GroupCommit | None" = None) -> None:
-        super().__init__(store, lease, retention, also_sync, group)
+                 group: "GroupCommit | None" = None, metrics: "MetricsLog | None" = None) -> None:
+        super().__init__(store, lease, retention, also_sync, group, metrics)
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._condition = threading.Condition()

@@ -255,6 +255,7 @@ class FitRun:
         return progress
 
     def _save(self, force: bool = False) -> None:
-        snapshot = run_state.capture(self.parts, self._progress(), self.metrics.length_after_flush(), self._elapsed())
+        # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
+        snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)

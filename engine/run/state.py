@@ -107,11 +107,18 @@ class RunParts:
 
 @dataclasses.dataclass
 class RunSnapshot:
-    """One checkpoint's content before encoding: the state tree and the encoded progress."""
+    """One checkpoint's content before encoding: the state tree and the encoded progress; and
+    what its commit publishes (:attr:`metrics_bytes`)."""
 
     state: dict[str, Any]
     progress_bytes: bytes
     progress: ProgressTree
+
+    @property
+    def metrics_bytes(self) -> int:
+        """What the checkpoint publishes besides itself: the length ``metrics.jsonl`` has once
+        the lines it counts are appended (the metrics log sealed them when it was captured)."""
+        return int(self.state[METRICS_BYTES])
 
 
 @dataclasses.dataclass

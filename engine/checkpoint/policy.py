@@ -10,22 +10,22 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from engine.checkpoint.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
+from engine.checkpoint.abandoned import read_abandoned
 from engine.checkpoint.cadence import BackgroundWork, Cadence, choose_cadence
 from engine.checkpoint.checkpointing import BoundaryMark
-from engine.checkpoint.codec import encode_state
+from engine.checkpoint.codec import EncodedState, encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
 from engine.checkpoint.tiering import Tiering, choose_tiering
-from engine.checkpoint.tiers import latest_across, load_named, stores_newest_first
+from engine.checkpoint.resume_choice import choose_checkpoint, newer_than, record_abandoned
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
-from engine.errors import CheckpointCorrupt, CheckpointNotFound, CheckpointWriteError, WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 from engine.run.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
@@ -44,6 +44,7 @@ class RunCheckpointer:
         self.store = CheckpointStore(storage)
         # A distributed run: rank 0 holds the one lease of the job and commits (engine.distributed).
         self._group = group
+        self._side: CommitSide = _Alone() if group is None else _InGroup(group)
         self.policy = policy
         self._storage = storage
         self._metrics = metrics
@@ -62,14 +63,13 @@ class RunCheckpointer:
     def acquire(self) -> None:
         """Take the writer lease (WriterConflict if another live process holds it) and clean
         up what crashed writers left. Call before reading checkpoints to resume."""
-        if self._group is None or self._group.is_writer:
+        if self._side.is_writer:
             self._lease.acquire(minimum_generation=self.store.newest_generation(),
                                 committed_sequence=self._takeover_sequence)
             self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
-        if self._group is not None:
-            self._group.after_acquire(self.store)
+        self._side.after_acquire(self.store)
 
     def _takeover_sequence(self) -> int:
         """The highest sequence committed when this writer takes the lease over (its takeover
@@ -81,53 +81,19 @@ class RunCheckpointer:
         fresh. "auto"/"latest" take the newest that verifies and whose state passes
         ``validate``; a run dir whose every checkpoint is invalid is refused, never restarted
         silently."""
-        if self._group is not None:
-            loaded = self._group.select(functools.partial(self._select, resume, validate), self.store, validate)
-        else:
-            loaded = self._select(resume, validate)
+        loaded = self._side.select(functools.partial(self._select, resume, validate), self.store, validate)
         self._resumed_name = None if loaded is None else loaded.name
         return loaded
 
     def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
-        if resume == "off":
-            return None
-        stores = self._tiering.stores()
-        if resume not in ("auto", "latest"):
-            return load_named(stores, resume, validate)
-        latest = latest_across(stores, validate, self._skipped_as_abandoned(stores))
-        if latest is not None:
-            return latest
-        existing = [name for store in stores for name in store.committed_names()]
-        if existing:
-            raise CheckpointCorrupt(
-                f"{len(existing)} checkpoint(s) in {self._storage.url} and none verifies; "
-                "refusing to start over silently (pass resume='off' to start a fresh run)"
-            )
-        if resume == "latest":
-            raise CheckpointNotFound(f"resume='latest' but {self._storage.url} holds no checkpoint")
-        return None
-
-    def _skipped_as_abandoned(self, stores: list[CheckpointStore]) -> frozenset[str]:
-        """The abandoned checkpoints "auto"/"latest" leaves out, with a warning naming those
-        still present."""
-        abandoned = read_abandoned(self._storage)
-        present = sorted({name for store in stores for name in store.committed_names()} & abandoned)
-        if present:
-            warnings.warn(f"resume: skipping {describe_names(present)}: a run resumed from an older checkpoint "
-                          f"abandoned them ({self._storage.url}/{ABANDONED_FILE}); resume one by name to return "
-                          "to it", stacklevel=4)
-        return abandoned
+        return choose_checkpoint(resume, validate, self._tiering.stores(), self._storage)
 
     def abandon_newer_than(self, name: str) -> list[str]:
         """Resuming by name from ``name``: record the checkpoints newer than it as abandoned
         (engine.checkpoint.abandoned) before any commit; returns their names, oldest first."""
-        names = [entry for _, entry in stores_newest_first(self._tiering.stores())]
-        newer = sorted(set(names[:names.index(name)])) if name in names else []
-        if self._group is None or self._group.is_writer:
-            recorded = read_abandoned(self._storage)
-            abandoned = (recorded - {name}) | set(newer)
-            if abandoned != recorded:
-                write_abandoned(self._storage, abandoned)
+        newer = newer_than(name, self._tiering.stores())
+        if self._side.is_writer:
+            record_abandoned(self._storage, name, newer)
         return newer
 
     def existing_names(self) -> list[str]:
@@ -146,7 +112,7 @@ class RunCheckpointer:
         units = resumed_mark[0] if resumed_mark is not None else 0
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
         policy = self.policy
-        abandoned = read_abandoned(self._storage) if self._group is None or self._group.is_writer else frozenset()
+        abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
         if policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
@@ -212,11 +178,9 @@ class RunCheckpointer:
         self._cadence.save_starting()
         monitor, self._fresh_monitor = self._fresh_monitor, None
         try:
-            if self._group is None:
-                encoded, digest = encode_state(snapshot.state), None
-            else:
-                encoded, digest = self._group.encode(snapshot.state, snapshot.progress_bytes)
-                force = True  # every rank must write every agreed checkpoint: none is skipped
+            encoded, digest = self._side.encode(snapshot.state, snapshot.progress_bytes)
+            # A distributed run: every rank must write every agreed checkpoint, none is skipped.
+            force = force or self._side.writes_every_save
             pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
                                         metrics_bytes=snapshot.metrics_bytes,
                                         durable=self._tiering.durable_due(mark[0], force) or monitor is not None,
@@ -293,3 +257,66 @@ class RunCheckpointer:
                               stacklevel=4)
         if first is not None:
             raise first
+
+
+class CommitSide(Protocol):
+    """This process's side of choosing and committing checkpoints: alone, or one rank of a
+    group (engine.distributed.commit)."""
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process holds the lease and writes the run's shared files."""
+
+    @property
+    def writes_every_save(self) -> bool:
+        """Whether every save is forced (the ranks must all write every agreed checkpoint)."""
+
+    def after_acquire(self, store: CheckpointStore) -> None:
+        """The lease is held (by rank 0)."""
+
+    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
+               validate: StateValidator) -> LoadedCheckpoint | None:
+        """The checkpoint ``choose`` returns (rank 0's choice, for every rank)."""
+
+    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
+        """What this process writes, and the digest of its replicated state (None: alone)."""
+
+
+class _Alone:
+    """A single process chooses, encodes and commits by itself."""
+
+    is_writer = True
+    writes_every_save = False
+
+    def after_acquire(self, store: CheckpointStore) -> None:
+        pass
+
+    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
+               validate: StateValidator) -> LoadedCheckpoint | None:
+        return choose()
+
+    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
+        return encode_state(state), None
+
+
+class _InGroup:
+    """One rank of a torchrun job (engine.distributed.commit.GroupCommit)."""
+
+    writes_every_save = True
+
+    def __init__(self, group: GroupCommit) -> None:
+        self._group = group
+
+    @property
+    def is_writer(self) -> bool:
+        return self._group.is_writer
+
+    def after_acquire(self, store: CheckpointStore) -> None:
+        self._group.after_acquire(store)
+
+    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
+               validate: StateValidator) -> LoadedCheckpoint | None:
+        return self._group.select(choose, store, validate)
+
+    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
+        return self._group.encode(state, progress_bytes)

@@ -3,6 +3,11 @@
 When to save (split cadence, epoch end), which checkpoint to resume from, the writer lease,
 the (a)synchronous writer, and what to do when a write fails. The run hands it snapshots
 (:class:`engine.run.state.RunSnapshot`); it never calls back into the run.
+
+What varies is chosen once, in the constructor: the cadence (engine.checkpoint.cadence: fixed or
+"auto"), the tiering (engine.checkpoint.tiering: one tier or two) and this process's side of the
+commit (:class:`CommitSide`: alone, or one rank of a torchrun group). The choice of the
+checkpoint to resume from is engine.checkpoint.resume_choice's.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
-from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.resume_choice import choose_checkpoint, newer_than, record_abandoned
+from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, WriterConflict
@@ -32,7 +37,6 @@ from progress import Cursor
 if TYPE_CHECKING:
     from engine.distributed.commit import GroupCommit
     from engine.run.state import RunSnapshot
-
 
 
 class RunCheckpointer:

@@ -87,7 +87,7 @@ import engine.checkpoint.policy
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _Committer
 from engine.run.run import FitRun
-from engine.rng import capture_global_rng
+from engine.data.rng import capture_global_rng
 
 # One intra-op thread: on a 2-core machine shared with other work, 2 threads oversubscribe; it
 # also leaves the second core to the background writer, as a GPU job leaves CPU cores free.

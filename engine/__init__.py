@@ -14,7 +14,7 @@ Public API (see docs/quickstart.md)::
 
 from engine.callbacks import Callback, RunView
 from engine.config import CheckpointConfig, TrainerConfig
-from engine.early_stopping import EarlyStopping
+from engine.callbacks.early_stopping import EarlyStopping
 from engine.errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -30,9 +30,9 @@ from engine.errors import (
     WriterConflict,
     ReplicaDivergence,
 )
-from engine.fingerprint import fingerprint
+from engine.checkpoint.fingerprint import fingerprint
 from engine.module import Module
-from engine.optim_setup import LRSchedule
+from engine.loops.optim_setup import LRSchedule
 from engine.result import FitResult
 from engine.data.splitting import split_along_time
 from engine.run.preemption import preemption_safe

@@ -50,8 +50,8 @@ import torch
 from engine.data.splitting import Batch, split_along_time
 from engine.loops.precision import Precision
 from engine.errors import ModuleContractError
-from engine.optim_setup import OptimizerSetup
-from engine.run.logged import MetricLogger, Reduce
+from engine.loops.optim_setup import OptimizerSetup
+from engine.loops.logged import MetricLogger, Reduce
 
 
 class Module(torch.nn.Module):

@@ -333,7 +333,7 @@ def _forkable(args: list[str]) -> bool:
 
 class SubprocessShim:
     """Stands in for the ``subprocess`` module inside code that starts Python children (e.g.
-    ``engine.faults.harness``): its ``run`` and ``Popen`` fork from the server."""
+    ``engine.testing.harness``): its ``run`` and ``Popen`` fork from the server."""
 
     PIPE = PIPE
     DEVNULL = DEVNULL

@@ -385,6 +385,6 @@ if __name__ == "__main__":
 
 
 def harness_train(run_dir: str, name: str = "tbptt") -> engine.FitResult:
-    """A training function for engine.faults.harness (``scenarios:harness_train``)."""
+    """A training function for engine.testing.harness (``scenarios:harness_train``)."""
     torch.set_num_threads(1)
     return train_with_checkpoints(name, run_dir)

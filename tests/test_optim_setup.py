@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import engine
-from engine.optim_setup import LRSchedule, read_optimizer_setup
+from engine.loops.optim_setup import LRSchedule, read_optimizer_setup
 
 
 def optimizer_and_scheduler():

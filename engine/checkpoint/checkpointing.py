@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine.checkpoint.store import LoadedCheckpoint, StateValidator
 from engine.errors import CheckpointNotFound
-from engine.run.metrics_log import MetricsLog
+from engine.checkpoint.metrics_log import MetricsLog
 from progress import Cursor
 
 if TYPE_CHECKING:

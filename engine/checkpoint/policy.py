@@ -31,7 +31,7 @@ from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, WriterConflict
-from engine.run.metrics_log import METRICS_FILE, MetricsLog
+from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
 if TYPE_CHECKING:

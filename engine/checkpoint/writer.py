@@ -30,7 +30,7 @@ from progress import Cursor
 
 if TYPE_CHECKING:
     from engine.distributed.commit import GroupCommit
-    from engine.run.metrics_log import MetricsLog
+    from engine.checkpoint.metrics_log import MetricsLog
 
 
 @dataclasses.dataclass

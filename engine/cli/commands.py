@@ -12,7 +12,7 @@ from engine import faults
 from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import ConfigError
-from engine.fingerprint import fingerprint
+from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
@@ -99,7 +99,7 @@ def run_list_faults() -> int:
 
 def run_chaos(args: argparse.Namespace) -> int:
     from engine.faults.chaos import chaos_faults
-    from engine.faults.harness import FaultReport, Trial, check_fault_tolerance, check_work_dir
+    from engine.testing.harness import FaultReport, Trial, check_fault_tolerance, check_work_dir
 
     if (args.trials is not None and args.trials <= 0) or args.epochs <= 0:
         print("error: --trials and --epochs must be positive", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointNotFound, ConfigError, EngineError
-from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE
+from engine.checkpoint.metrics_log import METRICS_FILE, RESUMES_FILE
 
 _STAGE_PREFIXES = ("train_", "val_", "validation_", "test_")
 TRAINING_LOSS = "loss"  # the name of the per-split training loss in its panel

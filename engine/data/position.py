@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, shut_down_workers
 from engine.errors import DataError
-from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
 
 EXHAUSTED = object()
 _NO_BATCH = object()

@@ -91,7 +91,7 @@ def build_demo(seed: int) -> tuple[CharLSTM, DataLoader]:
 
 
 def train(run_dir: str, epochs: str = "2", seed: str = "0") -> engine.FitResult:
-    """The demo as a training function for :mod:`engine.faults.harness` and ``python -m engine chaos``:
+    """The demo as a training function for :mod:`engine.testing.harness` and ``python -m engine chaos``:
     checkpoints every split into ``run_dir`` and resumes from it."""
     module, loader = build_demo(int(seed))
     config = engine.TrainerConfig(max_epochs=int(epochs), run_dir=run_dir, progress_bar="off")

@@ -34,7 +34,7 @@ from typing import Iterator, Sequence
 
 from engine.distributed.preemption_marker import MARKER_VARIABLE, WORKERS_VARIABLE, registered_workers
 from engine.errors import ConfigError
-from engine.run.preemption import PreemptionWatcher
+from engine.faults.preemption import PreemptionWatcher
 
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 POLL_SECONDS = 0.1

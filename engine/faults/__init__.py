@@ -1,5 +1,5 @@
-"""Fault injection: named points (:mod:`engine.faults.points`), a faulty filesystem, the
-fault-tolerance harness and ``chaos``. The public testing API is :mod:`engine.testing`."""
+"""Fault injection: named points (:mod:`engine.faults.points`), a faulty filesystem and
+``chaos``. The harness that proves a run resumes exactly is :mod:`engine.testing`."""
 
 from engine.faults.points import (
     ENVIRONMENT_VARIABLE,

@@ -31,8 +31,8 @@ from engine import faults
 from engine.data.workers import PreemptionSafeLoader
 from engine.errors import DataError, ModuleContractError
 from engine.loops.step_output import Hidden, detach_hidden
-from engine.rng import capture_global_rng, restore_global_rng
-from engine.run.logged import MetricLogger
+from engine.data.rng import capture_global_rng, restore_global_rng
+from engine.loops.logged import MetricLogger
 from progress import Progress
 
 ValidationCall = Callable[[Any, Hidden], Any]

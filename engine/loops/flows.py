@@ -27,7 +27,7 @@ from engine import faults
 from engine.errors import ModuleContractError
 from engine.loops.precision import Precision
 from engine.loops.step_output import Hidden, StepCall
-from engine.optim_setup import OptimizerSetup
+from engine.loops.optim_setup import OptimizerSetup
 from progress import Progress
 
 ReadOutput = Callable[[Any], "tuple[torch.Tensor, Hidden]"]

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from engine.describe import describe_nested
+from engine.loops.describe import describe_nested
 from engine.errors import ModuleContractError
 from engine.loops.context import Position
 

@@ -8,7 +8,7 @@ optimization, accumulation, clipping, precision, device)::
     no tbptt, one optimizer:               Fit -> Epoch -> AutomaticFlow
     manual optimization:                   Fit -> Epoch [-> Split] -> ManualFlow
 
-Between the epoch loop and the level below, :class:`~engine.run.device.OnDevice` moves each batch
+Between the epoch loop and the level below, :class:`~engine.loops.device.OnDevice` moves each batch
 to the run's device; the flow runs the step inside the run's
 :class:`~engine.loops.precision.Precision`.
 """
@@ -36,10 +36,10 @@ from engine.loops.precision import Precision, make_precision
 from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
 from engine.data.splitting import split_along_time
-from engine.optim_setup import OptimizerSetup
-from engine.run.compiled import original_module, training_step_of
-from engine.run.device import OnDevice, move_to_device
-from engine.run.logged import MetricLogger
+from engine.loops.optim_setup import OptimizerSetup
+from engine.loops.compiled import original_module, training_step_of
+from engine.loops.device import OnDevice, move_to_device
+from engine.loops.logged import MetricLogger
 from progress import ProgressTree
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ModuleContractError
-from engine.optim_setup import OptimizerSetup
+from engine.loops.optim_setup import OptimizerSetup
 
 
 def check_module(module: object) -> None:

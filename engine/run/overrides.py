@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.optim_setup import OptimizerSetup
+from engine.loops.optim_setup import OptimizerSetup
 
 # Scheduler state that counts progress (torch.optim.lr_scheduler), at any nesting level.
 SCHEDULER_PROGRESS_KEYS = frozenset({"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step",

@@ -28,17 +28,18 @@ from engine.loops.context import Position, StopState
 from engine.loops.stop import run_end, split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
 from engine.module import bind_precision, bind_run
-from engine.optim_setup import read_optimizer_setup
+from engine.loops.optim_setup import read_optimizer_setup
 from engine.result import FitResult
 from engine.run import state as run_state
-from engine.run.compiled import original_module
+from engine.loops.compiled import original_module
+from engine.loops.device import prepare_device, resolve_device
 from engine.run.coordinator import join_coordinator
-from engine.run.device import prepare_device, resolve_device
 from engine.run.display import Display
-from engine.run.logged import MetricLogger
-from engine.run.metrics_log import MetricsLog
+from engine.loops.logged import MetricLogger
+from engine.checkpoint.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
-from engine.run.preemption import PreemptionWatcher, run_requeue_command
+from engine.faults.preemption import PreemptionWatcher
+from engine.run.preemption import run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
 from progress import Cursor, ProgressTree
 

@@ -16,10 +16,10 @@ from engine.checkpoint.abandoned import describe_names
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.config import TrainerConfig
 from engine.loops.context import StopState
-from engine.optim_setup import OptimizerSetup
+from engine.loops.optim_setup import OptimizerSetup
 from engine.run import state as run_state
 from engine.run.display import Display
-from engine.run.metrics_log import MetricsLog
+from engine.checkpoint.metrics_log import MetricsLog
 from engine.run.overrides import BuiltSettings, overridden_settings
 from progress import RunEnd
 

@@ -8,7 +8,7 @@ engine.checkpoint.state_keys, which the distributed commit imports too)::
       "optimizers":      [optimizer.state_dict(), ...]
       "schedulers":      [scheduler.state_dict(), ...]
       "loops":           {"flow", "split", "data", "logged", "evaluation"}  (LoopTree.loop_states)
-      "rng":             every global random stream (engine.rng)
+      "rng":             every global random stream (engine.data.rng)
       "envelope":        the settings that change numerics (engine.run.envelope); a resume
                          under other settings warns, naming each difference
       "callbacks":       {callback key: callback.state_dict()}      (non-empty states only)
@@ -36,9 +36,9 @@ from engine.config import TrainerConfig
 from engine.distributed.state_parts import WORLD_SIZE, check_world_size
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
 from engine.loops.tree import LoopTree, tbptt_split_length
-from engine.optim_setup import OptimizerSetup
-from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
-from engine.run.compiled import live_keys, plain_state
+from engine.loops.optim_setup import OptimizerSetup
+from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
+from engine.loops.compiled import live_keys, plain_state
 from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
 from engine.run.overrides import BuiltSettings, built_settings
 from progress import ProgressSchemaError, ProgressTree, encode_tree

@@ -17,7 +17,7 @@ from engine.checkpoint.codec import encode_state
 from engine.checkpoint.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
-from engine.run.metrics_log import METRICS_FILE
+from engine.checkpoint.metrics_log import METRICS_FILE
 from kill_helpers import SCRIPT, environment
 from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run, read_metrics

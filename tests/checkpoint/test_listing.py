@@ -12,7 +12,7 @@ from engine.checkpoint.codec import encode_state
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run
-from engine.run.metrics_log import METRICS_FILE
+from engine.checkpoint.metrics_log import METRICS_FILE
 from progress import Cursor, ProgressTree, encode_tree
 from scenarios import train_with_checkpoints
 

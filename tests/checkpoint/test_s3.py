@@ -18,7 +18,7 @@ from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.plot import plot_run, read_rows
 from engine.errors import ConfigError, WriterConflict
-from engine.run.metrics_log import METRICS_FILE, RESUMES_FILE, MetricsLog
+from engine.checkpoint.metrics_log import METRICS_FILE, RESUMES_FILE, MetricsLog
 from kill_helpers import environment, run_until_done
 from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run

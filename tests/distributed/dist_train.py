@@ -130,6 +130,8 @@ def main() -> int:
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
     parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
     parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
+    parser.add_argument("--no-epoch-checkpoint", dest="epoch_checkpoint", action="store_false",
+                        help="no checkpoint at epoch ends (CheckpointConfig.at_epoch_end=False)")
     parser.add_argument("--val-epoch-slow", type=float, default=None,
                         help="validate after each epoch, sleeping this long per validation split (counted)")
     args = parser.parse_args()
@@ -160,7 +162,8 @@ def main() -> int:
         model.pause_at_validation_batch = int(pause_batch)
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
-        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous,
+                                           at_epoch_end=args.epoch_checkpoint),
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py

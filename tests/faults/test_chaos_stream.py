@@ -3,10 +3,10 @@
 
 import os
 
-import engine.faults.harness as harness
+import engine.testing.harness as harness
 from engine.cli.main import main
 from engine.faults import Fault
-from engine.faults.harness import FaultReport, Trial, check_fault_tolerance
+from engine.testing.harness import FaultReport, Trial, check_fault_tolerance
 from scenarios import harness_train
 
 

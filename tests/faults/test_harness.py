@@ -12,8 +12,8 @@ import engine
 import forkserver
 from engine import faults
 from engine.faults import Fault
-from engine.faults import harness
-from engine.faults.harness import check_fault_tolerance
+from engine.testing import harness
+from engine.testing.harness import check_fault_tolerance
 from scenarios import harness_train, train_with_checkpoints
 
 # Listed here on purpose (not imported): a point added to the engine must get a test here.

@@ -16,9 +16,9 @@ import engine
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.writer import SnapshotBuffers
-from engine.rng import RngSnapshot, capture_global_rng, restore_global_rng
+from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
 from engine.run import state as run_state
-from engine.run.device import OnDevice, move_to_device, prepare_device, resolve_device
+from engine.loops.device import OnDevice, move_to_device, prepare_device, resolve_device
 from engine.run.envelope import FIELDS, capture_envelope
 from engine.run.run import FitRun
 from resume_helpers import assert_same_run, copy_run_until

@@ -7,7 +7,7 @@ from typing import Any, Literal, Protocol, cast
 
 import torch
 
-from engine.describe import describe_nested
+from engine.loops.describe import describe_nested
 from engine.errors import ModuleContractError
 
 

@@ -1,7 +1,7 @@
 """Capture and restore every global random stream a run may draw from.
 
 torch CPU, torch CUDA (when initialized: the generator of the *current* device, which the run
-makes its own device, see ``engine.run.device``), Python ``random`` and NumPy's legacy global
+makes its own device, see ``engine.loops.device``), Python ``random`` and NumPy's legacy global
 state (when NumPy is installed). The engine itself never draws from them.
 
 One CUDA generator is saved, not one per visible device: a checkpoint written on ``cuda:1``

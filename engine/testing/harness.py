@@ -16,7 +16,7 @@ Usable from pytest in a user's own project::
 ``"mypackage.train:main"`` names a function ``main(run_dir, *args) -> engine.FitResult`` that
 builds its model and data from a fixed seed and calls ``Trainer.fit`` with
 ``TrainerConfig(run_dir=run_dir, ...)``. It runs in a fresh subprocess for every attempt
-(``python -m engine.faults.harness MODULE:FUNCTION RUN_DIR ARGS...``), so SIGKILL faults work. A Python
+(``python -m engine.testing MODULE:FUNCTION RUN_DIR ARGS...``), so SIGKILL faults work. A Python
 callable instead of a string runs in this process (faults of kind ``sigkill`` are then refused).
 """
 
@@ -38,7 +38,7 @@ from engine import faults
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import ConfigError, EngineError
 from engine.faults import Fault
-from engine.run.metrics_log import METRICS_FILE
+from engine.checkpoint.metrics_log import METRICS_FILE
 from engine.result import FitResult
 from engine.run.state import COMPARED_KEYS
 from engine.checkpoint.storage import Storage
@@ -198,7 +198,7 @@ def _subprocess_attempt(train: str, run_dir: str, fault: Fault | None, args: Seq
     env.pop(faults.ENVIRONMENT_VARIABLE, None)
     if fault is not None:
         env[faults.ENVIRONMENT_VARIABLE] = fault.encode()
-    process = subprocess.run([sys.executable, "-m", "engine.faults.harness", train, run_dir, *args],
+    process = subprocess.run([sys.executable, "-m", "engine.testing", train, run_dir, *args],
                              env=env, capture_output=True, text=True, timeout=timeout)
     result = None
     for line in process.stdout.splitlines():
@@ -268,9 +268,9 @@ def _load_function(spec: str) -> TrainFunction:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Subprocess entry: ``python -m engine.faults.harness MODULE:FUNCTION RUN_DIR [ARGS...]``."""
+    """Subprocess entry: ``python -m engine.testing MODULE:FUNCTION RUN_DIR [ARGS...]``."""
     if len(argv) < 2:
-        print("usage: python -m engine.faults.harness MODULE:FUNCTION RUN_DIR [ARGS...]", file=sys.stderr)
+        print("usage: python -m engine.testing MODULE:FUNCTION RUN_DIR [ARGS...]", file=sys.stderr)
         return 2
     result = _load_function(argv[0])(argv[1], *argv[2:])
     if isinstance(result, FitResult):
@@ -281,6 +281,3 @@ def main(argv: Sequence[str]) -> int:
             return 75
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

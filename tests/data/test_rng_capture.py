@@ -14,7 +14,7 @@ import torch
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
-from engine.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
+from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 

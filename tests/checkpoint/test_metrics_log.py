@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine.checkpoint.storage import Storage
-from engine.run.metrics_log import METRICS_FILE, MetricsLog
+from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
 

@@ -12,7 +12,7 @@ See docs/fault-injection.md.
 """
 
 from engine.faults.faulty_fs import FaultyFileSystem
-from engine.faults.harness import FaultReport, check_fault_tolerance, compare_runs
+from engine.testing.harness import FaultReport, check_fault_tolerance, compare_runs
 from engine.faults.points import (
     ENVIRONMENT_VARIABLE,
     KINDS,

@@ -2,7 +2,7 @@
 
 ``"auto"`` is CUDA when available, else the CPU; under torchrun (``LOCAL_RANK`` set) ``"auto"``
 and ``"cuda"`` mean ``cuda:LOCAL_RANK``. A CUDA device also becomes torch's current device, so
-the CUDA random generator the engine checkpoints (``engine.rng``) is the one the run draws from.
+the CUDA random generator the engine checkpoints (``engine.data.rng``) is the one the run draws from.
 
 Batches are moved by :func:`move_to_device`: tensors inside tuples, lists, dicts and namedtuples
 go to the device; every other leaf is left as it is. Copies to CUDA are ``non_blocking`` (they

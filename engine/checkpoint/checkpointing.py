@@ -8,18 +8,26 @@ The run calls either the same way and never asks which it holds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from engine.checkpoint.store import LoadedCheckpoint, StateValidator
 from engine.errors import CheckpointNotFound
 from engine.checkpoint.metrics_log import MetricsLog
 from progress import Cursor
 
-if TYPE_CHECKING:
-    from engine.run.state import RunSnapshot
-
 # Names a boundary: (units of step work, epochs) completed.
 BoundaryMark = tuple[int, int]
+
+
+class Snapshot(Protocol):
+    """What a run hands over to be saved (engine.run.state.RunSnapshot): the state tree, the
+    encoded progress, and what the commit publishes besides (the length of metrics.jsonl)."""
+
+    state: dict[str, Any]
+    progress_bytes: bytes
+
+    @property
+    def metrics_bytes(self) -> int: ...
 
 
 class Checkpointing(Protocol):
@@ -65,7 +73,7 @@ class Checkpointing(Protocol):
     def offer_metrics(self, values: dict[str, float]) -> None:
         """New metric values were produced at the current boundary."""
 
-    def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
+    def save(self, snapshot: Snapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         """Save ``snapshot``; whether it was written (or queued)."""
 
@@ -117,7 +125,7 @@ class NoCheckpoints:
     def offer_metrics(self, values: dict[str, float]) -> None:
         pass
 
-    def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
+    def save(self, snapshot: Snapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         return False
 

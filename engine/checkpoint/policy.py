@@ -2,7 +2,8 @@
 
 When to save (split cadence, epoch end), which checkpoint to resume from, the writer lease,
 the (a)synchronous writer, and what to do when a write fails. The run hands it snapshots
-(:class:`engine.run.state.RunSnapshot`); it never calls back into the run.
+(:class:`~engine.checkpoint.checkpointing.Snapshot`, e.g. engine.run.state.RunSnapshot); it never
+calls back into the run.
 
 What varies is chosen once, in the constructor: the cadence (engine.checkpoint.cadence: fixed or
 "auto"), the tiering (engine.checkpoint.tiering: one tier or two) and this process's side of the
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from engine.checkpoint.abandoned import read_abandoned
 from engine.checkpoint.cadence import BackgroundWork, Cadence, choose_cadence
-from engine.checkpoint.checkpointing import BoundaryMark
+from engine.checkpoint.checkpointing import BoundaryMark, Snapshot
 from engine.checkpoint.codec import EncodedState, encode_state
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
@@ -36,7 +37,6 @@ from progress import Cursor
 
 if TYPE_CHECKING:
     from engine.distributed.commit import GroupCommit
-    from engine.run.state import RunSnapshot
 
 
 class RunCheckpointer:
@@ -173,7 +173,7 @@ class RunCheckpointer:
         if monitor is not None and monitor in values and math.isfinite(values[monitor]):
             self._fresh_monitor = MonitorRecord(monitor, self.policy.mode, float(values[monitor]))
 
-    def save(self, snapshot: RunSnapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
+    def save(self, snapshot: Snapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         """Commit (or queue) ``snapshot`` with the metrics lines buffered so far (written by the
         commit, after its fence check); False when it was skipped or failed under

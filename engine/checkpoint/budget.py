@@ -10,7 +10,7 @@ What a checkpoint costs training, measured online (as CheckFreq does), is the su
   time of each split that overlapped a write, minus the *baseline* split time.
 
 The baseline is the time of a split that overlapped no write, a running estimate taken from
-such splits only. Between two checkpoints (a *cycle*) the run checkpointer times every split
+such splits only. Between two checkpoints (a *cycle*) the automatic cadence (``AutoCadence`` in engine.checkpoint.cadence) times every split
 (one clock read) and tells :meth:`OverheadBudget.note_split` whether a write was in flight
 during it; at each checkpoint :meth:`OverheadBudget.record` closes the cycle: the cost of the
 checkpoint that opened it is its blocking time plus the extra time of the cycle's overlapped

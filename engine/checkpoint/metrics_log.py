@@ -47,7 +47,13 @@ class MetricsLog:
         self._unwritten = bytearray()        # snapshotted, not yet in the file
         self.committed_bytes = 0             # the file's length as this writer left it
         self._lock = threading.Lock()        # snapshot (training thread) vs write (writer thread)
-        self.fence: Callable[[], None] | None = None  # set while a writer lease guards the file
+        self._fence: Callable[[], None] | None = None  # while a writer lease guards the file
+
+    def fence_with(self, fence: Callable[[], None]) -> None:
+        """From now on a writer lease guards the file: ``fence`` (it raises once the lease is
+        lost) is checked before every change, and lines reach the file only through a flush or a
+        checkpoint's commit. Call once the lease is held."""
+        self._fence = fence
 
     def start_fresh(self) -> None:
         if self._storage is None:
@@ -103,7 +109,7 @@ class MetricsLog:
         if self._storage is None:
             return
         self._lines.append(json.dumps(record))
-        if len(self._lines) >= _FLUSH_EVERY_LINES and self.fence is None:
+        if len(self._lines) >= _FLUSH_EVERY_LINES and self._fence is None:
             try:
                 self.flush()
             except OSError:
@@ -136,8 +142,8 @@ class MetricsLog:
             self.committed_bytes += count
 
     def _check_fence(self) -> None:
-        if self.fence is not None:
-            self.fence()
+        if self._fence is not None:
+            self._fence()
 
     def _cut_and_append(self, data: bytes) -> None:
         storage = self._storage
@@ -182,7 +188,6 @@ class MetricsLog:
     def flush(self) -> int:
         """Write every buffered line now (a run without checkpoints); returns the length."""
         length = self.snapshot()
-        if self.fence is not None:
-            self.fence()
+        self._check_fence()
         self.write_until(length)
         return length

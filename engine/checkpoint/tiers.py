@@ -42,7 +42,7 @@ from typing import Any, Callable, Collection
 from engine.checkpoint.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.worker import BackgroundWorker
-from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, _NAME, _TEMPORARY
+from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, _NAME, _TEMPORARY
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
 
@@ -51,8 +51,6 @@ TIER_LOCK_FILE = "tier.lock"
 RUN_ID_FILE = "run.id"  # in the run directory
 _RUN_ID_LENGTH = 32
 _RUN_ID = re.compile(f"[0-9a-f]{{{_RUN_ID_LENGTH}}}", re.ASCII)
-
-StateValidator = Callable[[str, Any], None]
 
 
 class FastTier:
@@ -201,6 +199,8 @@ def latest_across(stores: list[CheckpointStore], validate: StateValidator,
                   skip: Collection[str] = ()) -> LoadedCheckpoint | None:
     """The newest checkpoint of ``stores`` that verifies and passes ``validate``, leaving out
     those in ``skip``."""
+    if len(stores) == 1:
+        return stores[0].latest(validate, skip)
     for store, name in stores_newest_first(stores):
         if name in skip:
             continue

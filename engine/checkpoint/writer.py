@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,6 +28,8 @@ from engine.checkpoint.worker import BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
+if TYPE_CHECKING:
+    from engine.checkpoint.metrics_log import MetricsLog
 
 
 @dataclasses.dataclass
@@ -36,8 +38,9 @@ class PendingCheckpoint:
     progress_bytes: bytes
     cursor: Cursor | None
     buffers: "SnapshotBuffers | None" = None
-    # Appends the metrics lines this checkpoint's ``metrics_bytes`` counts (after the fence).
-    publish_metrics: Callable[[], None] | None = None
+    # The length metrics.jsonl has once the lines this checkpoint counts are appended (after
+    # the fence, by the writer's metrics log); 0: none to publish.
+    metrics_bytes: int = 0
     # With a fast tier: whether this checkpoint must also reach the durable tier.
     durable: bool = True
     # The monitored metric's fresh value this checkpoint is taken for (best checkpoints).
@@ -110,9 +113,11 @@ class _WriterBase:
     part in the commit (default: alone; a distributed run's ranks: engine.distributed.commit)."""
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
-                 also_sync: Callable[[], list[str]], committer: Committer | None = None) -> None:
+                 also_sync: Callable[[], list[str]], committer: Committer | None = None,
+                 metrics: "MetricsLog | None" = None) -> None:
         self.store = store
         self.committer: Committer = committer if committer is not None else SingleCommitter()
+        self.metrics = metrics  # publishes each checkpoint's metrics lines
         self.lease = lease
         self.retention = retention
         self.also_sync = also_sync
@@ -145,8 +150,8 @@ class _WriterBase:
         fence = request.fence
         if fence is not None:
             fence()
-        if pending.publish_metrics is not None:
-            pending.publish_metrics()
+        if self.metrics is not None:
+            self.metrics.write_until(pending.metrics_bytes)
         if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
             def write(store: CheckpointStore, sequence: int) -> str:
                 return store.write(dataclasses.replace(request, sequence=sequence))
@@ -192,8 +197,8 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 committer: Committer | None = None) -> None:
-        _WriterBase.__init__(self, store, lease, retention, also_sync, committer)
+                 committer: Committer | None = None, metrics: "MetricsLog | None" = None) -> None:
+        _WriterBase.__init__(self, store, lease, retention, also_sync, committer, metrics)
         BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()

@@ -1,5 +1,6 @@
-"""What a checkpoint holds: the run state tree, its keys, the run signature, capture, validation
-and restore. This is the one place that knows the tree::
+"""What a checkpoint holds: the run state tree, the run signature, capture, validation and
+restore. This is the one place that knows the tree (its top-level keys are declared in
+engine.checkpoint.state_keys, which the distributed commit imports too)::
 
     {
       "signature":       what must match between a checkpoint and the run resuming it
@@ -29,6 +30,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.callbacks import Callback
+from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
+                                         RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
 from engine.distributed.state_parts import WORLD_SIZE, check_world_size
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
@@ -40,19 +43,6 @@ from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_
 from engine.run.overrides import BuiltSettings, built_settings
 from progress import ProgressSchemaError, ProgressTree, encode_tree
 
-SIGNATURE = "signature"
-MODULE = "module"
-OPTIMIZERS = "optimizers"
-SCHEDULERS = "schedulers"
-LOOPS = "loops"
-RNG = "rng"
-CALLBACKS = "callbacks"
-METRICS_BYTES = "metrics_bytes"
-ELAPSED_SECONDS = "elapsed_seconds"
-ENVELOPE = "envelope"
-
-STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS,
-                        ENVELOPE})
 LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
 # set up, elapsed_seconds is wall time and the envelope describes the machine: none is compared).
@@ -107,11 +97,18 @@ class RunParts:
 
 @dataclasses.dataclass
 class RunSnapshot:
-    """One checkpoint's content before encoding: the state tree and the encoded progress."""
+    """One checkpoint's content before encoding: the state tree and the encoded progress; and
+    what its commit publishes (:attr:`metrics_bytes`)."""
 
     state: dict[str, Any]
     progress_bytes: bytes
     progress: ProgressTree
+
+    @property
+    def metrics_bytes(self) -> int:
+        """What the checkpoint publishes besides itself: the length ``metrics.jsonl`` has once
+        the lines it counts are appended (the metrics log sealed them when it was captured)."""
+        return int(self.state[METRICS_BYTES])
 
 
 @dataclasses.dataclass

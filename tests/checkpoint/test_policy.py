@@ -29,7 +29,7 @@ def test_every_n_steps_fires_when_the_count_crosses_a_multiple(tmp_path):
 
 
 def test_every_seconds(tmp_path, monkeypatch):
-    import engine.checkpoint.policy as policy_module
+    import engine.checkpoint.cadence as policy_module
 
     now = [1000.0]
     monkeypatch.setattr(policy_module.time, "monotonic", lambda: now[0])

@@ -140,7 +140,7 @@ class Writer:
         self.lease = WriterLease(storage, stale_after=stale_after)
         self.lease.acquire()
         self.metrics = MetricsLog(storage)
-        self.metrics.fence = self.lease.verify
+        self.metrics.fence_with(self.lease.verify)
         self.splits = 0
 
     def train(self, splits):
@@ -203,7 +203,7 @@ def test_a_takeover_between_the_stale_writers_last_check_and_its_write_changes_n
         stale.lease.verify()
         taken_over.append(take_over(s3_run_url, stale.metrics.committed_bytes))
 
-    stale.metrics.fence = fence_then_lose_the_lease
+    stale.metrics.fence_with(fence_then_lose_the_lease)
     with pytest.raises(WriterConflict, match="changed while this writer appended"):
         stale.metrics.write_until(length)
     assert taken_over

@@ -1,0 +1,114 @@
+"""One process or a torchrun group: what a run does differently when several processes train.
+
+:class:`~engine.run.run.FitRun` chooses its coordinator once (:func:`join_coordinator`) and never
+asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data, averages
+the losses it reports, agrees with the other ranks on every stop and checkpoint decision, and lets
+rank 0 alone write the run's files (engine.distributed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from engine import distributed
+from engine.distributed.environment import DistributedContext
+from engine.loops.context import StopState
+
+
+class Coordinator(Protocol):
+    """How this process takes part in the run; see the module docstring."""
+
+    @property
+    def context(self) -> DistributedContext | None:
+        """The process group the loops sync gradients over (None: this process runs alone)."""
+
+    @property
+    def world_size(self) -> int:
+        """How many processes train."""
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes the run's files (metrics, preemption marker)."""
+
+    def commit_group(self) -> distributed.GroupCommit | None:
+        """What the checkpointer commits through across ranks (None: alone)."""
+
+    def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
+        """The training data this process reads."""
+
+    def mean_losses(self, losses: list[float]) -> list[float]:
+        """The losses a split reports: this process's, or their mean over the ranks."""
+
+    def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
+        """Make the stop decision (in ``stop``) the same on every rank; whether the ranks
+        agreed to checkpoint at this boundary."""
+
+
+class SingleProcess:
+    """This process trains alone: every decision is its own."""
+
+    context: DistributedContext | None = None
+    world_size = 1
+    is_writer = True
+
+    def commit_group(self) -> distributed.GroupCommit | None:
+        return None
+
+    def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
+        return data
+
+    def mean_losses(self, losses: list[float]) -> list[float]:
+        return losses
+
+    def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
+        return checkpoint_due
+
+
+class Group:
+    """This process is one rank of a torchrun job."""
+
+    def __init__(self, context: DistributedContext) -> None:
+        self._context = context
+
+    @property
+    def context(self) -> DistributedContext | None:
+        return self._context
+
+    @property
+    def world_size(self) -> int:
+        return self._context.world_size
+
+    @property
+    def is_writer(self) -> bool:
+        return self._context.is_writer
+
+    def commit_group(self) -> distributed.GroupCommit | None:
+        return distributed.GroupCommit(self._context)
+
+    def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
+        return distributed.shard_loader(data, self._context) if distributed_sampler else data
+
+    def mean_losses(self, losses: list[float]) -> list[float]:
+        return distributed.mean_losses(self._context, losses)
+
+    def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
+        """Every rank takes the same stop and checkpoint decisions at this boundary."""
+        agreed = distributed.agree(self._context, stop.preempted, stop.requested, checkpoint_due)
+        # Every rank's checkpoint records the same end (the progress is checked equal across
+        # ranks): the reason of a rank that stopped by itself, agreed before the others fill one in.
+        finish_reason = distributed.agree_on_reason(self._context, stop.finish_reason) if agreed.stop else None
+        if agreed.preempted and not stop.preempted:
+            stop.request_preemption("preempted (the signal reached another rank)")
+        elif agreed.stop and not stop.requested:
+            stop.request("stop requested on another rank")
+        if agreed.stop:
+            stop.finish_reason = finish_reason
+        return agreed.checkpoint
+
+
+def join_coordinator(device: torch.device) -> Coordinator:
+    """Join the torchrun job this process was started in, if any (engine.distributed.join)."""
+    context = distributed.join(device)
+    return SingleProcess() if context is None else Group(context)

@@ -34,7 +34,7 @@ split end, which leaves out the end of the run: the epoch-end checkpoint and the
 and where each checkpoint's time goes, from timers wrapped (in this script only) around
 ``FitRun._save`` (everything the training thread spends on one checkpoint), ``encode_state``,
 ``BackgroundWriter.submit`` (waiting for a free buffer set, then the copy),
-``SnapshotBuffers.capture`` (the copy) and ``_Committer.commit`` (the write, in the background
+``SnapshotBuffers.capture`` (the copy) and ``_WriterBase.commit`` (the write, in the background
 thread when asynchronous), and the process CPU time per checkpoint (every thread: the run's CPU
 time minus that of the run without checkpoints in the same round, over the checkpoints of a
 run), a figure that other processes on a shared machine disturb less than wall time. The script checks with ``torch.equal`` that the ways end with
@@ -85,7 +85,7 @@ import torch
 import engine
 import engine.checkpoint.policy
 from engine.checkpoint.codec import encode_state
-from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _Committer
+from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _WriterBase
 from engine.run.run import FitRun
 from engine.data.rng import capture_global_rng
 
@@ -167,7 +167,7 @@ def fresh_model(workload: Workload) -> LanguageModel:
 # ---- timers around the engine's checkpoint path (this script only) ----------------------------
 class CheckpointTimers:
     """Wraps the engine functions a checkpoint goes through and records each call's seconds,
-    by label. ``_Committer.commit`` runs in the writer thread when asynchronous; appending to a
+    by label. ``_WriterBase.commit`` runs in the writer thread when asynchronous; appending to a
     list is atomic under the GIL."""
 
     TARGETS = (
@@ -175,7 +175,7 @@ class CheckpointTimers:
         (engine.checkpoint.policy, "encode_state", "encode"),
         (BackgroundWriter, "submit", "submit"),
         (SnapshotBuffers, "capture", "capture"),
-        (_Committer, "commit", "commit"),
+        (_WriterBase, "commit", "commit"),
     )
 
     def __init__(self) -> None:

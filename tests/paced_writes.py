@@ -1,4 +1,5 @@
-"""Background checkpoint writes whose length is counted in training splits, not in seconds.
+"""Background checkpoint writes (and durable-tier copies) whose length is counted in training
+splits, not in seconds.
 
 A test that needs a write to still be running while training goes on (to see snapshots
 skipped, or splits that overlapped a write) used to make each write sleep a while: on a loaded
@@ -24,15 +25,11 @@ class PacedWrites:
         self.at_most_seconds = at_most_seconds
         self._done = threading.Condition()
         self._splits_done = 0
-        original_write = CheckpointStore.write
         paced = self
-
-        def write(store, *args, **kwargs):
-            if threading.current_thread() is not threading.main_thread():
-                paced._wait_for_splits()
-            return original_write(store, *args, **kwargs)
-
-        monkeypatch.setattr(CheckpointStore, "write", write)
+        # A fast tier's copies into the durable tier run in the background too: paced alike, so
+        # that how many splits a copy overlaps does not depend on the disk and the load.
+        for method in ("write", "copy_from"):
+            monkeypatch.setattr(CheckpointStore, method, _paced(paced, getattr(CheckpointStore, method)))
         self.callback = _SplitEnds(self)
 
     def split_done(self) -> None:
@@ -45,6 +42,15 @@ class PacedWrites:
         with self._done:
             target = self._splits_done + self.splits
             self._done.wait_for(lambda: self._splits_done >= target, timeout=self.at_most_seconds)
+
+
+def _paced(paced: PacedWrites, original):
+    def background_work_waits_for_splits(store, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            paced._wait_for_splits()
+        return original(store, *args, **kwargs)
+
+    return background_work_waits_for_splits
 
 
 class _SplitEnds(engine.Callback):

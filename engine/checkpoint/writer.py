@@ -64,7 +64,7 @@ class SnapshotBuffers:
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
-        self._key: tuple = ()
+        self._key: tuple[object, ...] = ()
         self._copied: list[torch.cuda.Event] = []
 
     @property

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from engine.checkpoint.codec import EncodedState, encode_state
 from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord
+from engine.checkpoint.state_keys import SIGNATURE
 from engine.checkpoint.writer import PendingCheckpoint
-from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, checkpoint_name
+from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
 from engine.distributed import state_parts
 from engine.distributed.environment import DistributedContext
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError, ReplicaDivergence
@@ -82,7 +83,7 @@ class GroupCommit:
         self._next_sequence = int(first[0])
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: Callable[[str, Any], None]) -> LoadedCheckpoint | None:
+               validate: StateValidator) -> LoadedCheckpoint | None:
         """Rank 0 chooses the checkpoint (``choose``: the single-process choice); every rank
         loads that one and takes its own per-rank part."""
         chosen: list[Any] = [None, None]
@@ -106,7 +107,7 @@ class GroupCommit:
 
     def _own_part(self, loaded: LoadedCheckpoint) -> LoadedCheckpoint:
         name, rank = loaded.name, self.context.rank
-        state_parts.check_world_size(name, loaded.state["signature"], self.context.world_size)
+        state_parts.check_world_size(name, loaded.state[SIGNATURE], self.context.world_size)
         if rank == 0:
             return loaded
         tensors_file, header_file = state_parts.rank_files(rank)

@@ -21,10 +21,11 @@ from typing import Any, Mapping
 import torch
 
 from engine.checkpoint.codec import tensor_bytes_view
+from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, OPTIMIZERS, RNG, SCHEDULERS
 from engine.errors import CheckpointCorrupt, CheckpointIncompatible
 
-RANK_PART_KEYS = ("rng", "loops", "callbacks")
-REPLICATED_KEYS = ("module", "optimizers", "schedulers")
+RANK_PART_KEYS = (RNG, LOOPS, CALLBACKS)
+REPLICATED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS)
 WORLD_SIZE = "world_size"
 from engine.checkpoint.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
 
@@ -64,9 +65,9 @@ def replicated_digest(state: Mapping[str, Any], progress_bytes: bytes) -> dict[s
     """One CRC-32 per replicated entry (each module tensor, each optimizer and scheduler state,
     the progress counters): equal on every rank of a healthy job."""
     digest: dict[str, int] = {"progress": zlib.crc32(progress_bytes)}
-    for key, tensor in state["module"].items():
+    for key, tensor in state[MODULE].items():
         digest[f"module.{key}"] = _crc_of(tensor)
-    for key in ("optimizers", "schedulers"):
+    for key in (OPTIMIZERS, SCHEDULERS):
         for index, item in enumerate(state[key]):
             digest[f"{key}[{index}]"] = _crc_of(item)
     return digest

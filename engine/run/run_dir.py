@@ -15,13 +15,15 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from engine.checkpoint.storage import open_filesystem
+from engine.checkpoint.lease import LEASE_FILE
+from engine.checkpoint.metrics_log import METRICS_FILE
 from engine.checkpoint.store import CHECKPOINT_DIR, _NAME
 from engine.checkpoint.tiers import MARKER_FILE, RUN_ID_FILE
 from engine.errors import ConfigError
 
 # Entries of a run directory that must be directories / regular files when they exist.
-DIRECTORY_ENTRIES = ("checkpoints",)
-FILE_ENTRIES = ("metrics.jsonl", "writer.lease", RUN_ID_FILE)
+DIRECTORY_ENTRIES = (CHECKPOINT_DIR,)
+FILE_ENTRIES = (METRICS_FILE, LEASE_FILE, RUN_ID_FILE)
 
 
 def check_run_dir(url: str, field: str = "TrainerConfig.run_dir") -> None:

@@ -25,8 +25,9 @@ SLOW = ("--slow", "0.2")
 def phase_options(phase: str) -> tuple[str, ...]:
     """dist_train.py options: one checkpoint only (the preemption's, also when a loaded machine
     delivers the signal after an epoch end), slowed down, and with a slow validation pass after
-    each epoch when the signal must land in validation."""
-    return ("--every", "1000", "--no-epoch-checkpoint", *SLOW, *(("--val-epoch-slow", "0.3") if phase == "validation" else ()))
+    each epoch when the signal must land in validation (long enough that a loaded machine's
+    test still signals while it runs: one that lands after it made a second checkpoint)."""
+    return ("--every", "1000", "--no-epoch-checkpoint", *SLOW, *(("--val-epoch-slow", "1.0") if phase == "validation" else ()))
 
 
 def wait_for_phase(out_dir: pathlib.Path, phase: str, job: subprocess.Popen, ranks: int = 2) -> None:

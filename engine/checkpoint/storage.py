@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, ClassVar, Iterable
+from typing import TYPE_CHECKING, ClassVar, Collection, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -177,6 +177,12 @@ class Storage:
         path = self.writable_path(relative)
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
+
+    def reuse_directory(self, source: str, target: str, allowed_files: Collection[str]) -> bool:
+        """Rename directory ``source`` to ``target`` when a rename is cheap here and ``source``
+        holds nothing but plain files named in ``allowed_files``; False (nothing done) otherwise.
+        Here (not a local disk): always False, the caller deletes instead."""
+        return False
 
     def remove_file(self, relative: str) -> None:
         path = self.writable_path(relative)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 from engine.checkpoint import checksum as checksums
 from engine.checkpoint.storage import PendingSync, Storage, UnreadableFile, check_name
@@ -185,6 +185,16 @@ class LocalStorage(Storage):
         source_path, target_path = self.writable_path(source), self.writable_path(target)
         self._check_write()
         os.rename(source_path, target_path)
+
+    def reuse_directory(self, source: str, target: str, allowed_files: Collection[str]) -> bool:
+        try:
+            with os.scandir(self.path(source)) as entries:
+                if not all(entry.name in allowed_files and entry.is_file(follow_symlinks=False) for entry in entries):
+                    return False
+        except OSError:
+            return False
+        self.rename(source, target)
+        return True
 
     def _move_over(self, source: str, target_path: str) -> None:
         self._check_write()

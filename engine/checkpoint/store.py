@@ -91,26 +91,18 @@ class CheckpointStore(CheckpointCatalogue):
 
     # ---- cleaning up ------------------------------------------------------------------
     def _retire(self, name: str) -> None:
-        """Delete checkpoint ``name``; on a local filesystem the first one is kept as this
-        process's spare staging directory instead (one rename: it stops being a checkpoint at
-        once), provided it holds nothing but plain checkpoint files."""
+        """Delete checkpoint ``name``; where the storage renames cheaply (a local disk) the first
+        one is kept as this process's spare staging directory instead (one rename: it stops being
+        a checkpoint at once), provided it holds nothing but plain checkpoint files."""
         directory = f"{CHECKPOINT_DIR}/{name}"
         self._manifests.pop(name, None)
         self._verified.pop(name, None)
-        if self.storage.is_local and self._spare is None and self._recyclable(directory):
-            spare = f"tmp-{sequence_of(name):010d}-{os.getpid()}"
-            self.storage.rename(directory, f"{CHECKPOINT_DIR}/{spare}")
+        spare = f"tmp-{sequence_of(name):010d}-{os.getpid()}"
+        if self._spare is None and self.storage.reuse_directory(directory, f"{CHECKPOINT_DIR}/{spare}",
+                                                                 _RECYCLABLE_FILES):
             self._spare = spare  # its stale manifest is harmless: a staging directory is never read
             return
         self.storage.remove_tree(directory)
-
-    def _recyclable(self, directory: str) -> bool:
-        try:
-            with os.scandir(self.storage.path(directory)) as entries:
-                return all(entry.name in _RECYCLABLE_FILES and entry.is_file(follow_symlinks=False)
-                           for entry in entries)
-        except OSError:
-            return False
 
     def close(self) -> None:
         """Delete this process's spare staging directory (call when the run stops writing)."""

@@ -23,11 +23,12 @@ from __future__ import annotations
 import os
 import re
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, ClassVar, Collection, Iterable
+from typing import TYPE_CHECKING, BinaryIO, ClassVar, Collection, Iterable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from engine.checkpoint import checksum as checksums
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -64,6 +65,19 @@ class UnreadableFile(OSError):
     """A path in the run directory that the engine refuses to read: not a regular file (a FIFO
     would block the reader, a device never ends), or a symbolic link leading out of the run
     directory. An OSError, so every reader treats it as the I/O error it stands for."""
+
+
+def write_chunks(handle: BinaryIO, chunks: Iterable[bytes | memoryview], checksum: bool) -> tuple[int, int]:
+    """Write ``chunks`` to the open file ``handle``; (size, CRC-32C), the CRC 0 without ``checksum``."""
+    size = 0
+    crc = 0
+    update = checksums.updater()
+    for chunk in chunks:
+        handle.write(chunk)
+        if checksum:
+            crc = update(chunk, crc)
+        size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+    return size, crc
 
 
 def check_name(name: str, what: str = "name") -> str:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from engine.checkpoint import checksum as checksums
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.storage import Storage, write_chunks
 
 
 class FsspecStorage(Storage):
@@ -16,18 +15,10 @@ class FsspecStorage(Storage):
 
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True, exclusive: bool = False) -> tuple[int, int]:
-        size = 0
-        crc = 0
-        update = checksums.updater()
         path = self.writable_path(relative)
         self._refuse_exclusive(exclusive)
         with self.fs.open(path, "xb" if exclusive else "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-                if checksum:
-                    crc = update(chunk, crc)
-                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-        return size, crc
+            return write_chunks(handle, chunks, checksum)
 
     def append(self, relative: str, data: bytes) -> None:
         with self.fs.open(self.writable_path(relative), "ab") as handle:

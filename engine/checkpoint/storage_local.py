@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Collection, Iterable
 
 from engine.checkpoint import checksum as checksums
-from engine.checkpoint.storage import PendingSync, Storage, UnreadableFile, check_name
+from engine.checkpoint.storage import PendingSync, Storage, UnreadableFile, check_name, write_chunks
 from engine.errors import ConfigError
 
 
@@ -153,18 +153,11 @@ class LocalStorage(Storage):
     # -- writes ---------------------------------------------------------------------------
     def write(self, relative: str, chunks: Iterable[bytes | memoryview], durable: bool,
               checksum: bool = True, exclusive: bool = False) -> tuple[int, int]:
-        size = 0
-        crc = 0
-        update = checksums.updater()
         path = self.writable_path(relative)
         self._check_write()
         self._refuse_exclusive(exclusive)
         with open(path, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-                if checksum:
-                    crc = update(chunk, crc)
-                size += len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+            size, crc = write_chunks(handle, chunks, checksum)
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())

@@ -26,7 +26,7 @@ def launch_command(run_dir: pathlib.Path, out_dir: pathlib.Path, *options: str) 
             *helpers.torchrun_command(2, run_dir, out_dir, *options, max_restarts=1)]
 
 
-def preempt(tmp_path: pathlib.Path, phase: str, target: str, number: int, times: int) -> pathlib.Path:
+def check_preemption(tmp_path: pathlib.Path, phase: str, target: str, number: int, times: int) -> pathlib.Path:
     """Start the job through the launcher, signal it in ``phase``, check the outcome; the job's
     directory (run/ and out/)."""
     job_dir = tmp_path / "job"
@@ -65,7 +65,7 @@ def test_sigusr1_repeated_to_the_launcher_only_commits_once_exits_75_and_resumes
         reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # SLURM's --signal=B:USR1 with the launcher exec'd: torchrun (which dies of SIGUSR1) never
     # sees it, nor do the workers; only the launcher can pass the request on.
-    job_dir = preempt(tmp_path, "training", "launcher", signal.SIGUSR1, times=3)
+    job_dir = check_preemption(tmp_path, "training", "launcher", signal.SIGUSR1, times=3)
     resumed = subprocess.run(launch_command(job_dir / "run", job_dir / "out", "--every", "1000"),
                              env=helpers.environment(), capture_output=True, text=True, timeout=helpers.TIMEOUT,
                              cwd=helpers.REPOSITORY)
@@ -74,12 +74,12 @@ def test_sigusr1_repeated_to_the_launcher_only_commits_once_exits_75_and_resumes
 
 
 def test_sigterm_repeated_to_the_process_group_during_validation(tmp_path: pathlib.Path) -> None:
-    preempt(tmp_path, "validation", "group", signal.SIGTERM, times=3)
+    check_preemption(tmp_path, "validation", "group", signal.SIGTERM, times=3)
 
 
 def test_sigusr1_to_every_process_during_validation(tmp_path: pathlib.Path) -> None:
     # As SLURM's --signal=USR1 (no B:) or scancel --signal=USR1: torchrun gets it too.
-    preempt(tmp_path, "validation", "every", signal.SIGUSR1, times=1)
+    check_preemption(tmp_path, "validation", "every", signal.SIGUSR1, times=1)
 
 
 def test_a_job_of_one_process_is_not_restarted_after_the_stop(tmp_path: pathlib.Path) -> None:
@@ -106,4 +106,4 @@ MATRIX = list(itertools.product(launch_helpers.PHASES, launch_helpers.TARGETS, (
 @pytest.mark.parametrize("phase, target, number, times", MATRIX,
                          ids=[f"{p}-{t}-{n.name}-x{k}" for p, t, n, k in MATRIX])
 def test_every_signal_target_and_phase(tmp_path: pathlib.Path, phase: str, target: str, number: int, times: int) -> None:
-    preempt(tmp_path, phase, target, number, times)
+    check_preemption(tmp_path, phase, target, number, times)

@@ -80,7 +80,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: int = signal.SIGUSR1) -> None:
+def check_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: int = signal.SIGUSR1) -> None:
     script = prepare(tmp, name)
     processes = RECIPES[name][1]
     out_dir = tmp / "out"
@@ -110,7 +110,7 @@ def run_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: in
                                                  ("several-nodes", "every", "validation")])
 def test_the_documented_sbatch_script_requeues_after_one_commit(tmp_path: pathlib.Path, name: str, target: str,
                                                                  phase: str) -> None:
-    run_recipe(tmp_path, name, target, phase)
+    check_recipe(tmp_path, name, target, phase)
 
 
 MATRIX = [(name, target, phase, signal.SIGUSR1) for name, target, phase
@@ -123,4 +123,4 @@ MATRIX += [(name, "every", "training", signal.SIGTERM) for name in RECIPES]  # t
                          ids=[f"{n}-{t}-{p}-{s.name}" for n, t, p, s in MATRIX])
 def test_every_sbatch_script_signal_target_and_phase(tmp_path: pathlib.Path, name: str, target: str, phase: str,
                                                      number: int) -> None:
-    run_recipe(tmp_path, name, target, phase, number)
+    check_recipe(tmp_path, name, target, phase, number)

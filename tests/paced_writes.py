@@ -25,6 +25,7 @@ class PacedWrites:
         self.at_most_seconds = at_most_seconds
         self._done = threading.Condition()
         self._splits_done = 0
+        self._in_flight = 0
         paced = self
         # A fast tier's copies into the durable tier run in the background too: paced alike, so
         # that how many splits a copy overlaps does not depend on the disk and the load.
@@ -38,6 +39,21 @@ class PacedWrites:
             self._splits_done += 1
             self._done.notify_all()
 
+    def wait_until_idle(self, timeout: float = 10.0) -> None:
+        """Block the caller (the training thread) until no paced write or copy is running: the
+        split after this call then overlaps only work started after it, however slow the disk."""
+        with self._done:
+            self._done.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+
+    def _started(self) -> None:
+        with self._done:
+            self._in_flight += 1
+
+    def _ended(self) -> None:
+        with self._done:
+            self._in_flight -= 1
+            self._done.notify_all()
+
     def _wait_for_splits(self) -> None:
         with self._done:
             target = self._splits_done + self.splits
@@ -46,9 +62,14 @@ class PacedWrites:
 
 def _paced(paced: PacedWrites, original):
     def background_work_waits_for_splits(store, *args, **kwargs):
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is threading.main_thread():
+            return original(store, *args, **kwargs)
+        paced._started()
+        try:
             paced._wait_for_splits()
-        return original(store, *args, **kwargs)
+            return original(store, *args, **kwargs)
+        finally:
+            paced._ended()
 
     return background_work_waits_for_splits
 

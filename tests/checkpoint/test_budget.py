@@ -247,8 +247,10 @@ class SyntheticSplitTimes:
     takes 10 ms, plus ``slowdown`` seconds when the run reports that a background write
     overlapped it, and every checkpoint blocks 1 ms. Each write lasts until the training thread
     has timed one more split (tests/paced_writes.py), so the split after a checkpoint overlaps
-    its write however the threads are scheduled. The interval then depends only on which splits
-    the run reports as overlapped, never on a measured time."""
+    its write however the threads are scheduled, and the training thread then waits for the
+    write (or copy) to end, so a slow disk on a loaded machine never makes the following splits
+    overlap too (a run where every split overlaps never learns its baseline). The interval then
+    depends only on which splits the run reports as overlapped, never on a measured time."""
 
     def __init__(self, monkeypatch, slowdown):
         self.slowdown = slowdown
@@ -258,6 +260,7 @@ class SyntheticSplitTimes:
 
         def note_split(budget, seconds, overlapped):
             paced.split_done()  # after the run asked whether a write overlapped the split
+            paced.wait_until_idle()
             return original_note(budget, SPLIT + (times.slowdown if overlapped else 0.0), overlapped)
 
         monkeypatch.setattr(OverheadBudget, "note_split", note_split)

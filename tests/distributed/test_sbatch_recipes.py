@@ -98,8 +98,8 @@ def check_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: 
     assert job.returncode == 75, f"{case}: " + stderr[-4000:]
     assert not launch_helpers.alive(job_processes), f"{case}: processes of the job left running"
     run_dir = tmp / "storage" / "runs" / f"lm-{JOB_ID}"
-    assert len(launch_helpers.committed(run_dir)) == 1, case
-    assert (tmp / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"], case
+    assert len(launch_helpers.committed(run_dir)) == 1, f"{case}: " + stderr[-4000:]
+    assert (tmp / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"], f"{case}: " + stderr[-4000:]
     assert not launch_helpers.launch_directories(tmp / "tmp"), f"{case}: a launch left its marker directory"
     assert [path.name for path in (tmp / "storage" / "runs").iterdir()] == [f"lm-{JOB_ID}"], f"{case}: a marker was left"
 

@@ -50,7 +50,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.profiler._cupti_monitor", "torch.uti
            "fsspec.implementations.chained", "msgpack", "engine", "engine.cli.main", "engine.demo",
            "importlib.resources.readers", "argparse", "runpy")
 # The Lightning adapter's tests start many children; Lightning's import costs seconds (an optional extra).
-PRELOAD += tuple(name for name in ("pytorch_lightning", "engine.lightning") if importlib.util.find_spec(name.split(".")[0]))
+PRELOAD += ("pytorch_lightning", "engine.lightning") if importlib.util.find_spec("pytorch_lightning") else ()
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
 _START_TIMEOUT = 120.0

@@ -130,5 +130,5 @@ MODULES = {"autoencoder": LitAutoEncoder, "checkpointed": LitAutoEncoder, "gan":
 
 
 def build(name: str, seed: int = 7) -> pl.LightningModule:
-    torch.manual_seed(seed)
+    pl.seed_everything(seed, verbose=False)  # torch, random and NumPy, as Lightning users seed
     return MODULES[name]()

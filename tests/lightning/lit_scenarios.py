@@ -20,11 +20,11 @@ EPOCHS = 3
 
 def callbacks(name: str, run_dir: str) -> list[object]:
     """ModelCheckpoint(save_top_k=2) and an EarlyStopping whose min_delta ends the run after its
-    third validation (each pass must beat the best by 1.0, which none after the first does)."""
+    fourth validation (each pass must beat the best by 1.0, which none after the first does)."""
     if name != "checkpointed":
         return []
     return [ModelCheckpoint(monitor="val_loss", save_top_k=2, every_n_train_steps=2),
-            EarlyStopping(monitor="val_loss", patience=2, min_delta=1.0)]
+            EarlyStopping(monitor="val_loss", patience=3, min_delta=1.0)]
 
 
 def train(name: str, run_dir: str, resume: str = "auto") -> engine.FitResult:

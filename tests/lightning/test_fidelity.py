@@ -1,0 +1,59 @@
+"""Without shuffling or dropout, a LightningModule trained through engine.lightning.Trainer sees
+the same losses, bit for bit, as under pytorch_lightning.Trainer on the CPU with the same seed,
+and ends with the same parameters."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import engine
+import engine.lightning
+from lit_modules import build, loaders
+
+EPOCHS = 2
+
+
+class RecordLosses(pl.Callback):
+    """What each training batch logged, as Lightning's trainer saw it after the batch."""
+
+    def __init__(self, names):
+        self.names, self.rows = names, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rows.append([float(trainer.callback_metrics[name]) for name in self.names])
+
+
+def lightning_run(name, names):
+    model = build(name)
+    train_loader, _ = loaders(name, shuffle=False)
+    recorder = RecordLosses(names)
+    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
+    trainer.fit(model, train_loader)
+    return model, recorder.rows
+
+
+def adapter_run(name, names, run_dir):
+    model = build(name)
+    train_loader, _ = loaders(name, shuffle=False)
+    config = engine.TrainerConfig(max_epochs=EPOCHS, run_dir=str(run_dir), progress_bar="off")
+    engine.lightning.Trainer(config).fit(model, train_loader)
+    lines = pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return model, [[row["metrics"][n] for n in names] for row in rows if row.get("stage") == "train"]
+
+
+@pytest.mark.parametrize("name, names", [("autoencoder", ["train_loss_step"]), ("gan", ["g_loss", "d_loss"])])
+def test_losses_and_parameters_equal_pytorch_lightning_trainer_bit_for_bit(name, names, tmp_path):
+    expected_model, expected = lightning_run(name, names)
+    model, actual = adapter_run(name, names, tmp_path / "run")
+    assert len(expected) == len(actual) == EPOCHS * 5
+    assert torch.equal(torch.tensor(expected, dtype=torch.float64), torch.tensor(actual, dtype=torch.float64))
+    expected_state, state = expected_model.state_dict(), model.state_dict()
+    assert list(expected_state) == list(state)
+    assert all(torch.equal(expected_state[key], state[key]) for key in state)

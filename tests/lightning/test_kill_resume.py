@@ -1,0 +1,105 @@
+"""Each LightningModule of lit_modules, trained through engine.lightning.Trainer in real
+processes that are SIGKILLed at random instants (random fault points and arrival counts: inside
+steps, between backward and step, at split ends, inside validation, inside checkpoint writes) and
+started again until one finishes: its weights, optimizer and scheduler state, every row of
+metrics.jsonl, the callbacks' state (hyperparameters and early stopping included) and its best
+checkpoints equal those of a run never interrupted."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+
+import forkserver
+import pytest
+import torch
+
+from resume_helpers import assert_same_run
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
+
+SCRIPT = str(pathlib.Path(__file__).with_name("lit_scenarios.py"))
+TIMEOUT = 180
+NAMES = ("autoencoder", "checkpointed", "gan", "tbptt")
+TRAINING_POINTS = ("step_start", "after_backward", "after_optimizer_step", "split_end", "split_end_after_checkpoint",
+                   "epoch_end", "checkpoint_before_manifest", "checkpoint_after_rename")
+
+pytestmark = pytest.mark.slow
+
+
+def train(name, run_dir, faults=None):
+    env = dict(os.environ)
+    env.pop("SPLITLOOP_FAULTS", None)
+    if faults:
+        env["SPLITLOOP_FAULTS"] = faults
+    return forkserver.run([sys.executable, SCRIPT, name, run_dir], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def random_fault(name, rng):
+    points = TRAINING_POINTS if name == "gan" else TRAINING_POINTS + ("validation_batch_end",) * 3
+    return f"{rng.choice(points)}:{rng.randint(1, 6)}:sigkill"
+
+
+def best_checkpoints(run_dir):
+    """The kept best checkpoints by content: cursor, recorded value, model tensors."""
+    store = CheckpointStore(Storage(run_dir))
+    return [(loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"])
+            for loaded in (store.load(name) for name in store.best(2))]
+
+
+def assert_same_best(reference, run_dir):
+    expected, actual = best_checkpoints(reference), best_checkpoints(run_dir)
+    assert [e[:2] for e in expected] == [a[:2] for a in actual]
+    for (_, _, a), (_, _, b) in zip(expected, actual):
+        assert all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    done = {}
+    for name in NAMES:
+        run_dir = str(tmp_path_factory.mktemp(f"reference-{name}"))
+        process = train(name, run_dir)
+        assert process.returncode == 0, process.stderr[-3000:]
+        done[name] = run_dir
+    return done
+
+
+def kill_and_resume(name, run_dir, rng, kills_wanted):
+    """Start the training again and again, armed with a random fault until ``kills_wanted``
+    kills, until a process finishes; returns the kills (a fault drawn past the run's end lets
+    it finish early)."""
+    kills = 0
+    for _ in range(kills_wanted + 2):
+        process = train(name, run_dir, random_fault(name, rng) if kills < kills_wanted else None)
+        assert process.returncode in (0, -signal.SIGKILL), process.stderr[-3000:]
+        if process.returncode == 0:
+            return kills
+        kills += 1
+    raise AssertionError(f"{name}: {kills} kills, no finished run")
+
+
+def check_kills(references, name, tmp_path, seed, kills_wanted):
+    run_dir = str(tmp_path / "run")
+    assert kill_and_resume(name, run_dir, random.Random(f"{name}-{seed}"), kills_wanted) >= 1
+    assert_same_run(references[name], run_dir)
+    if name == "checkpointed":
+        assert len(best_checkpoints(run_dir)) == 2
+        assert_same_best(references[name], run_dir)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sigkilled_at_random_instants_the_resumed_run_equals_an_uninterrupted_one(references, name, tmp_path):
+    check_kills(references, name, tmp_path, seed=0, kills_wanted=2)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("seed", range(1, 6))
+@pytest.mark.parametrize("name", NAMES)
+def test_many_random_kills(references, name, seed, tmp_path):
+    check_kills(references, name, tmp_path, seed, kills_wanted=6)

@@ -12,7 +12,7 @@ from engine.callbacks import Callback
 from engine.callbacks.early_stopping import EarlyStopping
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import ConfigError
-from engine.lightning._packages import is_lightning_callback, package_of_object
+from engine.lightning._packages import derives_from
 
 # Options of ModelCheckpoint / EarlyStopping with no engine equivalent: (attribute, default, remedy).
 _CHECKPOINT_REFUSED = (
@@ -44,15 +44,15 @@ def translate_callbacks(callbacks: Sequence[object], config: TrainerConfig) -> T
     for callback in callbacks:
         if isinstance(callback, Callback):
             engine_callbacks.append(callback)
-        elif package_of_object(callback, "ModelCheckpoint") is not None:
+        elif derives_from(callback, "ModelCheckpoint"):
             if seen_model_checkpoint:
                 raise ConfigError("engine.lightning.Trainer: more than one ModelCheckpoint; the engine keeps one "
                                   "checkpoint policy (CheckpointConfig): pass one")
             seen_model_checkpoint = True
             checkpoint = _checkpoint_config(callback, config)
-        elif package_of_object(callback, "EarlyStopping") is not None:
+        elif derives_from(callback, "EarlyStopping"):
             engine_callbacks.append(_early_stopping(callback))
-        elif is_lightning_callback(callback):
+        elif derives_from(callback, "Callback"):
             raise ConfigError(f"engine.lightning.Trainer: the Lightning callback {type(callback).__name__} is not "
                               "supported (ModelCheckpoint and EarlyStopping are; write an engine.Callback)")
         else:

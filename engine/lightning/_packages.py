@@ -1,33 +1,30 @@
-"""Which Lightning package a user's class comes from: ``pytorch_lightning`` or ``lightning.pytorch``
-(the same classes under two names). Importing this module imports the installed one(s)."""
+"""Lightning's classes, recognised in ``pytorch_lightning`` and in ``lightning.pytorch`` (the same
+classes under two package names) by the classes a user's object derives from. Importing this
+module imports Lightning (the first of the two installed); the other is never imported for
+nothing: a module deriving from it has imported it already."""
 
 from __future__ import annotations
 
 import importlib
-import types
 
 from engine.errors import ConfigError, ModuleContractError
 
 PACKAGE_NAMES = ("pytorch_lightning", "lightning.pytorch")
+# Where Lightning's own classes live (LightningModule's bases come from lightning_fabric), and torch's.
+_LIGHTNING_ROOTS = ("pytorch_lightning", "lightning", "lightning_fabric", "torch")
 
 
-def _import_installed() -> dict[str, types.ModuleType]:
-    found = {}
+def _import_one() -> None:
     for name in PACKAGE_NAMES:
         try:
-            found[name] = importlib.import_module(name)
+            importlib.import_module(name)
+            return
         except ImportError:
             continue
-    if not found:
-        raise ImportError("engine.lightning needs PyTorch Lightning: pip install 'splitloop[lightning]'")
-    return found
+    raise ImportError("engine.lightning needs PyTorch Lightning: pip install 'splitloop[lightning]'")
 
 
-INSTALLED = _import_installed()
-
-
-# Where Lightning's own classes live (LightningModule's bases come from lightning_fabric).
-_LIGHTNING_ROOTS = ("pytorch_lightning", "lightning", "lightning_fabric", "torch")
+_import_one()
 
 
 def is_lightning_class(cls: type) -> bool:
@@ -35,32 +32,19 @@ def is_lightning_class(cls: type) -> bool:
     return cls.__module__.split(".")[0] in _LIGHTNING_ROOTS
 
 
-def package_of_module(model: object) -> types.ModuleType:
-    """The Lightning package whose ``LightningModule`` ``model`` derives from."""
-    for package in INSTALLED.values():
-        if isinstance(model, package.LightningModule):
-            return package
-    raise ModuleContractError(f"engine.lightning.Trainer.fit expects a LightningModule (pytorch_lightning or "
-                              f"lightning.pytorch), got {type(model).__name__}; train an engine.Module with engine.Trainer")
+def derives_from(value: object, class_name: str) -> bool:
+    """Whether ``value`` is an instance of Lightning's ``class_name`` from either package."""
+    return any(klass.__name__ == class_name and klass.__module__.startswith(PACKAGE_NAMES)
+               for klass in type(value).__mro__)
 
 
-def package_of_object(value: object, class_name: str) -> types.ModuleType | None:
-    """The Lightning package whose ``class_name`` ``value`` is an instance of, or None."""
-    for package in INSTALLED.values():
-        cls = getattr(package, class_name, None) or getattr(package.callbacks, class_name, None)
-        if cls is not None and isinstance(value, cls):
-            return package
-    return None
-
-
-def is_lightning_callback(value: object) -> bool:
-    return any(isinstance(value, package.Callback) for package in INSTALLED.values())
-
-
-def is_datamodule(value: object) -> bool:
-    return any(isinstance(value, package.LightningDataModule) for package in INSTALLED.values())
+def require_lightning_module(model: object) -> None:
+    if not derives_from(model, "LightningModule"):
+        raise ModuleContractError(f"engine.lightning.Trainer expects a LightningModule (pytorch_lightning or "
+                                  f"lightning.pytorch), got {type(model).__name__}; train an engine.Module with "
+                                  "engine.Trainer")
 
 
 def require_datamodule(value: object) -> None:
-    if not is_datamodule(value):
+    if not derives_from(value, "LightningDataModule"):
         raise ConfigError(f"fit: datamodule must be a LightningDataModule, got {type(value).__name__}")

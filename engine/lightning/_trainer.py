@@ -14,7 +14,7 @@ from engine.lightning._bridge import LightningBridge, overrides
 from engine.lightning._callbacks import translate_callbacks
 from engine.lightning._hooks import LightningHooks, hyperparameters_of
 from engine.lightning._logging import TEST, VALIDATION
-from engine.lightning._packages import package_of_module, require_datamodule
+from engine.lightning._packages import require_datamodule, require_lightning_module
 from engine.lightning._refusals import (refuse_several_automatic_optimizers, refuse_unsupported_config,
                                         refuse_unsupported_hooks)
 from engine.lightning._trainer_view import TrainerView
@@ -81,7 +81,7 @@ class Trainer:
 
     def _fit(self, model: Any, train_dataloaders: Iterable[Any] | None, val_dataloaders: Iterable[Any] | None,
              datamodule: Any, resume: str) -> FitResult:
-        package_of_module(model)
+        require_lightning_module(model)
         refuse_unsupported_hooks(model)
         refuse_unsupported_config(self._engine_config, model)
         hyperparameters_of(model)  # refused up front when not plain data
@@ -115,7 +115,7 @@ class Trainer:
 
     def _evaluate(self, model: Any, hook: str, dataloaders: Iterable[Any] | None,
                   datamodule: Any) -> list[dict[str, float]]:
-        package_of_module(model)
+        require_lightning_module(model)
         stage = "validate" if hook == VALIDATION else "test"
         data = dataloaders if dataloaders is not None else _loader(model, datamodule, f"{'val' if hook == VALIDATION else 'test'}_dataloader", stage)
         if data is None:

@@ -214,3 +214,44 @@ def test_validate_and_test_return_batch_size_weighted_means():
 def test_importing_engine_never_imports_lightning():
     code = "import sys, engine; assert not any(m.split('.')[0] in ('pytorch_lightning', 'lightning') for m in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def autoencoder_on(base):
+    """The same small autoencoder on either package's LightningModule."""
+    class AutoEncoder(base):
+        def __init__(self):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(FEATURES, 4), nn.ReLU(), nn.Linear(4, FEATURES))
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self.net(batch[0]), batch[0])
+            self.log("train_loss", loss, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+    return AutoEncoder
+
+
+def test_a_lightning_pytorch_module_and_callbacks_run_as_pytorch_lightnings_do(tmp_path):
+    import lightning.pytorch as L
+
+    finished = []
+    for package, run_dir in ((pl, tmp_path / "pl"), (L, tmp_path / "L")):
+        torch.manual_seed(0)
+        model = autoencoder_on(package.LightningModule)()
+        train, val = data()
+        callbacks = [package.callbacks.ModelCheckpoint(monitor="val_loss", save_top_k=2),
+                     package.callbacks.EarlyStopping(monitor="val_loss", patience=5)]
+        adapter_fit(model, run_dir, epochs=3, callbacks=callbacks, train_dataloaders=train, val_dataloaders=val)
+        finished.append((model.state_dict(), pathlib.Path(run_dir, "metrics.jsonl").read_bytes(),
+                         inspect_run(str(run_dir))["best"]))
+    (pl_state, pl_metrics, pl_best), (state, metrics, best) = finished
+    assert all(torch.equal(pl_state[key], state[key]) for key in state) and metrics == pl_metrics
+    assert best == pl_best is not None
+    with pytest.raises(engine.ConfigError, match="the Lightning callback LearningRateMonitor is not supported"):
+        engine.lightning.Trainer(callbacks=[L.callbacks.LearningRateMonitor()])

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-FEATURES, TIME = 12, 16
+FEATURES, TIME, VOCAB = 12, 16, 10
 
 
 class LitAutoEncoder(pl.LightningModule):
@@ -107,6 +107,44 @@ class LitTBPTT(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class LitGRULM(pl.LightningModule):
+    """A GRU language model whose learning rate ReduceLROnPlateau lowers when val_loss stalls."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 16, lr: float = 0.5):
+        super().__init__()
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.gru = nn.GRU(hidden, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens):
+        output, _ = self.gru(self.embed(tokens))
+        return self.head(output)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        # threshold=0.5: only halving val_loss counts as progress, so the rate drops every epoch
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss", "interval": "epoch", "frequency": 1}}
+
+
+def tokens(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, VOCAB, (samples, TIME + 1), generator=generator)
+    return TensorDataset(text[:, :-1], text[:, 1:])
+
+
 def vectors(samples: int, seed: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(samples, FEATURES, generator=generator), torch.zeros(samples))
@@ -121,12 +159,13 @@ def sequences(samples: int, seed: int) -> TensorDataset:
 def loaders(name: str, shuffle: bool = True) -> tuple[DataLoader, DataLoader]:
     """Training (40 samples in batches of 8, shuffled) and validation data (20 samples: the last
     batch is smaller, so epoch means are weighted)."""
-    make = sequences if name == "tbptt" else vectors
+    make = {"tbptt": sequences, "gru_lm": tokens}.get(name, vectors)
     return (DataLoader(make(40, 1), batch_size=8, shuffle=shuffle),
             DataLoader(make(20, 2), batch_size=8))
 
 
-MODULES = {"autoencoder": LitAutoEncoder, "checkpointed": LitAutoEncoder, "gan": LitGAN, "tbptt": LitTBPTT}
+MODULES = {"autoencoder": LitAutoEncoder, "checkpointed": LitAutoEncoder, "gan": LitGAN, "tbptt": LitTBPTT,
+           "gru_lm": LitGRULM}
 
 
 def build(name: str, seed: int = 7) -> pl.LightningModule:

@@ -67,6 +67,11 @@ class LightningBridge(Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.lightning_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def to(self, *args: Any, **kwargs: Any) -> LightningBridge:
+        # Through the LightningModule's own to(), which keeps its self.device up to date.
+        self.lightning_module.to(*args, **kwargs)
+        return self
+
     def configure_optimizers(self) -> object:
         # Handed to the engine's own parsing (engine.loops.optim_setup), every Lightning form included.
         return self.lightning_module.configure_optimizers()

@@ -264,3 +264,11 @@ def test_a_lightning_pytorch_module_and_callbacks_run_as_pytorch_lightnings_do(t
     assert best == pl_best is not None
     with pytest.raises(engine.ConfigError, match="the Lightning callback LearningRateMonitor is not supported"):
         engine.lightning.Trainer(callbacks=[L.callbacks.LearningRateMonitor()])
+
+
+def test_moving_the_run_to_a_device_moves_the_module_and_its_self_device():
+    from engine.lightning._bridge import LightningBridge
+
+    model = HookRecorder()
+    LightningBridge(model).to(torch.device("meta"))  # what the engine does with TrainerConfig.device
+    assert model.device == torch.device("meta") and model.layer.weight.device == torch.device("meta")

@@ -134,6 +134,8 @@ def main() -> int:
                         help="no checkpoint at epoch ends (CheckpointConfig.at_epoch_end=False)")
     parser.add_argument("--val-epoch-slow", type=float, default=None,
                         help="validate after each epoch, sleeping this long per validation split (counted)")
+    parser.add_argument("--fail-after-preemption-rank", type=int, default=None,
+                        help="this rank exits 3 after its preempted fit (first start only)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -173,7 +175,12 @@ def main() -> int:
         val_data = validation_loader(x.shape[0] // 3, args.val_workers)
     else:
         val_data = None if args.val_epoch_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
-    result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
+    try:
+        result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
+    except SystemExit:
+        if restart == 0 and args.fail_after_preemption_rank == rank:
+            os._exit(3)  # a worker failing after the preemption commit: torchrun restarts the group
+        raise
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
     if model.last_hidden is not None:  # None when this process trained nothing (a finished run)

@@ -188,6 +188,7 @@ class FitRun:
         for callback in self.callbacks:
             callback.on_split_end(self.view)
         validated = self._validate_if_due(steps)
+        self.tree.monitored.after_unit(self.tree.units_completed(), self.logger.latest)
         faults.reach("split_end")
         self._check_stop(steps)
         self.checkpoints.check()
@@ -230,6 +231,7 @@ class FitRun:
         if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
             self._validate(steps)
         self._check_monitor_exists()
+        self.tree.monitored.after_epoch(self.tree.fit.progress.total.completed, self.logger.latest)
         self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)

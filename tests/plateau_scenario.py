@@ -4,7 +4,10 @@ metric (``interval="step"``, ``frequency=3``), one at each epoch end with ``val_
 logs the learning rate it trains with, so metrics.jsonl holds the lr sequence. Run as a script
 for the subprocess kill tests (the name is the configure_optimizers form)::
 
-    python tests/plateau_scenario.py {lightning,schedule} RUN_DIR [--sleep S]
+    python tests/plateau_scenario.py {lightning,schedule} RUN_DIR [--sleep S] [--loggers]
+
+With ``--loggers`` the run also writes TensorBoard events to RUN_DIR/tensorboard and a CSV to
+RUN_DIR/metrics.csv (engine.loggers).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -51,7 +55,12 @@ class PlateauModel(ValidatedModel):
             engine.LRSchedule(by_epoch, monitor="val_loss")]}
 
 
-def train_plateau(run_dir: str | None, form: str = "schedule", callbacks: tuple = (),
+def run_loggers(run_dir: str) -> list[engine.loggers.Logger]:
+    return [engine.loggers.TensorBoard(os.path.join(run_dir, "tensorboard")),
+            engine.loggers.CSV(os.path.join(run_dir, "metrics.csv"))]
+
+
+def train_plateau(run_dir: str | None, form: str = "schedule", callbacks: tuple = (), resume: str = "auto",
                   **config: Any) -> tuple[PlateauModel, engine.FitResult]:
     inner, loader = build("tbptt")
     model = PlateauModel(inner, form)
@@ -59,7 +68,8 @@ def train_plateau(run_dir: str | None, form: str = "schedule", callbacks: tuple 
                                     checkpoint=engine.CheckpointConfig(keep_last=2) if run_dir else None,
                                     val_every_n_steps=EVERY_STEPS, gradient_clip_val=0.5)
     settings.update(config)
-    result = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, val_loader())
+    result = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, val_loader(),
+                                                                                           resume=resume)
     return model, result
 
 
@@ -69,8 +79,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("form", choices=["lightning", "schedule"])
     parser.add_argument("run_dir")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--loggers", action="store_true")
     args = parser.parse_args(argv)
-    train_plateau(args.run_dir, args.form, callbacks=(Announce(args.sleep),))
+    loggers = run_loggers(args.run_dir) if args.loggers else []
+    train_plateau(args.run_dir, args.form, callbacks=(Announce(args.sleep),), loggers=loggers)
     return 0
 
 

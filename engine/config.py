@@ -12,6 +12,7 @@ import signal
 from typing import Literal, Sequence
 
 from engine.errors import ConfigError
+from engine.loggers.base import Logger
 from engine.unknown_keywords import LIGHTNING_CHECKPOINT, LIGHTNING_TRAINER, from_lightning, refuse_unknown_fields
 
 Precision = Literal["32", "bf16-mixed", "16-mixed"]
@@ -249,6 +250,9 @@ class TrainerConfig:
         distributed_sampler: under torchrun, give each rank its shard of a map-style
             DataLoader through an inserted ``DistributedSampler`` (a loader that has one is
             kept); False leaves the data as given. See docs/distributed.md.
+        loggers: ``engine.loggers`` objects (``TensorBoard``, ``CSV``, or a ``Logger`` subclass)
+            that receive every row of metrics.jsonl on rank 0, kept in agreement with it across
+            resumes. See docs/loggers.md.
     """
 
     max_epochs: int | None = 1
@@ -271,6 +275,7 @@ class TrainerConfig:
     val_every_n_steps: int | None = None
     val_at_epoch_end: bool = True
     distributed_sampler: bool = True
+    loggers: Sequence[Logger] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -305,6 +310,7 @@ class TrainerConfig:
         _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
         _bool(owner, "distributed_sampler", self.distributed_sampler)
         _bool(owner, "exit_on_preemption", self.exit_on_preemption)
+        _loggers(owner, self.loggers)
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.log_every_seconds is None:
             raise ConfigError(f"{owner}.log_every_seconds: expected a positive number of seconds, got None")
@@ -337,3 +343,14 @@ class TrainerConfig:
             if int(number) not in valid_signals or int(number) in (int(signal.SIGKILL), int(signal.SIGSTOP)):
                 raise ConfigError(f"{owner}.preemption_signals: {number!r} is not a catchable signal")
 
+
+
+def _loggers(owner: str, loggers: object) -> None:
+    if not isinstance(loggers, (list, tuple)):
+        raise ConfigError(f"{owner}.loggers: expected a list of engine.loggers objects (TensorBoard, CSV), got {loggers!r}")
+    for logger in loggers:
+        if not isinstance(logger, Logger):
+            raise ConfigError(f"{owner}.loggers: {logger!r} is not an engine.loggers.Logger (use "
+                              "engine.loggers.TensorBoard(dir), engine.loggers.CSV(path) or a Logger subclass)")
+    if len({id(logger) for logger in loggers}) != len(loggers):
+        raise ConfigError(f"{owner}.loggers: the same logger is given twice; give each once")

@@ -13,7 +13,7 @@ from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
 from engine.data.checks import check_batch_source, check_reiterable, check_val_data
-from engine.distributed.preemption_marker import preempted_exit_status
+from engine.distributed.preemption_marker import committed_preemption, preempted_exit_status
 from engine.errors import ConfigError
 from engine.faults.faulty_fs import filesystem_for
 from engine.run.module_checks import check_module
@@ -93,6 +93,7 @@ class Trainer:
                 check_local_tier(self.config.checkpoint.local_tier, self.config.run_dir)
             check_run_dir(self.config.run_dir)
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
+        self._exit_if_the_launch_was_preempted()
         result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:
             # One write, newline included: the lines of several ranks under torchrun must not interleave.
@@ -101,3 +102,15 @@ class Trainer:
             sys.stderr.flush()
             raise SystemExit(preempted_exit_status(self.config.preemption_exit_code))
         return result
+
+    def _exit_if_the_launch_was_preempted(self) -> None:
+        """A torchrun worker started again after its launch committed a preemption checkpoint
+        exits at once, as the preempted workers did: training would only commit again."""
+        earlier = committed_preemption()
+        if earlier is None or not self.config.exit_on_preemption:
+            return
+        status = preempted_exit_status(self.config.preemption_exit_code)
+        sys.stderr.write(f"splitloop: this launch was already preempted (checkpoint {earlier.get('checkpoint')} "
+                         f"committed); a worker started after that does not train; exiting with {status}\n")
+        sys.stderr.flush()
+        raise SystemExit(status)

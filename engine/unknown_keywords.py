@@ -36,8 +36,8 @@ LIGHTNING_TRAINER: Mapping[str, str] = {
                                "optimizer steps",
     "val_check_interval": "val_every_n_steps=N (optimizer steps)",
     "log_every_n_steps": "every split is a row of metrics.jsonl; log_every_seconds sets the progress log's interval",
-    "logger": "no logger objects: metrics go to run_dir/metrics.jsonl (docs/validation.md); "
-              "python -m engine plot draws them",
+    "logger": "loggers=[engine.loggers.TensorBoard(dir), engine.loggers.CSV(path)] (docs/loggers.md); every "
+              "row also goes to run_dir/metrics.jsonl, which python -m engine plot draws",
     "callbacks": "Trainer(config, callbacks=[...])",
     "truncated_bptt_steps": "a Module attribute: tbptt_split_length = N",
     "fast_dev_run": "max_steps=1 with run_dir=None",

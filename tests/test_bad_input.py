@@ -374,9 +374,10 @@ def test_check_name_refuses_a_trailing_newline():
         check_name("tensors.bin\n")
 
 
-def test_reduce_lr_on_plateau_is_refused_with_advice():
+def test_reduce_lr_on_plateau_without_a_monitor_is_refused_with_advice():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
-    with pytest.raises(engine.ModuleContractError, match="ReduceLROnPlateau needs a metric"):
+    with pytest.raises(engine.ModuleContractError, match="ReduceLROnPlateau is stepped with a metric: name it, "
+                                                         "engine.LRSchedule\\(scheduler, monitor='val_loss'\\)"):
         engine.LRSchedule(plateau)

@@ -18,6 +18,10 @@ view of the file. There each write is a conditional ``PutObject``: the object is
 version (ETag), the fence is checked, and the new content is written only if the object is still
 that version (``If-Match``). A stale writer's write then fails with WriterConflict and changes
 nothing.
+
+Loggers (``TrainerConfig.loggers``, engine.loggers) get every row as it is added, on the writer
+rank only; at each start they are told what the file holds (nothing, or the rows the resumed
+checkpoint committed) and at each snapshot they flush.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Callable
 
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointWriteError, WriterConflict
+from engine.loggers.base import LoggerSet
 from progress import Cursor
 
 METRICS_FILE = "metrics.jsonl"
@@ -41,8 +46,9 @@ _FLUSH_EVERY_LINES = 256
 class MetricsLog:
     """The run's ``metrics.jsonl``; see the module docstring."""
 
-    def __init__(self, storage: Storage | None) -> None:
+    def __init__(self, storage: Storage | None, loggers: LoggerSet | None = None) -> None:
         self._storage = storage
+        self._loggers = loggers if loggers is not None else LoggerSet([])
         self._lines: list[str] = []          # the training thread's, since the last snapshot
         self._unwritten = bytearray()        # snapshotted, not yet in the file
         self.committed_bytes = 0             # the file's length as this writer left it
@@ -56,6 +62,7 @@ class MetricsLog:
         self._fence = fence
 
     def start_fresh(self) -> None:
+        self._loggers.start_fresh()
         if self._storage is None:
             return
         if self._storage.exists(METRICS_FILE) and self._storage.size(METRICS_FILE) > 0:
@@ -63,10 +70,12 @@ class MetricsLog:
         self._storage.write(METRICS_FILE, [], durable=False)
         self.committed_bytes = 0
 
-    def resume_at(self, committed_bytes: int) -> None:
-        """Drop whatever was written after the checkpoint being resumed."""
+    def resume_at(self, committed_bytes: int, resumed_step: int = 0) -> None:
+        """Drop whatever was written after the checkpoint being resumed (at optimizer step
+        ``resumed_step``), and tell the loggers which rows it committed."""
         self.committed_bytes = committed_bytes
         if self._storage is None:
+            self._loggers.resume([], resumed_step)
             return
         size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
         if size < committed_bytes:
@@ -78,6 +87,22 @@ class MetricsLog:
             self.committed_bytes = size
         elif size > committed_bytes:
             self._storage.truncate(METRICS_FILE, committed_bytes)
+        if self._loggers:
+            self._loggers.resume(self._committed_rows(), resumed_step)
+
+    def _committed_rows(self) -> list[dict[str, object]]:
+        """The rows the resumed checkpoint committed, for the loggers (a file that does not parse
+        is a warning: the loggers are not worth stopping the resume for)."""
+        assert self._storage is not None
+        if self.committed_bytes == 0:
+            return []
+        try:
+            data = self._storage.read(METRICS_FILE, limit=self.committed_bytes)
+            return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+        except (OSError, ValueError) as error:
+            warnings.warn(f"the loggers cannot be given the rows of {METRICS_FILE} the checkpoint committed "
+                          f"({type(error).__name__}: {error}); they start again from the resumed step", stacklevel=4)
+            return []
 
     def append(self, cursor: Cursor, losses: list[float], optimizer_steps: int,
                logged: dict[str, float] | None = None) -> None:
@@ -106,6 +131,7 @@ class MetricsLog:
         self._add(record)
 
     def _add(self, record: dict[str, object]) -> None:
+        self._loggers.log_row(record)
         if self._storage is None:
             return
         self._lines.append(json.dumps(record))
@@ -118,6 +144,7 @@ class MetricsLog:
     def snapshot(self) -> int:
         """Seal the buffered lines for the next write; returns the length the file will have
         once they are written (what a checkpoint records as ``metrics_bytes``)."""
+        self._loggers.flush()
         with self._lock:
             if self._lines:
                 self._unwritten += ("\n".join(self._lines) + "\n").encode()
@@ -168,6 +195,10 @@ class MetricsLog:
             raise WriterConflict(
                 f"{METRICS_FILE} in {storage.url} changed while this writer appended to it: another writer took "
                 "the run over; this writer changes nothing and stops")
+
+    def close_loggers(self) -> None:
+        """``fit`` ends: close the loggers (after the last snapshot flushed them)."""
+        self._loggers.close()
 
     def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
         """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""

@@ -49,6 +49,22 @@ def write_preemption_marker(reason: str | None, checkpoint: str | None) -> None:
     os.replace(temporary, path)
 
 
+def committed_preemption() -> dict[str, object] | None:
+    """The marker's record when this launch has already committed a preemption checkpoint and
+    this torchrun worker was started after it (torchrun restarts the whole group when one worker
+    fails, even after the commit); None otherwise. Such a worker must not train: it would resume
+    the preemption checkpoint, be asked to stop, and commit again."""
+    path = os.environ.get(MARKER_VARIABLE)
+    if not path or not distributed_torchrun_worker():
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return None  # no marker (the launcher removes an earlier launch's), or one being replaced
+    return record if isinstance(record, dict) else {}
+
+
 def preempted_exit_status(configured: int) -> int:
     """The status a preempted worker exits with: ``configured``, except 0 for a worker of a
     distributed torchrun job (the marker carries the preemption to ``python -m engine launch``)."""

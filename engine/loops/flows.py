@@ -103,11 +103,13 @@ class AutomaticFlow:
         self._read_output = read_output
         self._optimizers = setup.optimizers
         self._last_index = len(setup.optimizers) - 1
+        # Monitored schedules are stepped at the run's boundaries, with a metric (engine.loops.monitored).
+        stepped_here = [s for s in setup.schedules if not s.monitored]
         self._step_schedulers = [
-            [s.scheduler for s in setup.schedules if s.interval == "step" and s.scheduler.optimizer is o]
+            [s.scheduler for s in stepped_here if s.interval == "step" and s.scheduler.optimizer is o]
             for o in setup.optimizers
         ]
-        self._epoch_schedulers = [s.scheduler for s in setup.schedules if s.interval == "epoch"]
+        self._epoch_schedulers = [s.scheduler for s in stepped_here if s.interval == "epoch"]
         self._optimizer_parameters = [
             [p for group in o.param_groups for p in group["params"]] for o in setup.optimizers
         ]

@@ -41,6 +41,8 @@ from engine.loops.optim_setup import OptimizerSetup
 from engine.loops.compiled import original_module, training_step_of
 from engine.loops.device import OnDevice, move_to_device
 from engine.loops.logged import MetricLogger
+from engine.loops.monitored import AgreeValues, MonitoredSchedules
+from engine.distributed import mean_losses
 from progress import ProgressTree
 
 
@@ -65,6 +67,7 @@ class LoopTree:
     precision: Precision
     logger: MetricLogger
     evaluation: EvaluationLoop | None = None
+    monitored: MonitoredSchedules = dataclasses.field(default_factory=lambda: MonitoredSchedules([]))
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -202,8 +205,17 @@ def build_loops(
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
         evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
+    monitored = MonitoredSchedules(setup.schedules if automatic else [], _agree_values(distributed))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
-                    logger, evaluation)
+                    logger, evaluation, monitored)
+
+
+def _agree_values(distributed: DistributedContext | None) -> AgreeValues:
+    """Monitored values as the mean over the ranks (each rank logs its own training metrics),
+    so every replica steps its schedulers alike."""
+    if distributed is None:
+        return lambda values: values
+    return lambda values: mean_losses(distributed, values)
 
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,

@@ -37,6 +37,7 @@ from engine.run.coordinator import join_coordinator
 from engine.run.display import Display
 from engine.loops.logged import MetricLogger
 from engine.checkpoint.metrics_log import MetricsLog
+from engine.loggers.base import LoggerSet
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import run_requeue_command
@@ -74,7 +75,7 @@ class FitRun:
                                         self.coordinator.world_size)
         self.storage = storage
         writes_metrics = self.coordinator.is_writer
-        self.metrics = MetricsLog(storage if writes_metrics else None)
+        self.metrics = MetricsLog(storage if writes_metrics else None, LoggerSet(config.loggers if writes_metrics else ()))
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
@@ -107,6 +108,7 @@ class FitRun:
                 self.checkpoints.close(failing=True)
                 raise
             finally:
+                self.metrics.close_loggers()
                 self.display.close()
                 self.tree.close()
                 self.data.close()
@@ -188,6 +190,7 @@ class FitRun:
         for callback in self.callbacks:
             callback.on_split_end(self.view)
         validated = self._validate_if_due(steps)
+        self.tree.monitored.after_unit(self.tree.units_completed(), self.logger.latest)
         faults.reach("split_end")
         self._check_stop(steps)
         self.checkpoints.check()
@@ -230,6 +233,7 @@ class FitRun:
         if evaluation is not None and self.config.val_at_epoch_end and not evaluation.current_at(steps):
             self._validate(steps)
         self._check_monitor_exists()
+        self.tree.monitored.after_epoch(self.tree.fit.progress.total.completed, self.logger.latest)
         self._update_status()
         for callback in self.callbacks:
             callback.on_epoch_end(self.view)

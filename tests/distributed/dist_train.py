@@ -85,6 +85,23 @@ def pause_for_go(out: pathlib.Path) -> None:
         time.sleep(0.01)
 
 
+class PlateauModel(Model):
+    """Logs its training loss (each rank its own: other data, other dropout) and the lr, and
+    reduces the lr on a plateau of that loss every two splits (``--plateau-and-loggers``)."""
+
+    def training_step(self, batch: Any, hidden: Any = None) -> Any:
+        loss, hidden = super().training_step(batch, hidden)
+        self.log("train_loss", loss)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], reduce="last")
+        return loss, hidden
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.02)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.3)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step", "frequency": 2}}
+
+
 class SlowValidation(Model):
     """Validates after each epoch, slowly, counting its validation splits in a file the test
     watches (to signal the job while a validation pass runs)."""
@@ -132,8 +149,13 @@ def main() -> int:
     parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
     parser.add_argument("--no-epoch-checkpoint", dest="epoch_checkpoint", action="store_false",
                         help="no checkpoint at epoch ends (CheckpointConfig.at_epoch_end=False)")
+    parser.add_argument("--plateau-and-loggers", action="store_true",
+                        help="a ReduceLROnPlateau on each rank's own training loss; TensorBoard and CSV loggers "
+                             "writing to OUT_DIR/tensorboard-<rank> and OUT_DIR/metrics-<rank>.csv")
     parser.add_argument("--val-epoch-slow", type=float, default=None,
                         help="validate after each epoch, sleeping this long per validation split (counted)")
+    parser.add_argument("--fail-after-preemption-rank", type=int, default=None,
+                        help="this rank exits 3 after its preempted fit (first start only)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -141,6 +163,8 @@ def main() -> int:
     callbacks: list[engine.Callback] = []
     torch.manual_seed(100)  # the same initial parameters everywhere (DDP also broadcasts rank 0's)
     model = Model() if args.val_epoch_slow is None else SlowValidation(args.val_epoch_slow, out / f"validated-{rank}")
+    if args.plateau_and_loggers:
+        model = PlateauModel()
     torch.manual_seed(1000 + rank)  # dropout differs per rank
     for kill in filter(None, os.environ.get("KILLS", "").split(";")):
         kill_restart, kill_rank, faults = kill.split("/")
@@ -167,13 +191,20 @@ def main() -> int:
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
+        loggers=[engine.loggers.TensorBoard(str(out / f"tensorboard-{rank}")),
+                 engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else [],
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     if args.validate_every is not None:
         val_data = validation_loader(x.shape[0] // 3, args.val_workers)
     else:
         val_data = None if args.val_epoch_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
-    result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
+    try:
+        result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
+    except SystemExit:
+        if restart == 0 and args.fail_after_preemption_rank == rank:
+            os._exit(3)  # a worker failing after the preemption commit: torchrun restarts the group
+        raise
     final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
     final["rng"] = torch.get_rng_state()
     if model.last_hidden is not None:  # None when this process trained nothing (a finished run)

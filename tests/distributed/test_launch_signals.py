@@ -99,6 +99,29 @@ def test_a_job_of_one_process_is_not_restarted_after_the_stop(tmp_path: pathlib.
     assert len(launch_helpers.committed(run_dir)) == 1
 
 
+def test_workers_torchrun_restarts_after_the_preemption_commit_do_not_train_or_commit_again(
+        reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # One worker fails after the commit: torchrun restarts the group, and the restarted workers
+    # used to resume, be asked to stop by the launcher, and commit a second checkpoint.
+    run_dir, out_dir = tmp_path / "run", tmp_path / "out"
+    out_dir.mkdir()
+    command = launch_command(run_dir, out_dir, *launch_helpers.phase_options("training"),
+                             "--fail-after-preemption-rank", "1")
+    with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=helpers.REPOSITORY, start_new_session=True) as job:
+        launch_helpers.wait_for_phase(out_dir, "training", job)
+        launch_helpers.send(job, "launcher", signal.SIGUSR1, times=1)
+        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
+    assert job.returncode == 75, stderr[-4000:]
+    assert helpers.worker_pid(out_dir, 0, restart=1) is not None, "torchrun did not restart the workers"
+    assert len(launch_helpers.committed(run_dir)) == 1, stderr[-4000:]
+    assert "a worker started after that does not train" in stderr
+    resumed = subprocess.run(launch_command(run_dir, out_dir, "--every", "1000"), env=helpers.environment(),
+                             capture_output=True, text=True, timeout=helpers.TIMEOUT, cwd=helpers.REPOSITORY)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    helpers.assert_same_result(reference, tmp_path, 2)
+
+
 MATRIX = list(itertools.product(launch_helpers.PHASES, launch_helpers.TARGETS, (signal.SIGUSR1, signal.SIGTERM), (1, 3)))
 
 

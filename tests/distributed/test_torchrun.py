@@ -170,3 +170,17 @@ def test_a_stop_one_rank_decides_is_recorded_alike_by_every_rank_and_ends_the_ru
     assert f"rank 0 done: rank-local stop after 5 splits steps={steps}" in again.stdout
     assert CheckpointStore(Storage(str(run_dir)), create=False).names() == names
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_plateau_on_each_ranks_own_metric_steps_alike_and_only_rank_0_logs(tmp_path: pathlib.Path) -> None:
+    # Each rank logs its own training loss; the plateau is stepped with their mean, so the replicas'
+    # learning rates stay equal (a difference would stop the commit as a ReplicaDivergence).
+    process, run_dir, out_dir = helpers.train(tmp_path, "job", 2, "--plateau-and-loggers", "--epochs", "1")
+    assert process.returncode == 0, process.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [row["metrics"]["lr"] for row in rows if row["stage"] == "train"]
+    assert len(set(rates)) >= 2  # the plateau reduced the learning rate
+    lines = (out_dir / "metrics-0.csv").read_text().splitlines()
+    assert len(lines) == len(rows) + 1  # the header
+    assert (out_dir / "tensorboard-0").is_dir()
+    assert not (out_dir / "metrics-1.csv").exists() and not (out_dir / "tensorboard-1").exists()

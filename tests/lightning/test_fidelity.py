@@ -15,44 +15,55 @@ import engine
 import engine.lightning
 from lit_modules import build, loaders
 
-EPOCHS = 2
+EPOCHS = {"autoencoder": 2, "gan": 2, "gru_lm": 3}  # the plateau first lowers the rate after epoch 1
 
 
 class RecordLosses(pl.Callback):
-    """What each training batch logged, as Lightning's trainer saw it after the batch."""
+    """What each training batch logged, and the learning rate after it, as Lightning's trainer
+    saw them after the batch."""
 
     def __init__(self, names):
-        self.names, self.rows = names, []
+        self.names, self.rows, self.rates = names, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rows.append([float(trainer.callback_metrics[name]) for name in self.names])
+        self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def validates(name):
+    """The GRU LM validates, for ReduceLROnPlateau's monitor; the others train only."""
+    return name == "gru_lm"
 
 
 def lightning_run(name, names):
     model = build(name)
-    train_loader, _ = loaders(name, shuffle=False)
+    train_loader, val_loader = loaders(name, shuffle=False)
     recorder = RecordLosses(names)
-    trainer = pl.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
-    trainer.fit(model, train_loader)
-    return model, recorder.rows
+    trainer = pl.Trainer(max_epochs=EPOCHS[name], accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[recorder])
+    trainer.fit(model, train_loader, val_loader if validates(name) else None)
+    return model, recorder.rows, recorder.rates
 
 
 def adapter_run(name, names, run_dir):
     model = build(name)
-    train_loader, _ = loaders(name, shuffle=False)
-    config = engine.TrainerConfig(max_epochs=EPOCHS, run_dir=str(run_dir), progress_bar="off")
-    engine.lightning.Trainer(config).fit(model, train_loader)
+    train_loader, val_loader = loaders(name, shuffle=False)
+    config = engine.TrainerConfig(max_epochs=EPOCHS[name], run_dir=str(run_dir), progress_bar="off")
+    engine.lightning.Trainer(config).fit(model, train_loader, val_loader if validates(name) else None)
     lines = pathlib.Path(run_dir, "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     return model, [[row["metrics"][n] for n in names] for row in rows if row.get("stage") == "train"]
 
 
-@pytest.mark.parametrize("name, names", [("autoencoder", ["train_loss_step"]), ("gan", ["g_loss", "d_loss"])])
+@pytest.mark.parametrize("name, names", [("autoencoder", ["train_loss_step"]), ("gan", ["g_loss", "d_loss"]),
+                                         ("gru_lm", ["train_loss"])])
 def test_losses_and_parameters_equal_pytorch_lightning_trainer_bit_for_bit(name, names, tmp_path):
-    expected_model, expected = lightning_run(name, names)
+    expected_model, expected, rates = lightning_run(name, names)
+    if name == "gru_lm":  # ReduceLROnPlateau(monitor="val_loss") lowered the rate at each epoch end
+        assert rates == [rates[0]] * 10 + [rates[0] / 2] * 5
     model, actual = adapter_run(name, names, tmp_path / "run")
-    assert len(expected) == len(actual) == EPOCHS * 5
+    assert len(expected) == len(actual) == EPOCHS[name] * 5
     assert torch.equal(torch.tensor(expected, dtype=torch.float64), torch.tensor(actual, dtype=torch.float64))
     expected_state, state = expected_model.state_dict(), model.state_dict()
     assert list(expected_state) == list(state)

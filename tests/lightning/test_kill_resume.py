@@ -1,4 +1,6 @@
-"""Each LightningModule of lit_modules, trained through engine.lightning.Trainer in real
+"""Each LightningModule of lit_modules (an autoencoder, the same with ModelCheckpoint(save_top_k=2)
+and EarlyStopping, a manual-optimization GAN, a Lightning 1.x TBPTT module, a GRU language model
+with ReduceLROnPlateau monitoring val_loss), trained through engine.lightning.Trainer in real
 processes that are SIGKILLed at random instants (random fault points and arrival counts: inside
 steps, between backward and step, at split ends, inside validation, inside checkpoint writes) and
 started again until one finishes: its weights, optimizer and scheduler state, every row of
@@ -24,7 +26,7 @@ from engine.checkpoint.store import CheckpointStore
 
 SCRIPT = str(pathlib.Path(__file__).with_name("lit_scenarios.py"))
 TIMEOUT = 180
-NAMES = ("autoencoder", "checkpointed", "gan", "tbptt")
+NAMES = ("autoencoder", "checkpointed", "gan", "tbptt", "gru_lm")
 TRAINING_POINTS = ("step_start", "after_backward", "after_optimizer_step", "split_end", "split_end_after_checkpoint",
                    "epoch_end", "checkpoint_before_manifest", "checkpoint_after_rename")
 

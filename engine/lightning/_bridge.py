@@ -99,6 +99,7 @@ class LightningBridge(Module):
                                           "self.trainer.should_stop = True")
         arguments: dict[str, Any] = {}
         if "optimizer_index" in engine_arguments:
+            self._require_optimizer_idx()
             arguments["optimizer_idx"] = optimizer_index
         if self.tbptt_split_length is not None:
             arguments["hiddens"] = engine_arguments.get("hidden")
@@ -124,6 +125,15 @@ class LightningBridge(Module):
             step(batch, progress.validation_batch) if _takes_batch_idx(step) else step(batch)
         progress.validation_batch += 1
         return (None, None) if self.tbptt_split_length is not None else None
+
+    def _require_optimizer_idx(self) -> None:
+        """Lightning 2.x needs manual optimization for several optimizers; a 1.x step takes ``optimizer_idx``."""
+        model = self.lightning_module
+        if "optimizer_idx" not in inspect.signature(model.training_step).parameters:
+            raise ModuleContractError(
+                f"{type(model).__name__}: configure_optimizers returned {len(self._engine_optimizers)} optimizers under "
+                "automatic optimization, and training_step has no optimizer_idx parameter; set "
+                "self.automatic_optimization = False and step them in training_step")
 
     @contextlib.contextmanager
     def running(self, hook: str, batch: Any) -> Iterator[None]:

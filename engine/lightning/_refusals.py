@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
-
 from engine.config import TrainerConfig
 from engine.errors import ConfigError, ModuleContractError
 from engine.lightning._packages import is_lightning_class
@@ -53,15 +51,6 @@ def refuse_unsupported_hooks(model: object) -> None:
 
 def _defining_class(cls: type, name: str) -> type | None:
     return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
-
-
-def refuse_several_automatic_optimizers(model: object, optimizer_count: int) -> None:
-    """Lightning 2.x needs manual optimization for several optimizers; a 1.x step takes ``optimizer_idx``."""
-    if optimizer_count > 1 and getattr(model, "automatic_optimization", True) \
-            and "optimizer_idx" not in inspect.signature(getattr(model, "training_step")).parameters:
-        raise ModuleContractError(f"{type(model).__name__}: configure_optimizers returned {optimizer_count} optimizers "
-                                  "under automatic optimization, and training_step has no optimizer_idx parameter; set "
-                                  "self.automatic_optimization = False and step them in training_step")
 
 
 def refuse_unsupported_config(config: TrainerConfig, model: object) -> None:

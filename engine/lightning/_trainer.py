@@ -15,8 +15,7 @@ from engine.lightning._callbacks import translate_callbacks
 from engine.lightning._hooks import LightningHooks, hyperparameters_of
 from engine.lightning._logging import TEST, VALIDATION
 from engine.lightning._packages import require_datamodule, require_lightning_module
-from engine.lightning._refusals import (refuse_several_automatic_optimizers, refuse_unsupported_config,
-                                        refuse_unsupported_hooks)
+from engine.lightning._refusals import refuse_unsupported_config, refuse_unsupported_hooks
 from engine.lightning._trainer_view import TrainerView
 from engine.loops.device import move_to_device
 from engine.loops.logged import MetricLogger
@@ -92,7 +91,6 @@ class Trainer:
         with _attached(bridge, trainer_view):
             model.setup("fit")
             try:
-                refuse_several_automatic_optimizers(model, _optimizer_count(model))
                 result = EngineTrainer(self._engine_config, [hooks, *self._engine_callbacks]).fit(
                     bridge, train, val if overrides(model, "validation_step") else None, resume=resume)
             finally:
@@ -116,10 +114,14 @@ class Trainer:
     def _evaluate(self, model: Any, hook: str, dataloaders: Iterable[Any] | None,
                   datamodule: Any) -> list[dict[str, float]]:
         require_lightning_module(model)
-        stage = "validate" if hook == VALIDATION else "test"
-        data = dataloaders if dataloaders is not None else _loader(model, datamodule, f"{'val' if hook == VALIDATION else 'test'}_dataloader", stage)
+        if datamodule is not None:
+            require_datamodule(datamodule)
+            datamodule.prepare_data()
+            datamodule.setup("validate" if hook == VALIDATION else "test")
+        method = "val_dataloader" if hook == VALIDATION else "test_dataloader"
+        data = dataloaders if dataloaders is not None else _loader(model, datamodule, method)
         if data is None:
-            raise ConfigError(f"{stage}: no data; pass dataloaders= or a datamodule with {hook.replace('_step', '')}_dataloader()")
+            raise ConfigError(f"{hook.replace('_step', '')}: no data; pass dataloaders= or a datamodule with {method}()")
         bridge = LightningBridge(model)
         logger = bridge._engine_logger = MetricLogger()
         device = next(model.parameters()).device
@@ -130,17 +132,12 @@ class Trainer:
             try:
                 for batch in data:
                     bridge.evaluation_step(hook, move_to_device(batch, device))
+                if hook == VALIDATION:
+                    model.on_validation_epoch_end()
             finally:
                 values = logger.end_evaluation()
                 model.train(was_training)
         return [values]
-
-
-def _optimizer_count(model: Any) -> int:
-    """How many optimizers configure_optimizers returns (read by the engine's own parser)."""
-    from engine.loops.optim_setup import read_optimizer_setup
-
-    return len(read_optimizer_setup(model.configure_optimizers()).optimizers)
 
 
 def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None,
@@ -150,13 +147,13 @@ def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None
         datamodule.prepare_data()
         datamodule.setup("fit")
     model.prepare_data()
-    train = train if train is not None else _loader(model, datamodule, "train_dataloader", "fit")
+    train = train if train is not None else _loader(model, datamodule, "train_dataloader")
     if train is None:
         raise ConfigError("fit: no training data; pass train_dataloaders=, a datamodule, or define train_dataloader()")
-    return train, val if val is not None else _loader(model, datamodule, "val_dataloader", "fit")
+    return train, val if val is not None else _loader(model, datamodule, "val_dataloader")
 
 
-def _loader(model: Any, datamodule: Any, method: str, stage: str) -> Any:
+def _loader(model: Any, datamodule: Any, method: str) -> Any:
     """The datamodule's (else the model's) ``method()`` when the user defined it."""
     for owner in (datamodule, model):
         if owner is not None and overrides(owner, method):

@@ -207,6 +207,7 @@ def test_validate_and_test_return_batch_size_weighted_means():
     validated = trainer.validate(model, val)
     inferred = sum(value * size for value, size in model.validated) / sum(size for _, size in model.validated)
     assert validated == [{"val_loss": inferred}] and len(model.validated) == 3
+    assert [call[0] for call in model.calls] == ["on_validation_epoch_start", "on_validation_epoch_end"]
     assert trainer.test(model, val) == validated and model.training
 
 

@@ -6,6 +6,7 @@ directory; run as a script by the kill tests::
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -13,6 +14,7 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 import engine
 import engine.lightning
+import engine.loggers
 from lit_modules import build, loaders
 
 EPOCHS = 3
@@ -27,11 +29,20 @@ def callbacks(name: str, run_dir: str) -> list[object]:
             EarlyStopping(monitor="val_loss", patience=3, min_delta=1.0)]
 
 
+def loggers(name: str, run_dir: str) -> list[engine.loggers.Logger]:
+    """The GRU language model also logs to TensorBoard and a CSV file, as a Lightning user's would."""
+    if name != "gru_lm":
+        return []
+    return [engine.loggers.TensorBoard(os.path.join(run_dir, "tensorboard")),
+            engine.loggers.CSV(os.path.join(run_dir, "metrics.csv"))]
+
+
 def train(name: str, run_dir: str, resume: str = "auto") -> engine.FitResult:
     model = build(name)
     train_loader, val_loader = loaders(name)
     config = engine.TrainerConfig(max_epochs=EPOCHS, run_dir=run_dir, progress_bar="off",
-                                  val_every_n_steps=3 if name == "checkpointed" else None)
+                                  val_every_n_steps=3 if name == "checkpointed" else None,
+                                  loggers=loggers(name, run_dir))
     trainer = engine.lightning.Trainer(config, callbacks=callbacks(name, run_dir))
     return trainer.fit(model, train_loader, None if name == "gan" else val_loader, resume=resume)
 

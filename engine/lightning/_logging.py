@@ -64,6 +64,10 @@ class LightningLog:
         if sink is None or self.hook not in (TRAINING, VALIDATION, TEST):
             raise ModuleContractError(f"self.log({name!r}) in {self.hook or 'a hook'}: engine.lightning records values "
                                       "logged in training_step and validation_step only; log it there")
+        if callable(getattr(value, "compute", None)) and callable(getattr(value, "update", None)):
+            raise ModuleContractError(f"self.log({name!r}, <{type(value).__name__} metric object>): not supported by "
+                                      "engine.lightning; log the tensor it returns for the batch, "
+                                      f"self.log({name!r}, metric(preds, target))")
         reduce = engine_reduction(name, reduce_fx)
         number = _synced(value) if sync_dist else value
         weight = batch_size if batch_size is not None else batch_size_of(self.batch)

@@ -7,6 +7,7 @@ import datetime
 import pytest
 import pytorch_lightning as pl
 import torch
+import torchmetrics
 from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from torch import nn
 
@@ -137,6 +138,18 @@ class UnknownReduction(Plain):
         return loss
 
 
+class LogsAMetricObject(Plain):
+    def __init__(self):
+        super().__init__()
+        self.mean = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean.update(loss)
+        self.log("mean_loss", self.mean)
+        return loss
+
+
 class ModuleHyperparameter(Plain):
     def __init__(self, block=None):
         super().__init__()
@@ -162,6 +175,7 @@ def sequences_loader():
     (LogsOnStepInValidation(), engine.ModuleContractError, "self.log('val_loss', on_step=True) in validation_step",
      {"val_dataloaders": loader(), "up_front": False}),
     (UnknownReduction(), engine.ModuleContractError, "reduce_fx=<built-in method median", {}),
+    (LogsAMetricObject(), engine.ModuleContractError, "self.log('mean_loss', <MeanMetric metric object>)", {}),
     (ModuleHyperparameter(block=nn.Linear(1, 1)), engine.ModuleContractError, "hparams['block'] is a Linear", {}),
     (object(), engine.ModuleContractError, "expects a LightningModule", {}),
 ], ids=lambda value: type(value).__name__ if isinstance(value, (pl.LightningModule, object)) else None)

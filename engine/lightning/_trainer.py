@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any, Iterable, Iterator, NoReturn, Sequence
 
 import torch
@@ -84,21 +85,28 @@ class Trainer:
         refuse_unsupported_hooks(model)
         refuse_unsupported_config(self._engine_config, model)
         hyperparameters_of(model)  # refused up front when not plain data
-        train, val = _fit_data(model, train_dataloaders, val_dataloaders, datamodule)
+        if datamodule is not None:
+            require_datamodule(datamodule)
         bridge = LightningBridge(model)
         trainer_view = TrainerView(bridge, self._engine_config, datamodule)
         hooks = LightningHooks(bridge, trainer_view, datamodule)
         with _attached(bridge, trainer_view):
-            model.setup("fit")
+            stages = [owner for owner in (datamodule, model) if owner is not None]
+            for owner in stages:
+                owner.prepare_data()
+            for owner in stages:
+                owner.setup("fit")
+            train, val = _fit_data(model, train_dataloaders, val_dataloaders, datamodule)
             try:
                 result = EngineTrainer(self._engine_config, [hooks, *self._engine_callbacks]).fit(
-                    bridge, train, val if overrides(model, "validation_step") else None, resume=resume)
+                    bridge, train, val, resume=resume)
             finally:
                 hooks.close()
             if not result.preempted:
                 model.on_train_end()
                 model.on_fit_end()
-            model.teardown("fit")
+            for owner in stages:
+                owner.teardown("fit")
         return result
 
     def validate(self, model: torch.nn.Module, dataloaders: Iterable[Any] | None = None,
@@ -142,15 +150,16 @@ class Trainer:
 
 def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None,
               datamodule: Any) -> tuple[Iterable[Any], Iterable[Any] | None]:
-    if datamodule is not None:
-        require_datamodule(datamodule)
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-    model.prepare_data()
+    """The training and validation data: given, or the datamodule's, or the model's own."""
     train = train if train is not None else _loader(model, datamodule, "train_dataloader")
     if train is None:
         raise ConfigError("fit: no training data; pass train_dataloaders=, a datamodule, or define train_dataloader()")
-    return train, val if val is not None else _loader(model, datamodule, "val_dataloader")
+    val = val if val is not None else _loader(model, datamodule, "val_dataloader")
+    if val is not None and not overrides(model, "validation_step"):
+        # As Lightning does (it warns too): no validation_step, no validation loop.
+        warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used", stacklevel=4)
+        return train, None
+    return train, val
 
 
 def _loader(model: Any, datamodule: Any, method: str) -> Any:

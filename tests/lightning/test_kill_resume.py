@@ -50,7 +50,8 @@ def random_fault(name, rng, kills_so_far):
         point = rng.choice(TRAINING_POINTS)
     else:
         point = "validation_batch_end" if kills_so_far == 0 else rng.choice(TRAINING_POINTS + ("validation_batch_end",))
-    return f"{point}:{rng.randint(1, 6)}:sigkill"
+    # An epoch ends only a few times in a run: an arrival past the end would never kill.
+    return f"{point}:{rng.randint(1, 2 if point == 'epoch_end' else 6)}:sigkill"
 
 
 def best_checkpoints(run_dir):

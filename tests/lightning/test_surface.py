@@ -170,6 +170,9 @@ class CountingData(pl.LightningDataModule):
     def setup(self, stage):
         self.calls.append(f"setup {stage}")
 
+    def teardown(self, stage):
+        self.calls.append(f"teardown {stage}")
+
     def train_dataloader(self):
         self.served += 1
         return data()[0]
@@ -188,10 +191,29 @@ def test_a_datamodule_is_prepared_set_up_and_its_state_checkpointed(tmp_path):
     module = CountingData()
     torch.manual_seed(0)
     adapter_fit(HookRecorder(), tmp_path, epochs=1, datamodule=module)
-    assert module.calls == ["prepare_data", "setup fit"] and rows(tmp_path, "val")
+    assert module.calls == ["prepare_data", "setup fit", "teardown fit"] and rows(tmp_path, "val")
     again = CountingData()
     adapter_fit(HookRecorder(), tmp_path, epochs=2, datamodule=again)
-    assert again.calls == ["prepare_data", "setup fit", "load_state_dict 1"]
+    assert again.calls == ["prepare_data", "setup fit", "load_state_dict 1", "teardown fit"]
+
+
+class NoValidationStep(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_validation_data_without_validation_step_is_not_used_with_a_warning_as_in_lightning(tmp_path):
+    train, val = data()
+    with pytest.warns(UserWarning, match="NoValidationStep has no validation_step: the validation data is not used"):
+        adapter_fit(NoValidationStep(), tmp_path, epochs=1, train_dataloaders=train, val_dataloaders=val)
+    assert rows(tmp_path, "val") == []
 
 
 class WithTestStep(HookRecorder):

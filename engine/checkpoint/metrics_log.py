@@ -131,10 +131,11 @@ class MetricsLog:
         self._add(record)
 
     def _add(self, record: dict[str, object]) -> None:
+        if self._storage is not None:
+            self._lines.append(json.dumps(record))  # before the loggers see the row
         self._loggers.log_row(record)
         if self._storage is None:
             return
-        self._lines.append(json.dumps(record))
         if len(self._lines) >= _FLUSH_EVERY_LINES and self._fence is None:
             try:
                 self.flush()

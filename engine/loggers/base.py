@@ -39,7 +39,7 @@ class Logger:
         checkpoint by the interrupted process come again from the resumed one."""
 
     def log_row(self, row: Row) -> None:
-        """One row of ``metrics.jsonl``."""
+        """One row of ``metrics.jsonl`` (shared with the other loggers: read it, do not change it)."""
 
     def flush(self) -> None:
         """Make what was logged so far durable (a checkpoint is being taken)."""

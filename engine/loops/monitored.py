@@ -40,13 +40,16 @@ class MonitoredSchedules:
 
     def after_unit(self, units_completed: int, metrics: Mapping[str, float]) -> None:
         """At the boundary after a unit of step work, once its metrics and validation are in."""
-        self._step_due(self._by_interval["step"], units_completed, metrics, f"at the boundary after {units_completed} units of step work (batches, or TBPTT splits)")
+        self._step_due(self._by_interval["step"], units_completed, metrics,
+                       lambda: f"at the boundary after {units_completed} units of step work (batches, or TBPTT splits)")
 
     def after_epoch(self, epochs_completed: int, metrics: Mapping[str, float]) -> None:
         """At an epoch's end, once its aggregates and validation are in."""
-        self._step_due(self._by_interval["epoch"], epochs_completed, metrics, f"at the end of epoch {epochs_completed - 1}")
+        self._step_due(self._by_interval["epoch"], epochs_completed, metrics,
+                       lambda: f"at the end of epoch {epochs_completed - 1}")
 
-    def _step_due(self, schedules: list[LRSchedule], completed: int, metrics: Mapping[str, float], where: str) -> None:
+    def _step_due(self, schedules: list[LRSchedule], completed: int, metrics: Mapping[str, float],
+                  where: Callable[[], str]) -> None:
         due = [schedule for schedule in schedules if completed % schedule.frequency == 0]
         if not due:
             return
@@ -55,11 +58,11 @@ class MonitoredSchedules:
             cast(SteppedWithMetric, schedule.scheduler).step(value)
 
 
-def _value_of(schedule: LRSchedule, metrics: Mapping[str, float], where: str) -> float:
+def _value_of(schedule: LRSchedule, metrics: Mapping[str, float], where: Callable[[], str]) -> float:
     monitor = schedule.monitor
     assert monitor is not None
     if monitor not in metrics:
         raise ModuleContractError(
-            f"{type(schedule.scheduler).__name__} monitor={monitor!r}: no such metric {where}, where it is stepped; "
+            f"{type(schedule.scheduler).__name__} monitor={monitor!r}: no such metric {where()}, where it is stepped; "
             f"the run has {sorted(metrics)} (log it with self.log({monitor!r}, ...) or return it from validation_step)")
     return metrics[monitor]

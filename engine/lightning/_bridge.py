@@ -57,6 +57,7 @@ class LightningBridge(Module):
         self.progress = LightningProgress()
         self._splits_in_batch = 1
         self._passes_batch_idx = _takes_batch_idx(lightning_module.training_step)
+        self._evaluation_takes_batch_idx: dict[str, bool] = {}  # read once per hook, not per batch
         if self.tbptt_split_length is not None:
             _require_hiddens(lightning_module)
 
@@ -121,8 +122,9 @@ class LightningBridge(Module):
             progress.validation_started, progress.validation_batch = True, 0
             model.on_validation_epoch_start()
         step = getattr(model, hook)
+        takes_batch_idx = self._evaluation_takes_batch_idx.setdefault(hook, _takes_batch_idx(step))
         with self.running(hook, batch):
-            step(batch, progress.validation_batch) if _takes_batch_idx(step) else step(batch)
+            step(batch, progress.validation_batch) if takes_batch_idx else step(batch)
         progress.validation_batch += 1
         return (None, None) if self.tbptt_split_length is not None else None
 

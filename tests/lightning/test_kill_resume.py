@@ -114,3 +114,12 @@ def test_sigkilled_at_random_instants_the_resumed_run_equals_an_uninterrupted_on
 @pytest.mark.parametrize("name", NAMES)
 def test_many_random_kills(references, name, seed, tmp_path):
     check_kills(references, name, tmp_path, seed, kills_wanted=6)
+
+
+def test_a_preempted_run_exits_to_be_requeued_and_resumes_to_the_uninterrupted_one(references, tmp_path):
+    run_dir = str(tmp_path / "run")
+    preempted = train("checkpointed", run_dir, "validation_batch_end:2:sigterm")  # the signal lands in validation
+    assert preempted.returncode == 75 and "checkpoint ckpt-" in preempted.stderr, preempted.stderr[-3000:]
+    assert train("checkpointed", run_dir).returncode == 0
+    assert_same_run(references["checkpointed"], run_dir)
+    assert_same_best(references["checkpointed"], run_dir)

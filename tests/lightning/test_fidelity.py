@@ -1,9 +1,11 @@
 """Without shuffling or dropout, a LightningModule trained through engine.lightning.Trainer sees
 the same losses, bit for bit, as under pytorch_lightning.Trainer on the CPU with the same seed,
-and ends with the same parameters."""
+and ends with the same parameters; a Lightning 1.x TBPTT module (which Lightning 2.x cannot run)
+trains as the same model written as an engine.Module."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -13,7 +15,7 @@ import torch
 
 import engine
 import engine.lightning
-from lit_modules import build, loaders
+from lit_modules import FEATURES, LitTBPTT, build, loaders
 
 EPOCHS = {"autoencoder": 2, "gan": 2, "gru_lm": 3}  # the plateau first lowers the rate after epoch 1
 
@@ -68,3 +70,37 @@ def test_losses_and_parameters_equal_pytorch_lightning_trainer_bit_for_bit(name,
     expected_state, state = expected_model.state_dict(), model.state_dict()
     assert list(expected_state) == list(state)
     assert all(torch.equal(expected_state[key], state[key]) for key in state)
+
+
+class NativeTBPTT(engine.Module):
+    """lit_modules.LitTBPTT written for the engine directly (the same layers, built in the same order)."""
+
+    tbptt_split_length = 4
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(FEATURES, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, FEATURES)
+
+    def training_step(self, batch, hidden):
+        x, y = batch
+        out, hidden = self.rnn(x, hidden)
+        return torch.nn.functional.mse_loss(self.head(out), y), hidden
+
+    def configure_optimizers(self):
+        return LitTBPTT.configure_optimizers(self)
+
+
+def test_a_lightning_1x_tbptt_module_trains_as_the_engines_own_tbptt_module_bit_for_bit(tmp_path):
+    lit = build("tbptt")
+    pl.seed_everything(7, verbose=False)
+    native = NativeTBPTT()
+    train_loader, _ = loaders("tbptt", shuffle=False)
+    config = engine.TrainerConfig(max_epochs=2, progress_bar="off")
+    engine.lightning.Trainer(dataclasses.replace(config, run_dir=str(tmp_path / "lit"))).fit(lit, train_loader)
+    engine.Trainer(dataclasses.replace(config, run_dir=str(tmp_path / "native"))).fit(native, train_loader)
+    losses = [[row["loss"] for row in map(json.loads, pathlib.Path(tmp_path, run, "metrics.jsonl").read_text().splitlines())
+               if row.get("stage") == "train"] for run in ("lit", "native")]
+    assert len(losses[0]) == 2 * 5 * 4
+    assert torch.equal(torch.tensor(losses[0], dtype=torch.float64), torch.tensor(losses[1], dtype=torch.float64))
+    assert all(torch.equal(lit.state_dict()[key], value) for key, value in native.state_dict().items())

@@ -173,6 +173,21 @@ class LightningBridge(Module):
         schedulers = self.lr_schedulers()
         return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
 
+    def lightning_clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                 gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's ``self.clip_gradients`` (manual optimization): the optimizer's parameters'
+        gradients clipped by norm (the default) or by value, as Lightning's precision plugin does."""
+        if gradient_clip_val is None or gradient_clip_val == 0:
+            return
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grad_norm_(parameters, gradient_clip_val)
+        elif gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, gradient_clip_val)
+        else:
+            raise ModuleContractError(f"self.clip_gradients(gradient_clip_algorithm={gradient_clip_algorithm!r}): "
+                                      "expected 'norm' or 'value'")
+
     def lightning_manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Lightning's ``self.manual_backward``; the last loss is the split's ``loss`` in metrics.jsonl."""
         self.progress.last_manual_loss = loss.detach()

@@ -26,7 +26,8 @@ from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywor
 
 # The LightningModule methods that reach Lightning's trainer, answered by the bridge while it runs.
 _BRIDGED_METHODS = {"log": "log", "log_dict": "log_dict", "optimizers": "lightning_optimizers",
-                    "lr_schedulers": "lightning_lr_schedulers", "manual_backward": "lightning_manual_backward"}
+                    "lr_schedulers": "lightning_lr_schedulers", "manual_backward": "lightning_manual_backward",
+                    "clip_gradients": "lightning_clip_gradients"}
 
 
 class Trainer:

@@ -80,6 +80,32 @@ class LitGAN(pl.LightningModule):
         return [opt_g, opt_d], []
 
 
+class LitManualClipped(pl.LightningModule):
+    """Manual optimization with Lightning's self.clip_gradients, by norm and by value."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.encoder = nn.Linear(FEATURES, 3)
+        self.decoder = nn.Linear(3, FEATURES)
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, _ = batch
+        loss = F.mse_loss(self.decoder(self.encoder(x)), x)
+        self.log("train_loss", loss)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+        optimizer.step()
+        self.lr_schedulers().step()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)]
+
+
 class LitTBPTT(pl.LightningModule):
     """A Lightning 1.x truncated-BPTT module: ``truncated_bptt_steps``, ``hiddens``, a dict return."""
 
@@ -165,7 +191,7 @@ def loaders(name: str, shuffle: bool = True) -> tuple[DataLoader, DataLoader]:
 
 
 MODULES = {"autoencoder": LitAutoEncoder, "checkpointed": LitAutoEncoder, "gan": LitGAN, "tbptt": LitTBPTT,
-           "gru_lm": LitGRULM}
+           "gru_lm": LitGRULM, "clipped": LitManualClipped}
 
 
 def build(name: str, seed: int = 7) -> pl.LightningModule:

@@ -17,7 +17,7 @@ import engine
 import engine.lightning
 from lit_modules import FEATURES, LitTBPTT, build, loaders
 
-EPOCHS = {"autoencoder": 2, "gan": 2, "gru_lm": 3}  # the plateau first lowers the rate after epoch 1
+EPOCHS = {"autoencoder": 2, "gan": 2, "gru_lm": 3, "clipped": 2}  # the plateau first lowers the rate after epoch 1
 
 
 class RecordLosses(pl.Callback):
@@ -59,11 +59,13 @@ def adapter_run(name, names, run_dir):
 
 
 @pytest.mark.parametrize("name, names", [("autoencoder", ["train_loss_step"]), ("gan", ["g_loss", "d_loss"]),
-                                         ("gru_lm", ["train_loss"])])
+                                         ("gru_lm", ["train_loss"]), ("clipped", ["train_loss"])])
 def test_losses_and_parameters_equal_pytorch_lightning_trainer_bit_for_bit(name, names, tmp_path):
     expected_model, expected, rates = lightning_run(name, names)
     if name == "gru_lm":  # ReduceLROnPlateau(monitor="val_loss") lowered the rate at each epoch end
         assert rates == [rates[0]] * 10 + [rates[0] / 2] * 5
+    if name == "clipped":  # stepped by the module (manual optimization) after each step
+        assert rates[:4] == [1.0, 0.5, 0.5, 0.25]  # StepLR(step_size=2, gamma=0.5)
     model, actual = adapter_run(name, names, tmp_path / "run")
     assert len(expected) == len(actual) == EPOCHS[name] * 5
     assert torch.equal(torch.tensor(expected, dtype=torch.float64), torch.tensor(actual, dtype=torch.float64))

@@ -87,7 +87,10 @@ class LightningBridge(Module):
         return splits
 
     # ---- steps --------------------------------------------------------------------------
-    def training_step(self, batch: Batch, batch_idx: int, split_idx: int, **engine_arguments: Any) -> object:  # type: ignore[override]
+    def training_step(  # type: ignore[override]
+            self, batch: Batch, batch_idx: int, split_idx: int, **engine_arguments: Any) -> object:
+        """The LightningModule's step with Lightning's arguments (``hiddens``, ``optimizer_idx`` for
+        1.x modules), preceded by the epoch's and batch's start hooks."""
         model, progress = self.lightning_module, self.progress
         optimizer_index = engine_arguments.get("optimizer_index", 0)
         if not progress.epoch_started:

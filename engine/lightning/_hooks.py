@@ -108,5 +108,3 @@ def hyperparameters_of(model: Any) -> dict[str, Any]:
     """What ``save_hyperparameters()`` recorded, as plain data (refused, naming the entry, otherwise)."""
     hparams = getattr(model, "hparams", None)
     return plain_data(dict(hparams) if hparams else {}, f"{type(model).__name__}.hparams", tensors=False)
-
-

@@ -58,4 +58,3 @@ def refuse_unsupported_config(config: TrainerConfig, model: object) -> None:
     if config.precision == "16-mixed" and not getattr(model, "automatic_optimization", True):
         raise ConfigError("TrainerConfig.precision='16-mixed' with manual optimization: not supported by "
                           "engine.lightning (optimizer.step() would bypass the gradient scaler); use '32' or 'bf16-mixed'")
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
+import sys
 
 import pytest
 import pytorch_lightning as pl
@@ -295,3 +296,13 @@ def test_moving_the_run_to_a_device_moves_the_module_and_its_self_device():
     model = HookRecorder()
     LightningBridge(model).to(torch.device("meta"))  # what the engine does with TrainerConfig.device
     assert model.device == torch.device("meta") and model.layer.weight.device == torch.device("meta")
+
+
+def test_without_lightning_installed_the_import_says_what_to_install(monkeypatch):
+    import importlib
+
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch"):
+        monkeypatch.setitem(sys.modules, name, None)  # what an uninstalled package looks like to import
+    monkeypatch.delitem(sys.modules, "engine.lightning._packages")
+    with pytest.raises(ImportError, match=r"engine.lightning needs PyTorch Lightning: pip install 'splitloop\[lightning\]'"):
+        importlib.import_module("engine.lightning._packages")

@@ -33,6 +33,7 @@ Run as a script, this file is the server: ``python tests/forkserver.py SOCKET [M
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import selectors
@@ -48,6 +49,8 @@ DISABLE_VARIABLE = "SPLITLOOP_TESTS_FORKSERVER"
 PRELOAD = ("torch", "torch._dynamo", "torch.profiler._cupti_monitor", "torch.utils.data", "fsspec",
            "fsspec.implementations.chained", "msgpack", "engine", "engine.cli.main", "engine.demo",
            "importlib.resources.readers", "argparse", "runpy")
+# The Lightning adapter's tests start many children; Lightning's import costs seconds (an optional extra).
+PRELOAD += ("pytorch_lightning", "engine.lightning") if importlib.util.find_spec("pytorch_lightning") else ()
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
 _START_TIMEOUT = 120.0

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 import engine
+import engine.lightning
 import engine.loggers
 import engine.testing
 import progress
 
-PACKAGES = [engine, engine.loggers, engine.testing, progress]
+PACKAGES = [engine, engine.lightning, engine.loggers, engine.testing, progress]
 
 
 def _names_bound_in_source(package: types.ModuleType) -> set[str]:

@@ -18,3 +18,7 @@ ENVELOPE = "envelope"
 
 STATE_KEYS = frozenset({SIGNATURE, MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES, ELAPSED_SECONDS,
                         ENVELOPE})
+
+# Inside a callback's state: the hyperparameters of the module it runs (engine.lightning's
+# save_hyperparameters()); ``python -m engine inspect`` shows them.
+HYPERPARAMETERS = "hyperparameters"

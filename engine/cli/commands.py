@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from engine import faults
+from engine.checkpoint.state_keys import CALLBACKS, HYPERPARAMETERS
 from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import ConfigError
@@ -49,7 +50,7 @@ def inspect_run(url: str) -> dict[str, Any]:
     store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect(run_state.validate)
     latest = next((entry for entry in reversed(entries) if entry.valid), None)
-    result = {
+    result: dict[str, Any] = {
         "dir": url,
         "checkpoints": [
             {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error,
@@ -63,7 +64,14 @@ def inspect_run(url: str) -> dict[str, Any]:
     if latest is not None:
         state = store.load(latest.name, run_state.validate).state
         result["fingerprint"] = fingerprint(state[run_state.MODULE], state[run_state.OPTIMIZERS])
+        result["hyperparameters"] = _hyperparameters(state[CALLBACKS])
     return result
+
+
+def _hyperparameters(callback_states: dict[str, Any]) -> dict[str, Any] | None:
+    """The module's hyperparameters a callback saved (engine.lightning: save_hyperparameters())."""
+    return next((state[HYPERPARAMETERS] for state in callback_states.values()
+                 if isinstance(state, dict) and isinstance(state.get(HYPERPARAMETERS), dict)), None)
 
 
 def run_inspect(url: str, as_json: bool) -> int:
@@ -86,6 +94,8 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(f"best: {report['best']}")
     if report["fingerprint"]:
         print(f"fingerprint: {report['fingerprint']}")
+    if report.get("hyperparameters"):
+        print(f"hyperparameters: {json.dumps(report['hyperparameters'], sort_keys=True)}")
     return 0
 
 

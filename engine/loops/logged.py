@@ -23,20 +23,26 @@ _LOGGED = "self.log"
 
 
 class Aggregate:
-    """Running reductions of named values: ``{name: [reduce, accumulated, count]}``."""
+    """Running reductions of named values: ``{name: [reduce, accumulated, count]}``. A ``mean``
+    may weight its values (Lightning's ``batch_size``): it accumulates value * weight and counts
+    the weights."""
 
     def __init__(self) -> None:
         self.entries: dict[str, list[Any]] = {}
 
-    def add(self, name: str, value: float, reduce: str) -> None:
+    def add(self, name: str, value: float, reduce: str, weight: int | float = 1) -> None:
+        if reduce == "mean":
+            value, count = value * weight, weight
+        else:
+            count = 1
         entry = self.entries.get(name)
         if entry is None:
-            self.entries[name] = [reduce, value, 1]
+            self.entries[name] = [reduce, value, count]
             return
         if entry[0] != reduce:
             raise ModuleContractError(f"metric {name!r} was logged with reduce={entry[0]!r} and then reduce={reduce!r}")
         entry[1] = _combine(reduce, entry[1], value)
-        entry[2] += 1
+        entry[2] += count
 
     def values(self) -> dict[str, float]:
         """The reduced value of every name (``mean`` divides by the count)."""
@@ -53,7 +59,7 @@ class Aggregate:
         entries = {}
         for name, entry in state.items():
             reduce, accumulated, count = entry
-            if reduce not in REDUCTIONS or not isinstance(count, int):
+            if reduce not in REDUCTIONS or isinstance(count, bool) or not isinstance(count, (int, float)):
                 raise ValueError(f"metric {name!r}: malformed aggregate {entry!r}")
             entries[str(name)] = [reduce, float(accumulated), count]
         self.entries = entries
@@ -80,14 +86,24 @@ class MetricLogger:
         # Names seen in each pass of this fit: one name in both would mix the two in ``latest``
         # (what monitor, EarlyStopping and FitResult.metrics read).
         self._names: dict[str, set[str]] = {"training": set(), "validation": set()}
+        # Names logged for the split's row only (Lightning's on_epoch=False): not aggregated over the epoch.
+        self._split_only: set[str] = set()
         # Where each name of the running validation pass came from: validation_step's returned
         # value or self.log. One name from both would be averaged together, so it is refused.
         self._evaluation_sources: dict[str, str] = {}
 
-    def log(self, name: str, value: Any, reduce: str) -> None:
-        """Record ``value`` under ``name`` in the pass that is running (training or validation)."""
+    def log(self, name: str, value: Any, reduce: str, weight: int | float = 1, per_split: bool = True,
+            per_epoch: bool = True) -> None:
+        """Record ``value`` under ``name`` in the pass that is running (training or validation).
+
+        In training, ``per_split`` puts it in the split's row and ``per_epoch`` in the epoch's
+        aggregate (both by default: the split's reduced value joins the epoch's; with only
+        ``per_epoch`` the value itself does, weighted by ``weight`` in a mean). A validation
+        value always joins the pass's aggregate, weighted by ``weight``."""
         self._check_source(name, _LOGGED)
-        self._add(name, value, reduce)
+        if not per_split and not per_epoch:
+            raise ModuleContractError(f"log({name!r}): a value logged neither per split nor per epoch goes nowhere")
+        self._add(name, value, reduce, weight, per_split, per_epoch)
 
     def log_returned(self, name: str, value: Any, returned_as: str) -> None:
         """Record a value ``validation_step`` returned (averaged over the pass); ``returned_as``
@@ -105,7 +121,8 @@ class MetricLogger:
                 f"validation: {name!r} is both {returned} and logged with self.log({name!r}, ...), which would "
                 f"average the two; return it or log it, not both (or log the other value under another name)")
 
-    def _add(self, name: str, value: Any, reduce: str) -> None:
+    def _add(self, name: str, value: Any, reduce: str, weight: int | float = 1, per_split: bool = True,
+             per_epoch: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ModuleContractError(f"log: the name must be a non-empty string, got {name!r}")
         if reduce not in REDUCTIONS:
@@ -123,9 +140,13 @@ class MetricLogger:
                     "returned loss is logged as 'val_loss')", stacklevel=3)
             self._names[stage].add(name)
         if self.evaluation is not None:
-            self.evaluation.add(name, number, reduce)
-        else:
+            self.evaluation.add(name, number, reduce, weight)
+        elif per_split:
             self.split.add(name, number, reduce)
+            if not per_epoch:
+                self._split_only.add(name)
+        else:
+            self.epoch.add(name, number, reduce, weight)
 
     def end_split(self) -> dict[str, float]:
         """The split's reduced values (they also join the epoch's aggregate)."""
@@ -133,8 +154,10 @@ class MetricLogger:
             return {}
         values = self.split.values()
         for name, (reduce, _, _) in self.split.entries.items():
-            self.epoch.add(name, values[name], reduce)
+            if name not in self._split_only:
+                self.epoch.add(name, values[name], reduce)
         self.split.clear()
+        self._split_only.clear()
         self.latest.update(values)
         return values
 

@@ -1,0 +1,192 @@
+"""``engine.lightning.Trainer``: run an unmodified LightningModule on engine.Trainer."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Any, Iterable, Iterator, NoReturn, Sequence
+
+import torch
+
+from engine.config import TrainerConfig
+from engine.errors import ConfigError
+from engine.lightning._bridge import LightningBridge, overrides
+from engine.lightning._callbacks import translate_callbacks
+from engine.lightning._hooks import LightningHooks, hyperparameters_of
+from engine.lightning._logging import TEST, VALIDATION
+from engine.lightning._packages import require_datamodule, require_lightning_module
+from engine.lightning._refusals import refuse_unsupported_config, refuse_unsupported_hooks
+from engine.lightning._trainer_view import TrainerView
+from engine.loops.device import move_to_device
+from engine.loops.logged import MetricLogger
+from engine.result import FitResult
+from engine.trainer import Trainer as EngineTrainer
+from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
+
+# The LightningModule methods that reach Lightning's trainer, answered by the bridge while it runs.
+_BRIDGED_METHODS = {"log": "log", "log_dict": "log_dict", "optimizers": "lightning_optimizers",
+                    "lr_schedulers": "lightning_lr_schedulers", "manual_backward": "lightning_manual_backward",
+                    "clip_gradients": "lightning_clip_gradients"}
+
+
+class Trainer:
+    """Trains a ``LightningModule`` (``pytorch_lightning`` or ``lightning.pytorch``) unmodified, with
+    every guarantee of :class:`engine.Trainer`: exact resume at the interrupted split, preemption,
+    torchrun, isolated validation, best checkpoints, metrics.jsonl written once.
+
+    Example::
+
+        from engine.lightning import Trainer
+        from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+
+        trainer = Trainer(engine.TrainerConfig(max_epochs=5, run_dir="runs/ae"),
+                          callbacks=[ModelCheckpoint(monitor="val_loss", save_top_k=2),
+                                     EarlyStopping(monitor="val_loss", patience=3)])
+        trainer.fit(LitAutoEncoder(), train_loader, val_loader)   # run it again: it resumes
+
+    Args:
+        config: the engine's TrainerConfig (Lightning's Trainer arguments are refused, naming
+            the field to use; see docs/lightning.md).
+        callbacks: Lightning's ``ModelCheckpoint`` and ``EarlyStopping`` (translated to the
+            engine's), and engine.Callback objects. Any other Lightning callback is refused.
+    """
+
+    @refuse_unknown_keywords("engine.lightning.Trainer",
+                             trainer_hints(field.name for field in dataclasses.fields(TrainerConfig)))
+    def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[object] = ()) -> None:
+        self.config = config if config is not None else TrainerConfig()
+        if not isinstance(self.config, TrainerConfig):
+            raise ConfigError(f"engine.lightning.Trainer: config must be an engine.TrainerConfig, got "
+                              f"{type(config).__name__}")
+        translated = translate_callbacks(list(callbacks), self.config)
+        self._engine_config = dataclasses.replace(self.config, checkpoint=translated.checkpoint) \
+            if translated.checkpoint is not self.config.checkpoint else self.config
+        self._engine_callbacks = translated.callbacks
+
+    def fit(self, model: torch.nn.Module, train_dataloaders: Iterable[Any] | None = None,
+            val_dataloaders: Iterable[Any] | None = None, datamodule: Any = None, resume: str = "auto",
+            **unknown: NoReturn) -> FitResult:
+        """Train ``model`` as ``pytorch_lightning.Trainer.fit`` would, resuming from ``run_dir``.
+
+        Args:
+            model: a LightningModule.
+            train_dataloaders, val_dataloaders: the loaders; or ``datamodule``'s (or the model's
+                own ``train_dataloader()`` / ``val_dataloader()``) when not given.
+            datamodule: a LightningDataModule (``prepare_data``, ``setup("fit")``, its loaders;
+                its ``state_dict()`` is saved in every checkpoint).
+            resume: as in :meth:`engine.Trainer.fit` (Lightning's ``ckpt_path`` is refused).
+        """
+        refuse_keywords("fit", unknown, Trainer.fit, from_lightning({"ckpt_path": LIGHTNING_FIT["ckpt_path"]}))
+        return self._fit(model, train_dataloaders, val_dataloaders, datamodule, resume)
+
+    def _fit(self, model: Any, train_dataloaders: Iterable[Any] | None, val_dataloaders: Iterable[Any] | None,
+             datamodule: Any, resume: str) -> FitResult:
+        require_lightning_module(model)
+        refuse_unsupported_hooks(model)
+        refuse_unsupported_config(self._engine_config, model)
+        hyperparameters_of(model)  # refused up front when not plain data
+        if datamodule is not None:
+            require_datamodule(datamodule)
+        bridge = LightningBridge(model)
+        trainer_view = TrainerView(bridge, self._engine_config, datamodule)
+        hooks = LightningHooks(bridge, trainer_view, datamodule)
+        with _attached(bridge, trainer_view):
+            stages = [owner for owner in (datamodule, model) if owner is not None]
+            for owner in stages:
+                owner.prepare_data()
+            for owner in stages:
+                owner.setup("fit")
+            train, val = _fit_data(model, train_dataloaders, val_dataloaders, datamodule)
+            try:
+                result = EngineTrainer(self._engine_config, [hooks, *self._engine_callbacks]).fit(
+                    bridge, train, val, resume=resume)
+            finally:
+                hooks.close()
+            if not result.preempted:
+                model.on_train_end()
+                model.on_fit_end()
+            for owner in stages:
+                owner.teardown("fit")
+        return result
+
+    def validate(self, model: torch.nn.Module, dataloaders: Iterable[Any] | None = None,
+                 datamodule: Any = None) -> list[dict[str, float]]:
+        """One pass of ``validation_step`` over the data; returns ``[{name: value}]`` as Lightning does."""
+        return self._evaluate(model, VALIDATION, dataloaders, datamodule)
+
+    def test(self, model: torch.nn.Module, dataloaders: Iterable[Any] | None = None,
+             datamodule: Any = None) -> list[dict[str, float]]:
+        """One pass of ``test_step`` over the data; returns ``[{name: value}]`` as Lightning does."""
+        return self._evaluate(model, TEST, dataloaders, datamodule)
+
+    def _evaluate(self, model: Any, hook: str, dataloaders: Iterable[Any] | None,
+                  datamodule: Any) -> list[dict[str, float]]:
+        require_lightning_module(model)
+        if datamodule is not None:
+            require_datamodule(datamodule)
+            datamodule.prepare_data()
+            datamodule.setup("validate" if hook == VALIDATION else "test")
+        method = "val_dataloader" if hook == VALIDATION else "test_dataloader"
+        data = dataloaders if dataloaders is not None else _loader(model, datamodule, method)
+        if data is None:
+            raise ConfigError(f"{hook.replace('_step', '')}: no data; pass dataloaders= or a datamodule with {method}()")
+        bridge = LightningBridge(model)
+        logger = bridge._engine_logger = MetricLogger()
+        device = next(model.parameters()).device
+        with _attached(bridge, TrainerView(bridge, self.config, datamodule)), torch.no_grad():
+            was_training = model.training
+            model.eval()
+            logger.begin_evaluation()
+            try:
+                for batch in data:
+                    bridge.evaluation_step(hook, move_to_device(batch, device))
+                if hook == VALIDATION:
+                    model.on_validation_epoch_end()
+            finally:
+                values = logger.end_evaluation()
+                model.train(was_training)
+        return [values]
+
+
+def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None,
+              datamodule: Any) -> tuple[Iterable[Any], Iterable[Any] | None]:
+    """The training and validation data: given, or the datamodule's, or the model's own."""
+    train = train if train is not None else _loader(model, datamodule, "train_dataloader")
+    if train is None:
+        raise ConfigError("fit: no training data; pass train_dataloaders=, a datamodule, or define train_dataloader()")
+    val = val if val is not None else _loader(model, datamodule, "val_dataloader")
+    if val is not None and not overrides(model, "validation_step"):
+        # As Lightning does (it warns too): no validation_step, no validation loop.
+        warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used", stacklevel=4)
+        return train, None
+    return train, val
+
+
+def _loader(model: Any, datamodule: Any, method: str) -> Any:
+    """The datamodule's (else the model's) ``method()`` when the user defined it."""
+    for owner in (datamodule, model):
+        if owner is not None and overrides(owner, method):
+            return getattr(owner, method)()
+    return None
+
+
+@contextlib.contextmanager
+def _attached(bridge: LightningBridge, trainer_view: TrainerView) -> Iterator[None]:
+    """Point the LightningModule's trainer-facing methods and ``self.trainer`` at the bridge
+    for the run, and take them back after it."""
+    model: Any = bridge.lightning_module
+    for name, bridged in _BRIDGED_METHODS.items():
+        source = bridge.log_sink if name in ("log", "log_dict") else bridge
+        setattr(model, name, getattr(source, bridged))
+    model.trainer = trainer_view
+    if trainer_view.datamodule is not None:
+        trainer_view.datamodule.trainer = trainer_view
+    try:
+        yield
+    finally:
+        for name in _BRIDGED_METHODS:
+            model.__dict__.pop(name, None)
+        model.trainer = None
+        if trainer_view.datamodule is not None:
+            trainer_view.datamodule.trainer = None

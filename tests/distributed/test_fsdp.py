@@ -180,6 +180,18 @@ def test_a_sharded_checkpoint_resumed_by_another_world_size_is_refused_naming_bo
     assert "\n" not in str(raised.value)
 
 
+def test_clipping_sharded_gradients_gives_the_numbers_of_unsharded_clipping(tmp_path: pathlib.Path) -> None:
+    script = str(pathlib.Path(helpers.FSDP_SCRIPT).with_name("fsdp_clip.py"))
+    command = [helpers.sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script,
+               str(tmp_path / "clipped.pt")]
+    process = helpers.run(command, helpers.environment())
+    assert process.returncode == 0, process.stderr[-4000:]
+    result = torch.load(tmp_path / "clipped.pt", weights_only=True)
+    assert float(result["plain.norm"]) > 1.0  # the clipping did scale the gradients down
+    for key in (key for key in result if key.startswith("plain.")):
+        assert torch.equal(result[key], result[key.replace("plain.", "sharded.")]), key
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("fault", ["split_end", "checkpoint_before_rename", "checkpoint_before_manifest"])
 def test_four_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path, fault: str) -> None:

@@ -137,6 +137,8 @@ def main() -> int:
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     result = engine.Trainer(config, callbacks).fit(model, loader)
+    if "WORLD_SIZE" in os.environ and not all(hasattr(p, "device_mesh") for p in model.parameters()):
+        raise SystemExit("the model was not sharded: Module.configure_model was not called")
     torch.save(final_state(model, model.optimizers()), out / f"final-{rank}.pt")  # type: ignore[arg-type]
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0

@@ -90,9 +90,17 @@ def test_sigkills_at_a_split_boundary_and_mid_commit_resume_exactly(reference_tw
 
 def test_adam_step_and_moments_after_a_resume_equal_the_uninterrupted_runs(reference_two: pathlib.Path,
                                                                            tmp_path: pathlib.Path) -> None:
-    # Resumed after 5 splits (2 optimizer steps) at a boundary inside an accumulation window.
-    process, _, out_dir = train(tmp_path, "job", 2, max_restarts=1, KILLS="0/0/split_end:5:sigkill")
-    assert process.returncode == 0, process.stderr[-4000:]
+    # Killed right after the checkpoint of split 5 (2 optimizer steps taken, the window of the
+    # third open: its sharded gradients are in the checkpoint), then started again.
+    process, run_dir, out_dir = train(tmp_path, "job", 2, KILLS="0/0/split_end_after_checkpoint:5:sigkill")
+    assert process.returncode != 0
+    loaded = CheckpointStore(Storage(str(run_dir)), create=False).latest()
+    assert loaded is not None and loaded.progress.records["flow.optimizer_steps"].total.completed == 2
+    flow = loaded.state["loops"]["flow"]
+    assert flow["pending_backward"] == [True]
+    assert all(isinstance(gradient, TensorShard) for gradient in flow["gradients"].values())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
+    assert again.returncode == 0, again.stderr[-4000:]
     steps = optimizer_steps(reference_two / "out")
     for rank in range(2):
         expected, got = helpers.final_state(reference_two / "out", rank), helpers.final_state(out_dir, rank)
@@ -104,6 +112,7 @@ def test_adam_step_and_moments_after_a_resume_equal_the_uninterrupted_runs(refer
             if key.endswith(".step"):
                 # No optimizer.step() ran to create the state: the count is the run's steps.
                 assert int(got[key]) == steps, key
+    helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
 def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: pathlib.Path,

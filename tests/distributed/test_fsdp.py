@@ -132,6 +132,24 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
+def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(reference_two: pathlib.Path,
+                                                                             tmp_path: pathlib.Path) -> None:
+    run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
+    out_dir.mkdir(parents=True)
+    command = helpers.torchrun_command(2, run_dir, out_dir, "--slow", "0.1", script=SCRIPT)
+    with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as job:
+        helpers.wait_for(lambda: min(helpers.splits_done(out_dir, rank) for rank in (0, 1)) >= 2, "training started", job)
+        helpers.signal_worker(out_dir, 1, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
+    assert job.returncode == 0, stderr[-4000:]
+    stopped = [line.partition("; checkpoint ")[2] for line in stderr.splitlines() if line.startswith("splitloop: ")]
+    assert len(stopped) == 2 and stopped[0] == stopped[1], stderr[-4000:]  # one boundary, one checkpoint
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
+    assert again.returncode == 0, again.stderr[-4000:]
+    helpers.assert_same_result(reference_two, tmp_path / "job", 2)
+
+
 def test_load_weights_and_export_consolidate_the_shards_in_one_process(reference_two: pathlib.Path,
                                                                        tmp_path: pathlib.Path) -> None:
     final = helpers.final_state(reference_two / "out", 0)

@@ -115,13 +115,15 @@ def test_adam_step_and_moments_after_a_resume_equal_the_uninterrupted_runs(refer
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
-def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: pathlib.Path,
-                                                                 tmp_path: pathlib.Path) -> None:
+def kill_one_rank_at_a_random_instant(reference: pathlib.Path, job_dir: pathlib.Path, ranks: int, *options: str) -> None:
+    """SIGKILL a random rank at a random instant of a slowed-down job; its restarted group must
+    end as ``reference`` ended."""
     rng = random.Random()
-    rank, delay = rng.randrange(2), rng.uniform(0.0, 0.8)
-    run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
+    rank, delay = rng.randrange(ranks), rng.uniform(0.0, 0.8)
+    run_dir, out_dir = job_dir / "run", job_dir / "out"
     out_dir.mkdir(parents=True)
-    command = helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.05", max_restarts=2, script=SCRIPT)
+    command = helpers.torchrun_command(ranks, run_dir, out_dir, *options, "--async", "--slow", "0.05", max_restarts=2,
+                                       script=SCRIPT)
     with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True) as job:
         helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
@@ -129,7 +131,12 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
         helpers.signal_worker(out_dir, rank, signal.SIGKILL)
         _, stderr = job.communicate(timeout=helpers.TIMEOUT)
     assert job.returncode == 0, f"rank {rank} killed after {delay:.2f}s: " + stderr[-4000:]
-    helpers.assert_same_result(reference_two, tmp_path / "job", 2)
+    helpers.assert_same_result(reference, job_dir, ranks)
+
+
+def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: pathlib.Path,
+                                                                 tmp_path: pathlib.Path) -> None:
+    kill_one_rank_at_a_random_instant(reference_two, tmp_path / "job", 2)
 
 
 def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(reference_two: pathlib.Path,
@@ -230,3 +237,10 @@ def test_four_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path, fault
     process, _, _ = train(tmp_path, "killed", 4, *options, max_restarts=2, KILLS=f"0/{rank}/{fault}:{hit}:sigkill")
     assert process.returncode == 0, f"rank {rank} {fault}:{hit}: " + process.stderr[-4000:]
     helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 4)
+
+
+@pytest.mark.exhaustive
+def test_four_ranks_resume_exactly_after_a_sigkill_at_a_random_instant(tmp_path: pathlib.Path) -> None:
+    reference, _, _ = train(tmp_path, "reference", 4, "--epochs", "1")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    kill_one_rank_at_a_random_instant(tmp_path / "reference", tmp_path / "killed", 4, "--epochs", "1")

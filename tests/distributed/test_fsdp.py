@@ -69,6 +69,21 @@ def test_each_rank_saves_its_own_shards_with_their_placement(reference_two: path
     assert isinstance(moments["exp_avg"], TensorShard) and moments["exp_avg"].offsets == (8, 0)
 
 
+def test_the_documented_reader_decodes_rank_0s_shards(reference_two: pathlib.Path) -> None:
+    import importlib.util
+    path = pathlib.Path(__file__).resolve().parents[1] / "checkpoint" / "test_format_doc_reader.py"
+    spec = importlib.util.spec_from_file_location("format_doc_reader", path)
+    assert spec is not None and spec.loader is not None
+    reader_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reader_test)
+    store = CheckpointStore(Storage(str(reference_two / "run")), create=False)
+    _, _, state = reader_test._reader()(str(reference_two / "run" / "checkpoints" / store.names()[-1]))
+    shard = state["module"]["embedding.weight"]
+    assert (shard["global_shape"], shard["offsets"], shard["placements"]) == ([15, 8], [0, 0], ["shard:0"])
+    final = helpers.final_state(reference_two / "out", 0)["param.embedding.weight"]
+    assert torch.equal(torch.from_numpy(shard["local"].copy()), final[:8])
+
+
 def test_sharding_before_fit_trains_like_configure_model(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # The reproduction: fully_shard applied before fit used to be wrapped in DDP and die
     # in its parameter broadcast.

@@ -83,6 +83,11 @@ class Module(torch.nn.Module):
         """Compute the loss of one batch (or TBPTT split). See the module docstring."""
         raise NotImplementedError(f"{type(self).__name__} must implement training_step")
 
+    def configure_model(self) -> None:
+        """Called once the process group and the device exist, before ``configure_optimizers``:
+        the place to shard the model (``torch.distributed.fsdp.fully_shard`` on its layers and
+        itself, see docs/distributed.md). The default does nothing."""
+
     def configure_optimizers(self) -> object:  # pragma: no cover - abstract
         """Return an optimizer, a list of optimizers, or a dict
         ``{"optimizers": [...], "schedulers": [scheduler or engine.LRSchedule, ...]}``."""

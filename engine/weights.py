@@ -7,9 +7,12 @@
     engine.load_weights(model, "runs/lm")                       # the newest checkpoint that verifies
     engine.load_weights(model, "runs/lm", checkpoint="best")    # the best by CheckpointConfig.monitor
     engine.export_weights("runs/lm", "lm.pt")                   # torch.load("lm.pt", weights_only=True)
+    engine.export_weights("runs/lm", "lm.safetensors", format="safetensors")  # needs the safetensors extra
 
 Checkpoints are verified as a resume verifies them (sizes, checksums, the state tree); a module
-whose keys, shapes or dtypes differ is refused with the differences named.
+whose keys, shapes or dtypes differ is refused with the differences named. A checkpoint of a
+sharded (FSDP2) run is consolidated here, in this one process with no process group: each tensor
+is assembled from every rank's shards by the offsets recorded with them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from engine.distributed.sharded import consolidated_module_state
 from engine.errors import CheckpointIncompatible, CheckpointNotFound, ConfigError
 from engine.run import state as run_state
 
@@ -35,16 +39,23 @@ def load_weights(module: torch.nn.Module, source: str, checkpoint: str = "latest
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"load_weights: module must be a torch.nn.Module, got {type(module).__name__}")
     loaded = read_checkpoint(source, checkpoint)
-    weights = loaded.state[run_state.MODULE]
+    weights = consolidated_module_state(loaded)
     run_state.check_module_state(loaded.name, module, weights)
     run_state.load_module_state(module, weights)
     return loaded.name
 
 
-def export_weights(source: str, path: str, checkpoint: str = "latest") -> str:
-    """Write the model state of a run's checkpoint to ``path`` as a plain ``state_dict`` file
-    (``torch.save``), readable with ``torch.load(path, weights_only=True)``; returns the
-    checkpoint's name."""
+EXPORT_FORMATS = ("torch", "safetensors")
+
+
+def export_weights(source: str, path: str, checkpoint: str = "latest", format: str = "torch") -> str:
+    """Write the model state of a run's checkpoint to ``path``; returns the checkpoint's name.
+
+    ``format="torch"``: a plain ``state_dict`` file (``torch.save``), readable with
+    ``torch.load(path, weights_only=True)``. ``format="safetensors"``: a safetensors file
+    (``safetensors.torch.load_file``), for inference tools; needs the ``safetensors`` extra."""
+    if format not in EXPORT_FORMATS:
+        raise ConfigError(f"export_weights: format={format!r}; expected one of {list(EXPORT_FORMATS)}")
     if not isinstance(path, str) or not path:
         raise ConfigError(f"export_weights: path must be a file path, got {path!r}")
     if os.path.isdir(path):
@@ -53,11 +64,23 @@ def export_weights(source: str, path: str, checkpoint: str = "latest") -> str:
     if not os.path.isdir(parent):
         raise ConfigError(f"export_weights: cannot write {path}: its directory {parent} does not exist; create it first")
     loaded = read_checkpoint(source, checkpoint)
-    weights = {key: tensor.detach().cpu().contiguous() for key, tensor in loaded.state[run_state.MODULE].items()}
+    weights = {key: tensor.detach().cpu().contiguous() for key, tensor in consolidated_module_state(loaded).items()}
     temporary = f"{path}.tmp-{os.getpid()}"
-    torch.save(weights, temporary)
+    if format == "safetensors":
+        _save_safetensors(weights, temporary)
+    else:
+        torch.save(weights, temporary)
     os.replace(temporary, path)
     return loaded.name
+
+
+def _save_safetensors(weights: dict[str, torch.Tensor], path: str) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError as error:
+        raise ConfigError("export_weights: format='safetensors' needs the safetensors package: "
+                          "pip install 'splitloop[safetensors]' (or pip install safetensors)") from error
+    save_file(weights, path)
 
 
 def read_checkpoint(source: str, checkpoint: str) -> LoadedCheckpoint:

@@ -71,7 +71,19 @@ def test_export_is_a_plain_state_dict_that_torch_load_reads_with_weights_only(tr
     fresh.load_state_dict(weights)
 
 
+def test_export_as_safetensors_reads_back_with_load_file(trained, tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = str(tmp_path / "model.safetensors")
+    engine.export_weights(trained, path, format="safetensors")
+    weights = safetensors_torch.load_file(path)
+    saved = latest_module_state(trained)
+    assert set(weights) == set(saved)
+    for key in saved:
+        assert torch.equal(weights[key], saved[key])
+
+
 @pytest.mark.parametrize("call, error", [
+    (lambda d: engine.export_weights(d, os.path.join(d, "model.bin"), format="pickle"), engine.ConfigError),
     (lambda d: engine.load_weights(object(), d), engine.ConfigError),
     (lambda d: engine.load_weights(SeqModel(SCENARIOS["tbptt"]), d + "-missing"), engine.CheckpointNotFound),
     (lambda d: engine.load_weights(SeqModel(SCENARIOS["tbptt"]), d, checkpoint="ckpt-x"), engine.CheckpointNotFound),

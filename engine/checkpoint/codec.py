@@ -9,7 +9,10 @@
 In the tree, a tensor is msgpack extension type 1 whose payload is the msgpack int index into
 ``tensors``; a tuple is extension type 2 whose payload is a msgpack array; a namedtuple is
 extension type 3 whose payload is ``[type name, [field names], [values]]`` (decoded as a
-namedtuple made on the spot, never imported). Any other extension type is refused. Containers
+namedtuple made on the spot, never imported); a sharded tensor (one rank's shard of an FSDP2
+``DTensor``) is extension type 4 whose payload is ``[tensor index, placement]``, the placement a
+map of ``global_shape``, ``offsets``, ``mesh_shape`` and ``placements`` (decoded as an
+:class:`engine.checkpoint.shards.TensorShard`). Any other extension type is refused. Containers
 (dicts, lists, tuples) nest at most :data:`MAX_NESTING` levels: deeper trees are refused when
 written (CheckpointWriteError) and when read (CheckpointCorrupt), so the engine never writes a
 state it cannot read, and a hostile file cannot exhaust the stack while it is decoded.
@@ -31,6 +34,7 @@ from typing import Any
 import msgpack
 import torch
 
+from engine.checkpoint.shards import is_dtensor, shard_from_plain, shard_of
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
 
 FORMAT = "splitloop.state"
@@ -39,6 +43,7 @@ ALIGNMENT = 64
 _EXT_TENSOR = 1
 _EXT_TUPLE = 2
 _EXT_NAMEDTUPLE = 3
+_EXT_SHARD = 4
 _MAX_DIMS = 64
 _ENTRY_KEYS = {"dtype", "shape", "offset", "nbytes", "device"}
 _CUDA_DEVICE = re.compile(r"cuda(:\d{1,3})?")
@@ -190,6 +195,13 @@ def _tensor_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Ten
     return msgpack.ExtType(_EXT_TENSOR, payload)
 
 
+def _shard_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
+    """This rank's shard of a DTensor: its local tensor in the table, its placement inline."""
+    shard = shard_of(tensor)
+    index = _add_tensor(shard.local, path, tensors)
+    return msgpack.ExtType(_EXT_SHARD, msgpack.packb([index, shard.placement()]))
+
+
 def _other_to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth: int) -> Any:
     """Subclasses of the plain types (an int enum, a float64 of NumPy, a namedtuple, ...)."""
     if value is None or isinstance(value, (bool, str, bytes)):
@@ -200,6 +212,8 @@ def _other_to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth:
         return int(value)
     if isinstance(value, float):
         return float(value)
+    if is_dtensor(value):
+        return _shard_reference(value, path, tensors)
     if isinstance(value, torch.Tensor):
         return _tensor_reference(value, path, tensors)
     if isinstance(value, dict):
@@ -250,6 +264,8 @@ def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:
             if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tensors):
                 raise CheckpointCorrupt(f"state.msgpack refers to tensor {index!r}; the table has {len(tensors)}")
             return tensors[index]
+        if code == _EXT_SHARD:
+            return _decode_shard(_unpack(payload, _refuse_extension, "sharded tensor"), tensors)
         if code not in (_EXT_TUPLE, _EXT_NAMEDTUPLE):
             return _refuse_extension(code, payload)
         # Each tuple level decodes its payload in a nested call: bound the recursion before
@@ -287,6 +303,15 @@ def _check_nesting(tree: Any) -> None:
         if depth > MAX_NESTING:
             raise CheckpointCorrupt(f"state.msgpack: containers nest more than {MAX_NESTING} levels deep")
         pending.extend((child, depth + 1) for child in children)
+
+
+def _decode_shard(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if not isinstance(value, list) or len(value) != 2:
+        raise CheckpointCorrupt("state.msgpack: a sharded tensor is not [tensor index, placement]")
+    index, placement = value
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(tensors):
+        raise CheckpointCorrupt(f"state.msgpack: a sharded tensor refers to tensor {index!r}; the table has {len(tensors)}")
+    return shard_from_plain(tensors[index], placement)
 
 
 @functools.lru_cache(maxsize=64)

@@ -5,6 +5,8 @@ One job per module:
 
 * :mod:`~engine.distributed.environment`: detect torchrun, join the process group;
 * :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
+* :mod:`~engine.distributed.sharded`: FSDP2-sharded models (no DDP), their shards at resume,
+  consolidation in one process;
 * :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders;
 * :mod:`~engine.distributed.agreement`: losses and stop / checkpoint decisions per boundary;
 * :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;

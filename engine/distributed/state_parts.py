@@ -8,6 +8,11 @@
   and the callbacks' states. Rank 0's per-rank part is the one in the main files, so a
   checkpoint of a distributed run is a single-process checkpoint plus one part per other rank.
 
+* **Sharded** (a run whose parameters are FSDP2 DTensors, marked ``sharded`` in its signature):
+  the module and the optimizers differ between ranks too (each rank holds its shards), so they
+  join the per-rank keys; every rank writes its own shards with their placement
+  (engine.checkpoint.shards) and nothing is gathered to one rank.
+
 A rank's state tree at resume is the main tree with its own per-rank keys put back.
 :func:`replicated_digest` is the cheap cross-rank check run at every checkpoint: one CRC-32 per
 entry of the replicated state, compared by rank 0 before it commits.
@@ -21,25 +26,39 @@ from typing import Any, Mapping
 import torch
 
 from engine.checkpoint.codec import tensor_bytes_view
-from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, OPTIMIZERS, RNG, SCHEDULERS
+from engine.checkpoint.shards import is_dtensor
+from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, OPTIMIZERS, RNG, SCHEDULERS, SIGNATURE
 from engine.errors import CheckpointCorrupt, CheckpointIncompatible
 
 RANK_PART_KEYS = (RNG, LOOPS, CALLBACKS)
 REPLICATED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS)
+SHARDED_PART_KEYS = (MODULE, OPTIMIZERS)
 WORLD_SIZE = "world_size"
+SHARDED = "sharded"
 from engine.checkpoint.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
+
+
+def is_sharded(signature: Mapping[str, Any]) -> bool:
+    """Whether a run signature describes a sharded (FSDP2) run."""
+    return signature.get(SHARDED) is True
+
+
+def rank_part_keys(signature: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys each rank saves for itself: its streams and loops, and its shards when sharded."""
+    return RANK_PART_KEYS + SHARDED_PART_KEYS if is_sharded(signature) else RANK_PART_KEYS
 
 
 def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
     """The per-rank keys of a full state tree."""
-    return {key: state[key] for key in RANK_PART_KEYS}
+    return {key: state[key] for key in rank_part_keys(state[SIGNATURE])}
 
 
 def with_rank_part(name: str, state: Mapping[str, Any], part: Any) -> dict[str, Any]:
     """The main state tree with this rank's own per-rank keys in place of rank 0's."""
-    if not isinstance(part, dict) or set(part) != set(RANK_PART_KEYS):
+    expected = rank_part_keys(state[SIGNATURE])
+    if not isinstance(part, dict) or set(part) != set(expected):
         keys = sorted(map(str, part)) if isinstance(part, dict) else type(part).__name__
-        raise CheckpointCorrupt(f"{name}: a rank part has keys {keys}, expected {sorted(RANK_PART_KEYS)}")
+        raise CheckpointCorrupt(f"{name}: a rank part has keys {keys}, expected {sorted(expected)}")
     return {**state, **part}
 
 
@@ -74,6 +93,9 @@ def replicated_digest(state: Mapping[str, Any], progress_bytes: bytes) -> dict[s
 
 
 def _crc_of(value: Any, crc: int = 0) -> int:
+    if is_dtensor(value):
+        # Each rank holds other shards: only the layout must agree (never gather the values).
+        return zlib.crc32(str((value.dtype, tuple(value.shape), tuple(value.placements))).encode(), crc)
     if isinstance(value, torch.Tensor):
         plain = value.detach().to("cpu").contiguous().reshape(-1)
         crc = zlib.crc32(str((plain.dtype, tuple(value.shape))).encode(), crc)

@@ -24,6 +24,7 @@ from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
+from engine.distributed.sharded import ShardedStep, is_sharded_module
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.contracts import Losses
@@ -170,9 +171,13 @@ def build_loops(
     automatic = module_flag(module, "automatic_optimization", True)
     several = automatic and len(setup.optimizers) > 1
     step = training_step_of(module)
-    data_parallel = None if distributed is None else DataParallelStep(original_module(module), step, distributed)
-    if data_parallel is not None:
-        step = data_parallel.step  # each step is a DDP forward, so its backward syncs gradients
+    gradient_sync: DataParallelStep | ShardedStep | None = None
+    if distributed is not None and is_sharded_module(original_module(module)):
+        gradient_sync = ShardedStep(original_module(module), step)  # FSDP2 syncs in its own backward
+        step = gradient_sync.step  # each step is the root's forward, so its hooks gather and reduce
+    elif distributed is not None:
+        gradient_sync = DataParallelStep(original_module(module), step, distributed)
+        step = gradient_sync.step  # each step is a DDP forward, so its backward syncs gradients
     call_step = make_step_call(step, tbptt, several, position)
     read_output = read_tbptt_output if tbptt else read_plain_output
     parameters = list(module.parameters())
@@ -181,7 +186,7 @@ def build_loops(
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,
-            config.accumulate_over == "splits", _clipper(config), precision, step_counter, data_parallel,
+            config.accumulate_over == "splits", _clipper(config), precision, step_counter, gradient_sync,
         )
     else:
         if config.accumulate_grad != 1 or config.gradient_clip_val is not None:

@@ -59,6 +59,9 @@ class FitRun:
         # A torchrun worker joins its process group here.
         self.coordinator = join_coordinator(self.device)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
+        configure_model = getattr(original_module(module), "configure_model", None)
+        if callable(configure_model):
+            configure_model()  # where the user shards the model (FSDP2), with the group joined
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
         check_optimizer_setup(module, self.setup)

@@ -33,7 +33,9 @@ from engine.callbacks import Callback
 from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
                                          RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
-from engine.distributed.state_parts import WORLD_SIZE, check_world_size
+from engine.checkpoint.shards import TensorShard
+from engine.distributed.sharded import is_sharded_module, rebuild_dtensors
+from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.loops.optim_setup import OptimizerSetup
@@ -80,6 +82,8 @@ class RunParts:
             "validation": self.tree.evaluation is not None,
             # Only a distributed run records it, so single-process checkpoints stay as they were.
             **({WORLD_SIZE: self.world_size} if self.world_size > 1 else {}),
+            # Only a sharded (FSDP2) run records it: its module and optimizers are saved per rank.
+            **({SHARDED: True} if is_sharded_module(module) else {}),
         }
 
     def callbacks_by_key(self) -> dict[str, Callback]:
@@ -149,7 +153,7 @@ def validate(name: str, state: Any) -> None:
     _expect(name, SIGNATURE, state[SIGNATURE], dict)
     _expect(name, MODULE, state[MODULE], dict)
     for key, value in state[MODULE].items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+        if not isinstance(key, str) or not isinstance(value, (torch.Tensor, TensorShard)):
             raise CheckpointCorrupt(f"{name}: module entry {key!r} is not a named tensor")
     _expect(name, OPTIMIZERS, state[OPTIMIZERS], list)
     _expect(name, SCHEDULERS, state[SCHEDULERS], list)
@@ -234,6 +238,9 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     """Put the run back to the checkpoint: validate, check compatibility, then load every part.
     A failure raises (never a partial restore downgraded to a warning)."""
     validate(name, state)
+    if is_sharded(state[SIGNATURE]):
+        check_world_size(name, state[SIGNATURE], parts.world_size)  # before any shard is placed
+        state = {**state, **{key: rebuild_dtensors(name, state[key], parts.module) for key in (MODULE, OPTIMIZERS, LOOPS)}}
     check_compatible(name, state, parts)
     built = built_settings(parts.setup)
     try:

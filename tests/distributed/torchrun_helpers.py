@@ -1,4 +1,5 @@
-"""Start tests/distributed/dist_train.py under a real torchrun and read what it leaves."""
+"""Start tests/distributed/dist_train.py (or another script, such as fsdp_train.py) under a real
+torchrun and read what it leaves."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import time
 import torch
 
 SCRIPT = str(pathlib.Path(__file__).with_name("dist_train.py"))
+FSDP_SCRIPT = str(pathlib.Path(__file__).with_name("fsdp_train.py"))
 REPOSITORY = str(pathlib.Path(__file__).resolve().parents[2])
 TIMEOUT = 240
 
 
 def torchrun_command(ranks: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
-                     max_restarts: int = 0) -> list[str]:
+                     max_restarts: int = 0, script: str = SCRIPT) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", SCRIPT, str(run_dir), str(out_dir), *args]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", script, str(run_dir), str(out_dir), *args]
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -35,12 +37,13 @@ def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
-def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: int = 0,
+def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: int = 0, script: str = SCRIPT,
           **env: str) -> tuple[subprocess.CompletedProcess, pathlib.Path, pathlib.Path]:
     """Run a whole torchrun job; (completed process, run dir, out dir)."""
     run_dir, out_dir = tmp / name / "run", tmp / name / "out"
     out_dir.mkdir(parents=True)
-    process = run(torchrun_command(ranks, run_dir, out_dir, *args, max_restarts=max_restarts), environment(**env))
+    process = run(torchrun_command(ranks, run_dir, out_dir, *args, max_restarts=max_restarts, script=script),
+                  environment(**env))
     return process, run_dir, out_dir
 
 

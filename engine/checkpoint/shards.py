@@ -1,0 +1,119 @@
+"""One rank's shard of a sharded tensor (an FSDP2 ``DTensor``), as a checkpoint stores it.
+
+A ``DTensor`` is written as its local tensor plus its placement: the device mesh's shape, the
+placements (``shard:<dim>`` or ``replicate`` per mesh dimension), the global shape and the
+offsets of the local tensor inside the global one. Reading gives back a :class:`TensorShard`;
+the distributed package turns it into a live ``DTensor`` again (engine.distributed.sharded), and
+:func:`assemble` builds the full tensor from every rank's shards in one plain process (no
+process group), by offsets alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import torch
+
+from engine.errors import CheckpointCorrupt, CheckpointWriteError
+
+REPLICATE = "replicate"
+SHARD_PREFIX = "shard:"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorShard:
+    """The part of a global tensor one rank holds, and where it lies in the global tensor."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    placements: tuple[str, ...]
+
+    def placement(self) -> dict[str, Any]:
+        """The recorded placement as plain data (what the checkpoint header holds)."""
+        return {"global_shape": list(self.global_shape), "offsets": list(self.offsets),
+                "mesh_shape": list(self.mesh_shape), "placements": list(self.placements)}
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it when
+    torch.distributed is unavailable)."""
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def shard_of(tensor: Any) -> TensorShard:
+    """This rank's shard of the DTensor ``tensor`` (its local tensor is referenced, not copied)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    names = []
+    for placement in tensor.placements:
+        if isinstance(placement, Shard):
+            names.append(f"{SHARD_PREFIX}{placement.dim}")
+        elif isinstance(placement, Replicate):
+            names.append(REPLICATE)
+        else:
+            raise CheckpointWriteError(f"cannot store a DTensor with placement {placement} (a pending reduction): "
+                                       "checkpoint after the optimizer step, when every value is sharded or replicated")
+    local = tensor.to_local()
+    _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return TensorShard(local, tuple(tensor.shape), tuple(int(offset) for offset in offsets),
+                       tuple(tensor.device_mesh.shape), tuple(names))
+
+
+def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
+    """A :class:`TensorShard` from a decoded placement record; CheckpointCorrupt if malformed."""
+    if not isinstance(placement, dict) or set(placement) != {"global_shape", "offsets", "mesh_shape", "placements"}:
+        raise CheckpointCorrupt(f"a sharded tensor's placement is malformed: {placement!r}")
+    global_shape, offsets = _counts(placement, "global_shape"), _counts(placement, "offsets")
+    mesh_shape = _counts(placement, "mesh_shape")
+    names = placement["placements"]
+    if not isinstance(names, list) or len(names) != len(mesh_shape) or not all(_is_placement(name) for name in names):
+        raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} do not match its mesh shape {mesh_shape}")
+    if len(offsets) != len(global_shape) or local.dim() != len(global_shape):
+        raise CheckpointCorrupt(f"a sharded tensor's offsets {offsets} do not match its global shape {global_shape}")
+    if any(offset + size > whole for offset, size, whole in zip(offsets, local.shape, global_shape)):
+        raise CheckpointCorrupt(f"a shard of shape {tuple(local.shape)} at offsets {offsets} lies outside the "
+                                f"global shape {global_shape}")
+    return TensorShard(local, global_shape, offsets, mesh_shape, tuple(names))
+
+
+def _counts(placement: dict[str, Any], key: str) -> tuple[int, ...]:
+    value = placement[key]
+    if not isinstance(value, list) or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0
+                                              for item in value):
+        raise CheckpointCorrupt(f"a sharded tensor's {key} is malformed: {value!r}")
+    return tuple(value)
+
+
+def _is_placement(name: object) -> bool:
+    if name == REPLICATE:
+        return True
+    return isinstance(name, str) and name.startswith(SHARD_PREFIX) and name[len(SHARD_PREFIX):].isdigit()
+
+
+def assemble(name: str, shards: Sequence[TensorShard]) -> torch.Tensor:
+    """The full tensor from every rank's shards of it, placed by their offsets. CheckpointCorrupt
+    when the shards disagree on the global shape or do not cover it."""
+    first = shards[0]
+    full = torch.empty(first.global_shape, dtype=first.local.dtype)
+    covered = torch.zeros(first.global_shape, dtype=torch.bool)
+    for shard in shards:
+        if shard.global_shape != first.global_shape or shard.local.dtype != first.local.dtype:
+            raise CheckpointCorrupt(f"{name}: the ranks' shards disagree on the global shape or dtype "
+                                    f"({shard.global_shape} {shard.local.dtype} vs {first.global_shape} {first.local.dtype})")
+        region = tuple(slice(offset, offset + size) for offset, size in zip(shard.offsets, shard.local.shape))
+        full[region] = shard.local.to("cpu")
+        covered[region] = True
+    if math.prod(first.global_shape) and not bool(covered.all()):
+        raise CheckpointCorrupt(f"{name}: the ranks' shards do not cover the global shape {first.global_shape}")
+    return full

@@ -1,0 +1,78 @@
+"""Sharded tensors in the checkpoint format (codec extension type 4): a DTensor is written as its
+local shard and its placement, read back as a TensorShard, and assembled by offsets alone."""
+
+from __future__ import annotations
+
+import pathlib
+
+import msgpack
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.codec import decode_state, encode_state
+from engine.checkpoint.shards import TensorShard, assemble
+from engine.errors import CheckpointCorrupt
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: pathlib.Path):
+    """A process group of this process alone (gloo), so DTensors can be made here."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _decode(encoded) -> object:
+    return decode_state(encoded.header, bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks())))
+
+
+def test_a_dtensor_is_written_as_its_shard_and_placement(one_rank_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    sharded = distribute_tensor(full, init_device_mesh("cpu", (1,)), [Shard(0)])
+    decoded = _decode(encode_state({"weight": sharded, "plain": torch.ones(2)}))
+    shard = decoded["weight"]
+    assert isinstance(shard, TensorShard)
+    assert torch.equal(shard.local, full)
+    assert (shard.global_shape, shard.offsets, shard.mesh_shape, shard.placements) == ((4, 3), (0, 0), (1,), ("shard:0",))
+    assert torch.equal(decoded["plain"], torch.ones(2))
+
+
+def test_assemble_places_every_shard_at_its_offsets() -> None:
+    full = torch.randn(7, 3)
+    shards = [TensorShard(full[4:], (7, 3), (4, 0), (2,), ("shard:0",)),
+              TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",))]
+    assert torch.equal(assemble("w", shards), full)
+
+
+def test_assemble_refuses_shards_that_leave_a_gap_or_disagree() -> None:
+    full = torch.randn(7, 3)
+    with pytest.raises(CheckpointCorrupt, match="do not cover the global shape"):
+        assemble("w", [TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",))])
+    with pytest.raises(CheckpointCorrupt, match="disagree on the global shape"):
+        assemble("w", [TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",)),
+                       TensorShard(full[4:], (8, 3), (4, 0), (2,), ("shard:0",))])
+
+
+def _header_with_shard(payload: object, tensors: int = 1) -> tuple[bytes, bytearray]:
+    table = [{"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}] * tensors
+    tree = msgpack.packb({"weight": msgpack.ExtType(4, msgpack.packb(payload))})
+    header = msgpack.packb({"format": "splitloop.state", "version": 1, "tensors": table[:1], "tree": tree})
+    return header, bytearray(64)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ([5, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:0"]}], "refers to tensor 5"),
+    ([0, {"global_shape": [4], "offsets": [3], "mesh_shape": [2], "placements": ["shard:0"]}], "lies outside"),
+    ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["partial"]}], "placements"),
+    ([0, {"global_shape": [4], "offsets": [0]}], "placement is malformed"),
+    ("not a list", "not \\[tensor index, placement\\]"),
+])
+def test_a_malformed_shard_is_refused_as_corrupt(payload: object, message: str) -> None:
+    header, data = _header_with_shard(payload)
+    with pytest.raises(CheckpointCorrupt, match=message):
+        decode_state(header, data)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # tests/ folders must not shadow the real packages
 
 import torch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # run from tests/lightning: this folder must not shadow the real `lightning`
 
 

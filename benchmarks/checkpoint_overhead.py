@@ -37,7 +37,9 @@ and where each checkpoint's time goes, from timers wrapped (in this script only)
 ``SnapshotBuffers.capture`` (the copy) and ``_WriterBase.commit`` (the write, in the background
 thread when asynchronous), and the process CPU time per checkpoint (every thread: the run's CPU
 time minus that of the run without checkpoints in the same round, over the checkpoints of a
-run), a figure that other processes on a shared machine disturb less than wall time. The script checks with ``torch.equal`` that the ways end with
+run), a figure that other processes on a shared machine disturb less than wall time; and the
+training thread's own CPU time per checkpoint (``time.thread_time`` around ``FitRun._save`` and
+around the copy), which leaves out what that thread waits for (the GIL, a free buffer). The script checks with ``torch.equal`` that the ways end with
 identical parameters in every round: checkpoints must not change training.
 
 Blocking against a plain copy: for each model, after its runs, ``encode_state`` of the state
@@ -201,11 +203,13 @@ class CheckpointTimers:
     def _timed(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             try:
                 return function(*args, **kwargs)
             finally:
                 self.seconds[label].append(time.perf_counter() - started)
+                # The calling thread's own CPU time: what it spends, not what it waits (the GIL).
+                self.seconds[f"{label} cpu"].append(time.thread_time() - cpu_started)
         return timed
 
 
@@ -388,6 +392,9 @@ def report_checkpoint_breakdown(workload: Workload, rounds: list[dict[str, RunRe
            for way in ("sync", "async", "fast")}
     print(f"{workload.label}: CPU time per checkpoint (process, every thread, minus the run without checkpoints; "
           f"medians per round): sync {cpu['sync']:.1f} ms, async {cpu['async']:.1f} ms, fast tier {cpu['fast']:.1f} ms")
+    print(f"{workload.label}: training thread CPU per checkpoint (FitRun._save, time.thread_time, medians): "
+          f"sync {ms('sync', 'save cpu'):.2f} ms, async {ms('async', 'save cpu'):.2f} ms (copy into buffers "
+          f"{ms('async', 'capture cpu'):.2f} ms), fast tier {ms('fast', 'save cpu'):.2f} ms")
     capture, submit = ms("async", "capture"), ms("async", "submit")
     print(f"{workload.label}: per async checkpoint, training thread blocked {ms('async', 'save'):.1f} ms "
           f"(encode {ms('async', 'encode'):.1f} ms, submit {submit:.1f} ms = copy into buffers {capture:.1f} ms "

@@ -22,6 +22,7 @@ from engine.checkpoint.commit import CheckpointFiles, CommitRequest, Committer, 
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
+from engine.checkpoint.snapshot_buffer import BulkCopy, StructureKey, structure_key
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
 from engine.checkpoint.worker import BackgroundWorker
@@ -52,8 +53,10 @@ class PendingCheckpoint:
 class SnapshotBuffers:
     """One CPU buffer laid out as tensors.bin, reused from one snapshot to the next
     (reallocated only when the layout changes, e.g. a hidden state appearing after the first
-    split). Each tensor is copied into its typed view of the buffer, so that the writer writes
-    and checksums one contiguous chunk, padding included (zeros, never written).
+    split). The tensors are copied into their typed views of the buffer in bulk
+    (engine.checkpoint.snapshot_buffer: one ``torch._foreach_copy_``, not one call per tensor),
+    so that the writer writes and checksums one contiguous chunk, padding included (zeros,
+    never written).
 
     A CUDA tensor is copied into a *pinned* buffer with a non-blocking copy, and a CUDA event is
     recorded after the copies on the stream that runs them: the training thread only launches
@@ -64,7 +67,9 @@ class SnapshotBuffers:
     def __init__(self) -> None:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
-        self._key: tuple[object, ...] = ()
+        self._key: StructureKey | None = None
+        self._copy = BulkCopy([], [])
+        self._cuda_devices: set[torch.device] = set()
         self._copied: list[torch.cuda.Event] = []
 
     @property
@@ -75,16 +80,15 @@ class SnapshotBuffers:
     def capture(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Copy ``tensors`` into the buffer at ``layout``'s (offset, nbytes); their views."""
         # The layout follows from the dtypes and shapes (engine.checkpoint.codec.encode_state).
-        key = tuple((tensor.dtype, tensor.shape, tensor.device.type == "cuda") for tensor in tensors)
+        key = structure_key(tensors)
         if key != self._key:
-            self._allocate(tensors, layout, pinned=any(from_cuda for *_, from_cuda in key))
+            from_cuda = key[2]
+            self._allocate(tensors, layout, pinned=any(from_cuda))
+            self._copy = BulkCopy(self._views, from_cuda)
+            self._cuda_devices = {tensor.device for tensor in tensors if tensor.is_cuda}
             self._key = key
-        devices: set[torch.device] = set()
-        for view, tensor, (*_, from_cuda) in zip(self._views, tensors, key):
-            view.copy_(tensor, non_blocking=from_cuda)
-            if from_cuda:
-                devices.add(tensor.device)
-        self._copied = [self._record_event(device) for device in devices]
+        self._copy.copy(tensors)
+        self._copied = [self._record_event(device) for device in self._cuda_devices]
         return list(self._views)
 
     def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:

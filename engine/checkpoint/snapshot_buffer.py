@@ -1,0 +1,47 @@
+"""The copy of a snapshot's tensors into their views of one flat buffer, as few bulk copies.
+
+A snapshot buffer (engine.checkpoint.writer.SnapshotBuffers) is laid out once per structure;
+every later snapshot copies the same tensors into the same views. Copying them one ``copy_`` at
+a time costs a Python call and a dispatch per tensor (tens of tensors for a small model:
+more than the bytes themselves); ``torch._foreach_copy_`` copies a whole list in one call.
+Tensors are grouped by where they come from, so that device-to-host copies stay non-blocking
+and host copies stay synchronous.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+StructureKey = tuple[tuple[torch.dtype, ...], tuple[torch.Size, ...], tuple[bool, ...]]
+
+
+def structure_key(tensors: Sequence[torch.Tensor]) -> StructureKey:
+    """What the buffer's layout depends on: each tensor's dtype and shape, and whether it lives
+    on a CUDA device (then copied into pinned memory). A change (a new optimizer state entry, a
+    lazily created buffer, a dtype or shape change) means laying the buffer out again."""
+    return (tuple(tensor.dtype for tensor in tensors), tuple(tensor.shape for tensor in tensors),
+            tuple(tensor.is_cuda for tensor in tensors))
+
+
+class BulkCopy:
+    """Copies a list of tensors laid out as ``views`` (same order, same structure) into them:
+    one ``torch._foreach_copy_`` for the host tensors, one non-blocking one for the CUDA ones."""
+
+    def __init__(self, views: Sequence[torch.Tensor], from_cuda: Sequence[bool]) -> None:
+        self._host = [index for index, cuda in enumerate(from_cuda) if not cuda]
+        self._cuda = [index for index, cuda in enumerate(from_cuda) if cuda]
+        self._host_views = [views[index] for index in self._host]
+        self._cuda_views = [views[index] for index in self._cuda]
+        self._all_host = not self._cuda
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` (of the structure the views were laid out for) into the views."""
+        if self._all_host:  # the common case: no regrouping of the sources
+            if tensors:
+                torch._foreach_copy_(self._host_views, list(tensors))
+            return
+        if self._host:
+            torch._foreach_copy_(self._host_views, [tensors[index] for index in self._host])
+        torch._foreach_copy_(self._cuda_views, [tensors[index] for index in self._cuda], non_blocking=True)

@@ -25,6 +25,7 @@ from engine.data.position import EpochData
 from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
+from engine.distributed.rank_values import RankExchange
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
@@ -201,21 +202,23 @@ def build_loops(
     if val_data is not None:
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
-        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
+        ranks = None if distributed is None else RankExchange(distributed)
+        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)
 
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,
-                     logger: MetricLogger, device: torch.device, precision: Precision) -> EvaluationLoop:
+                     logger: MetricLogger, device: torch.device, precision: Precision,
+                     ranks: RankExchange | None) -> EvaluationLoop:
     step = getattr(module, "validation_step", None)
     if not callable(step):
         raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
     if split_length is None:
         call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
-        return EvaluationLoop(module, val_data, call, None, None, carry, logger)
+        return EvaluationLoop(module, val_data, call, None, None, carry, logger, ranks)
     return EvaluationLoop(module, val_data, _on_device(lambda batch, hidden: step(batch, hidden=hidden), device, precision),
-                          _splitter(module), split_length, carry, logger)
+                          _splitter(module), split_length, carry, logger, ranks)
 
 
 def _on_device(call: Callable[[Any, Any], Any], device: torch.device, precision: Precision) -> Callable[[Any, Any], Any]:

@@ -40,25 +40,31 @@ def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[A
     return _rebuilt(data, batch_size=data.batch_size, sampler=sampler, drop_last=data.drop_last)
 
 
-def shard_validation_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[Any]:
+def shard_validation_loader(data: Iterable[Any], context: DistributedContext, one_sequence: bool = False) -> Iterable[Any]:
     """``data`` reading only this rank's block of its batches when it is a map-style DataLoader
-    (see the module docstring)."""
+    (see the module docstring). ``one_sequence``: the batches are one sequence whose hidden state
+    runs through the whole pass (``carry_hidden_across_batches``): rank 0 reads them all, since
+    a block starting anywhere else would start from a fresh hidden state."""
     if not _shardable(data):
         return data
     assert isinstance(data, DataLoader) and data.batch_sampler is not None
-    return _rebuilt(data, batch_sampler=ContiguousBatches(data.batch_sampler, context.rank, context.world_size))
+    return _rebuilt(data, batch_sampler=ContiguousBatches(data.batch_sampler, context.rank, context.world_size,
+                                                          one_sequence))
 
 
 class ContiguousBatches(Sampler[list[int]]):
     """Rank ``rank``'s block of the batches of ``batches`` (a batch sampler): the blocks of the
-    ranks, in rank order, are the batches of ``batches``, each once."""
+    ranks, in rank order, are the batches of ``batches``, each once. With ``one_sequence`` rank
+    0's block is every batch and the others' are empty."""
 
-    def __init__(self, batches: Iterable[list[int]], rank: int, world_size: int) -> None:
-        self.batches, self.rank, self.world_size = batches, rank, world_size
+    def __init__(self, batches: Iterable[list[int]], rank: int, world_size: int, one_sequence: bool = False) -> None:
+        self.batches, self.rank, self.world_size, self.one_sequence = batches, rank, world_size, one_sequence
 
     def bounds(self) -> tuple[int, int]:
         """The first batch of this rank's block and the first one after it."""
         assert isinstance(self.batches, Sized)
+        if self.one_sequence:
+            return (0, len(self.batches)) if self.rank == 0 else (0, 0)
         base, extra = divmod(len(self.batches), self.world_size)
         start = self.rank * base + min(self.rank, extra)
         return start, start + base + (1 if self.rank < extra else 0)

@@ -26,6 +26,7 @@ from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
 from engine.distributed.rank_values import RankExchange
+from engine.distributed.sampler import shard_validation_loader
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
@@ -200,9 +201,13 @@ def build_loops(
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     evaluation = None
     if val_data is not None:
+        ranks = None
+        if distributed is not None:
+            ranks = RankExchange(distributed)
+            if config.distributed_sampler:
+                val_data = shard_validation_loader(val_data, distributed, one_sequence=carry)
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
-        ranks = None if distributed is None else RankExchange(distributed)
         evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation)

@@ -1,8 +1,7 @@
 """One process or a torchrun group: what a run does differently when several processes train.
 
 :class:`~engine.run.run.FitRun` chooses its coordinator once (:func:`join_coordinator`) and never
-asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data (the
-validation data too), averages the losses it reports (and reduces values logged with ``sync=True``), agrees with the other ranks on every stop and checkpoint decision, and lets
+asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data, averages the losses it reports (and reduces values logged with ``sync=True``), agrees with the other ranks on every stop and checkpoint decision, and lets
 rank 0 alone write the run's files (engine.distributed).
 """
 
@@ -38,9 +37,6 @@ class Coordinator(Protocol):
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         """The training data this process reads."""
 
-    def shard_validation(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
-        """The validation data this process reads."""
-
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         """The losses a split reports: this process's, or their mean over the ranks; and every
         rank's values logged with ``sync=True`` (``synced``), in rank order (none alone)."""
@@ -61,9 +57,6 @@ class SingleProcess:
         return None
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
-        return data
-
-    def shard_validation(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return data
 
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
@@ -96,9 +89,6 @@ class Group:
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return distributed.shard_loader(data, self._context) if distributed_sampler else data
-
-    def shard_validation(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
-        return distributed.shard_validation_loader(data, self._context) if distributed_sampler else data
 
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         return distributed.mean_losses(self._context, losses, synced)

@@ -68,7 +68,7 @@ class FitRun:
         self.data = EpochData(self.coordinator.shard(train_data, config.distributed_sampler), config.preemption_signals)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.device,
-                                          self.logger, self._validation_data(val_data), self.coordinator.context)
+                                          self.logger, val_data, self.coordinator.context)
         bind_precision(original_module(module), self.tree.precision)
         self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config,
                                         self.coordinator.world_size)
@@ -89,10 +89,6 @@ class FitRun:
         self._resumed: ResumedStart | None = None
         self._elapsed_before = 0.0
         self._started = time.monotonic()
-
-    def _validation_data(self, val_data: Iterable[Any] | None) -> Iterable[Any] | None:
-        """This process's part of the validation data (all of it when it runs alone)."""
-        return None if val_data is None else self.coordinator.shard_validation(val_data, self.config.distributed_sampler)
 
     # ---- running ----------------------------------------------------------------------
     def run(self, resume: str) -> FitResult:

@@ -1,8 +1,10 @@
 """One process or a torchrun group: what a run does differently when several processes train.
 
 :class:`~engine.run.run.FitRun` chooses its coordinator once (:func:`join_coordinator`) and never
-asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data, averages the losses it reports (and reduces values logged with ``sync=True``), agrees with the other ranks on every stop and checkpoint decision, and lets
-rank 0 alone write the run's files (engine.distributed).
+asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data, averages
+the losses it reports (and reduces the values logged with ``sync=True``), agrees with the other
+ranks on every stop and checkpoint decision, and lets rank 0 alone write the run's files
+(engine.distributed).
 """
 
 from __future__ import annotations

@@ -103,11 +103,15 @@ def pause_for_go(out: pathlib.Path) -> None:
 
 class SlowValidation(Model):
     """Validates after each epoch, slowly, counting its validation splits in a file the test
-    watches (to signal the job while a validation pass runs)."""
+    watches (to signal the job while a validation pass runs). Its hidden state is not carried
+    across batches."""
 
     def __init__(self, seconds: float, counter: pathlib.Path) -> None:
         super().__init__()
         self.seconds, self.counter, self.validated = seconds, counter, 0
+        # No hidden state through the validation pass: its batches are split across the ranks,
+        # so every rank validates (one batch each with 2 ranks).
+        self.carry_hidden_across_batches = False
 
     def validation_step(self, batch: Any, hidden: Any = None) -> Any:
         import time
@@ -179,7 +183,8 @@ def main() -> int:
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     model.validation_sleep, model.out = args.val_slow, out
     model.log_values, model.learning_rate = args.log_values, args.lr
-    model.carry_hidden_across_batches = args.carry
+    if not args.carry:
+        model.carry_hidden_across_batches = False
     pause_rank, _, pause_batch = os.environ.get("VALIDATION_PAUSE", "").partition("/")
     if restart == 0 and pause_rank == str(rank):
         model.pause_at_validation_batch = int(pause_batch)

@@ -96,7 +96,7 @@ class Module(torch.nn.Module):
     # validation_step(batch) -> loss | dict | None, or with TBPTT validation_step(batch, hidden)
     # -> (loss | dict | None, hidden): define it to use ``val_data`` (see docs/quickstart.md).
 
-    def log(self, name: str, value: torch.Tensor | float, reduce: Reduce = "mean") -> None:
+    def log(self, name: str, value: torch.Tensor | float, reduce: Reduce = "mean", sync: bool = False) -> None:
         """Log a scalar from ``training_step`` or ``validation_step``.
 
         Training values become the split's row in metrics.jsonl (reduced within the split) and
@@ -104,11 +104,17 @@ class Module(torch.nn.Module):
         validation values are aggregated over the validation pass. The newest value of each
         name is in ``FitResult.metrics`` and ``RunView.metrics``, and can be monitored by
         ``CheckpointConfig(monitor=...)`` and :class:`engine.EarlyStopping`.
+
+        Under torchrun, ``sync=True`` reduces a training value across the ranks at the split's
+        end (``reduce`` over every rank's values, combined in rank order: the same bits on
+        every rank and every rerun); without it each rank keeps its own value and rank 0's is
+        written. Validation values are always reduced across ranks. In a single process
+        ``sync`` changes nothing. See docs/distributed.md.
         """
         logger = self._engine_logger
         if logger is None:
             raise ModuleContractError(f"{type(self).__name__}.log({name!r}) is available only while Trainer.fit runs")
-        logger.log(name, value, reduce)
+        logger.log(name, value, reduce, sync=sync)
 
     def split_batch(self, batch: Batch, split_length: int) -> Sequence[Batch]:
         """Cut a batch into TBPTT splits. The default cuts every tensor along

@@ -7,8 +7,10 @@ One job per module:
 * :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
 * :mod:`~engine.distributed.sharded`: FSDP2-sharded models (no DDP), their shards at resume,
   consolidation in one process;
-* :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders;
+* :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders, a block
+  of the batches for validation loaders;
 * :mod:`~engine.distributed.agreement`: losses and stop / checkpoint decisions per boundary;
+* :mod:`~engine.distributed.rank_values`: logged values and seeds exchanged in rank order;
 * :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;
 * :mod:`~engine.distributed.commit`: one checkpoint for all ranks;
 * :mod:`~engine.distributed.preemption_marker`: a preemption the launcher can see;
@@ -19,7 +21,9 @@ from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, me
 from engine.distributed.commit import GroupCommit
 from engine.distributed.environment import DistributedContext, join
 from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
-from engine.distributed.sampler import shard_loader
+from engine.distributed.rank_values import RankExchange
+from engine.distributed.sampler import shard_loader, shard_validation_loader
 
-__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "agree", "agree_on_reason", "join", "mean_losses",
-           "preempted_exit_status", "register_launched_worker", "shard_loader", "write_preemption_marker"]
+__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "join",
+           "mean_losses", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
+           "write_preemption_marker"]

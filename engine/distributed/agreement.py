@@ -1,7 +1,8 @@
 """What the ranks agree on at each split boundary, with one small collective each.
 
 * The losses written to metrics.jsonl: every rank's losses are gathered and averaged in rank
-  order (a fixed order, so the mean is the same bits on every run with the same world size).
+  order (a fixed order, so the mean is the same bits on every run with the same world size);
+  with them, the values each rank logged with ``self.log(..., sync=True)`` in the split.
 * Whether to stop, whether the stop is a preemption, and whether to checkpoint: each flag is
   the maximum over the ranks. A signal that reaches one rank (or a ``max_time`` that one rank's
   clock passes first) therefore stops every rank at the same boundary, and the checkpoint
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.environment import DistributedContext
+from engine.distributed.rank_values import gather_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +32,20 @@ class AgreedFlags:
     checkpoint: bool
 
 
-def mean_losses(context: DistributedContext, losses: list[float]) -> list[float]:
-    """The mean of each loss over the ranks, summed in rank order."""
-    local = context.rank_tensor(losses)
+def mean_losses(context: DistributedContext, losses: list[float], synced: bytes = b"") -> tuple[list[float], list[bytes]]:
+    """The mean of each loss over the ranks, summed in rank order; and, when any rank has
+    ``synced`` bytes (values logged with ``self.log(..., sync=True)``), every rank's, in rank
+    order. Their lengths travel with the losses, so a split that synced nothing costs no
+    second collective."""
+    local = context.rank_tensor([*losses, float(len(synced))])
     gathered = [torch.empty_like(local) for _ in range(context.world_size)]
     dist.all_gather(gathered, local)
-    total = gathered[0].cpu().clone()
+    total = gathered[0][:-1].cpu().clone()
     for other in gathered[1:]:
-        total += other.cpu()
-    return (total / context.world_size).tolist()
+        total += other[:-1].cpu()
+    sizes = [int(row[-1].item()) for row in gathered]
+    payloads = gather_bytes(context, synced, sizes) if any(sizes) else []
+    return (total / context.world_size).tolist(), payloads
 
 
 def agree(context: DistributedContext, preempted: bool, stop: bool, checkpoint: bool) -> AgreedFlags:

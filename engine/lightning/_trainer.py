@@ -19,7 +19,7 @@ from engine.lightning._packages import require_datamodule, require_lightning_mod
 from engine.lightning._refusals import refuse_unsupported_config, refuse_unsupported_hooks
 from engine.lightning._trainer_view import TrainerView
 from engine.loops.device import move_to_device
-from engine.loops.logged import MetricLogger
+from engine.loops.logged import MetricLogger, reduce_recordings
 from engine.result import FitResult
 from engine.trainer import Trainer as EngineTrainer
 from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
@@ -144,7 +144,7 @@ class Trainer:
                 if hook == VALIDATION:
                     model.on_validation_epoch_end()
             finally:
-                values = logger.end_evaluation()
+                values = reduce_recordings([logger.end_evaluation()])
                 model.train(was_training)
         return [values]
 

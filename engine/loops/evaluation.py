@@ -12,6 +12,14 @@ Passes are not checkpointed halfway: the checkpoint written right after a pass h
 a kill during a pass resumes from the checkpoint before it and runs the pass again from its
 start, which gives the same numbers (same weights, same seeded streams).
 
+Under torchrun each rank validates its own block of the validation batches
+(:func:`engine.distributed.sampler.shard_validation_loader`) and the pass's values are reduced
+across ranks at its end (:mod:`engine.loops.logged`): every rank sends every value it logged and
+the number of batches it validated, and every rank replays them in rank order, so all ranks
+report the single-process values and count the batches of every rank. The ranks take rank 0's
+validation seed (:meth:`EvaluationLoop.choose_seed`): a shuffled validation loader then draws one
+permutation, whose blocks are disjoint.
+
 A preemption signal during a pass lets the pass finish: the stop is taken at the boundary that
 follows it, whose checkpoint holds the pass's results, so its metrics row is written once and
 the resumed run goes on exactly. The validation data's worker processes ignore the signal
@@ -23,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
+import msgpack
 import torch
 
 from engine import faults
@@ -32,11 +41,34 @@ from engine.data.workers import PreemptionSafeLoader
 from engine.errors import DataError, ModuleContractError
 from engine.loops.step_output import Hidden, detach_hidden
 from engine.data.rng import capture_global_rng, restore_global_rng
-from engine.loops.logged import MetricLogger
-from progress import Progress
+from engine.loops.logged import MetricLogger, Recording, reduce_recordings
+from progress import Counts, Progress
 
 ValidationCall = Callable[[Any, Hidden], Any]
 Splitter = Callable[[Any, int], Sequence[Any]]
+
+
+class Ranks(Protocol):
+    """What a validation pass exchanges with the other ranks of the job (engine.distributed's
+    :class:`~engine.distributed.rank_values.RankExchange`, or :class:`OneRank` alone)."""
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload``, in rank order."""
+        ...
+
+    def seed_of_rank_zero(self, seed: int) -> int:
+        """Rank 0's ``seed``."""
+        ...
+
+
+class OneRank:
+    """A process that validates alone: nothing to exchange."""
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        return [payload]
+
+    def seed_of_rank_zero(self, seed: int) -> int:
+        return seed
 
 
 class EvaluationLoop:
@@ -44,7 +76,7 @@ class EvaluationLoop:
 
     def __init__(self, module: torch.nn.Module, data: PreemptionSafeLoader, call_step: ValidationCall,
                  splitter: Splitter | None, split_length: int | None, carry_hidden: bool,
-                 logger: MetricLogger) -> None:
+                 logger: MetricLogger, ranks: Ranks | None = None) -> None:
         self.progress = Progress()
         self.batches = Progress()
         self.seed: int | None = None
@@ -57,13 +89,15 @@ class EvaluationLoop:
         self._split_length = split_length
         self._carry = carry_hidden
         self._logger = logger
+        self._ranks: Ranks = OneRank() if ranks is None else ranks
 
     def choose_seed(self) -> None:
         """At a fresh start: derive the validation seed from the global torch RNG *without*
-        drawing from it (a hash of its state), so it follows the user's seed."""
+        drawing from it (a hash of its state), so it follows the user's seed; every rank of a
+        torchrun job takes rank 0's."""
         if self.seed is None:
             digest = hashlib.sha256(bytes(torch.get_rng_state().tolist())).digest()
-            self.seed = int.from_bytes(digest[:8], "little") >> 1
+            self.seed = self._ranks.seed_of_rank_zero(int.from_bytes(digest[:8], "little") >> 1)
 
     def due_after_steps(self, optimizer_steps: int, every_n_steps: int) -> bool:
         """Mid-epoch validation: due when the step count crosses a multiple of ``every_n_steps``."""
@@ -90,13 +124,25 @@ class EvaluationLoop:
         except BaseException:
             self._logger.end_evaluation()
             raise
-        if self.batches.current.completed == 0:
-            raise DataError("the validation data yielded no batch")
-        self.batches.reset_current()
-        values = self._logger.end_evaluation()
+        values = self._reduce_over_ranks()
         self.validated_at_step = optimizer_steps
         progress.increment_processed()
         progress.increment_completed()
+        return values
+
+    def _reduce_over_ranks(self) -> dict[str, float]:
+        """The pass's values over every rank's batches; the batch counters then count every
+        rank's batches too (they are replicated state, equal on every rank)."""
+        local = msgpack.packb([self.batches.current.completed, self._logger.end_evaluation().encode()])
+        parts = [msgpack.unpackb(payload) for payload in self._ranks.gather(local)]
+        batches = sum(int(count) for count, _ in parts)
+        if batches == 0:
+            raise DataError("the validation data yielded no batch")
+        values = reduce_recordings([Recording.decode(recording) for _, recording in parts])
+        self._logger.publish_evaluation(values)
+        total = self.batches.total.completed - self.batches.current.completed + batches
+        self.batches.total = Counts(total, total, total, total)
+        self.batches.reset_current()
         return values
 
     def _run_batch(self, batch: Any) -> None:

@@ -26,6 +26,8 @@ from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.sharded import ShardedStep, is_sharded_module
 from engine.distributed.environment import DistributedContext
+from engine.distributed.rank_values import RankExchange
+from engine.distributed.sampler import shard_validation_loader
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
@@ -207,9 +209,14 @@ def build_loops(
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     evaluation = None
     if val_data is not None:
+        ranks = None
+        if distributed is not None:
+            ranks = RankExchange(distributed)
+            if config.distributed_sampler:
+                val_data = shard_validation_loader(val_data, distributed, one_sequence=carry)
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
-        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
+        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks)
     monitored = MonitoredSchedules(setup.schedules if automatic else [], _agree_values(distributed))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation, monitored)
@@ -220,19 +227,20 @@ def _agree_values(distributed: DistributedContext | None) -> AgreeValues:
     so every replica steps its schedulers alike."""
     if distributed is None:
         return lambda values: values
-    return lambda values: mean_losses(distributed, values)
+    return lambda values: mean_losses(distributed, values)[0]
 
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,
-                     logger: MetricLogger, device: torch.device, precision: Precision) -> EvaluationLoop:
+                     logger: MetricLogger, device: torch.device, precision: Precision,
+                     ranks: RankExchange | None) -> EvaluationLoop:
     step = getattr(module, "validation_step", None)
     if not callable(step):
         raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
     if split_length is None:
         call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
-        return EvaluationLoop(module, val_data, call, None, None, carry, logger)
+        return EvaluationLoop(module, val_data, call, None, None, carry, logger, ranks)
     return EvaluationLoop(module, val_data, _on_device(lambda batch, hidden: step(batch, hidden=hidden), device, precision),
-                          _splitter(module), split_length, carry, logger)
+                          _splitter(module), split_length, carry, logger, ranks)
 
 
 def _on_device(call: Callable[[Any, Any], Any], device: torch.device, precision: Precision) -> Callable[[Any, Any], Any]:

@@ -2,8 +2,9 @@
 
 :class:`~engine.run.run.FitRun` chooses its coordinator once (:func:`join_coordinator`) and never
 asks which it holds: :class:`SingleProcess` decides alone; :class:`Group` shards the data, averages
-the losses it reports, agrees with the other ranks on every stop and checkpoint decision, and lets
-rank 0 alone write the run's files (engine.distributed).
+the losses it reports (and reduces the values logged with ``sync=True``), agrees with the other
+ranks on every stop and checkpoint decision, and lets rank 0 alone write the run's files
+(engine.distributed).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class Coordinator(Protocol):
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         """The training data this process reads."""
 
-    def mean_losses(self, losses: list[float]) -> list[float]:
-        """The losses a split reports: this process's, or their mean over the ranks."""
+    def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
+        """The losses a split reports: this process's, or their mean over the ranks; and every
+        rank's values logged with ``sync=True`` (``synced``), in rank order (none alone)."""
 
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         """Make the stop decision (in ``stop``) the same on every rank; whether the ranks
@@ -59,8 +61,8 @@ class SingleProcess:
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return data
 
-    def mean_losses(self, losses: list[float]) -> list[float]:
-        return losses
+    def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
+        return losses, []
 
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         return checkpoint_due
@@ -90,8 +92,8 @@ class Group:
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return distributed.shard_loader(data, self._context) if distributed_sampler else data
 
-    def mean_losses(self, losses: list[float]) -> list[float]:
-        return distributed.mean_losses(self._context, losses)
+    def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
+        return distributed.mean_losses(self._context, losses, synced)
 
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         """Every rank takes the same stop and checkpoint decisions at this boundary."""

@@ -185,9 +185,10 @@ class FitRun:
     def _split_boundary(self, split_index: int, losses: list[torch.Tensor]) -> None:
         position = self.position
         cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
-        values = self.coordinator.mean_losses([loss.item() for loss in losses])
+        values, synced = self.coordinator.mean_losses([loss.item() for loss in losses],
+                                                      self.logger.synced_split_payload())
         steps = self.tree.step_counter.total
-        self.metrics.append(cursor, values, steps, self.logger.end_split())
+        self.metrics.append(cursor, values, steps, self.logger.end_split(synced))
         self.display.update(cursor, values[0], steps)
         self._update_status(values)
         for callback in self.callbacks:

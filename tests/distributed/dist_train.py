@@ -6,14 +6,20 @@ TBPTT over an LSTM with dropout, hidden state carried across batches, a shuffled
 DataLoader (the engine inserts the DistributedSampler) and gradient accumulation over two
 splits: every kind of per-rank state differs between ranks. Each worker writes, when its fit
 ends, ``OUT_DIR/final-<rank>.pt`` (parameters, its RNG state, its carried hidden state) and its
-pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training. ``--val-epoch-slow SECONDS`` adds a
+pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts training, and the number of its
+``validation_step`` calls as ``OUT_DIR/validation-calls-<rank>``. ``--val-epoch-slow SECONDS`` adds a
 slow validation pass after each epoch (counted in ``OUT_DIR/validated-<rank>``), to signal a job
 while it validates; ``REQUEUE_COMMAND`` becomes ``requeue_command``, as in docs/preemption.md's
 train.py. Without torchrun it runs as one process (rank 0).
 
-With ``--validate-every N`` each rank also validates (on the whole validation set, shuffled, with
-``--val-workers`` DataLoader workers) every N optimizer steps and at epoch ends; ``--val-slow``
-sleeps in each validation batch, so that a signal can land inside a pass.
+With ``--validate-every N`` each rank also validates (its block of the batches of a shuffled
+validation set of ``--val-samples`` samples, with ``--val-workers`` DataLoader workers) every N
+optimizer steps and at epoch ends; ``--val-slow`` sleeps in each validation batch, so that a
+signal can land inside a pass. ``--log-values`` logs, in each training split, the loss with
+``sync=True`` (``synced_loss``) and without (``own_loss``) and the batch's samples summed over the
+ranks (``samples``), and in validation the samples (``val_samples``, summed) and the largest
+target (``val_max``). ``--no-carry`` resets the hidden state at each batch (in validation too,
+whose batches are then split across the ranks instead of all read by rank 0).
 
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
 syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
@@ -58,7 +64,12 @@ class Model(engine.Module):
         x, y = batch
         out, hidden = self.rnn(x, hidden)
         self.last_hidden = hidden
-        return torch.nn.functional.mse_loss(self.head(self.dropout(out)), y), hidden
+        loss = torch.nn.functional.mse_loss(self.head(self.dropout(out)), y)
+        if self.log_values:
+            self.log("synced_loss", loss, sync=True)
+            self.log("own_loss", loss)
+            self.log("samples", x.shape[0], reduce="sum", sync=True)
+        return loss, hidden
 
     def validation_step(self, batch: Any, hidden: Any = None) -> Any:
         self.validation_batches += 1
@@ -67,12 +78,17 @@ class Model(engine.Module):
         x, y = batch
         out, hidden = self.rnn(x, hidden)
         time.sleep(self.validation_sleep)
+        if self.log_values:
+            self.log("val_samples", x.shape[0], reduce="sum")
+            self.log("val_max", y.max(), reduce="max")
         return torch.nn.functional.mse_loss(self.head(out), y), hidden
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.parameters(), lr=0.02)
+        return torch.optim.Adam(self.parameters(), lr=self.learning_rate)
 
     validation_sleep = 0.0
+    log_values = False
+    learning_rate = 0.02
     validation_batches = 0
     pause_at_validation_batch: int | None = None
     out = pathlib.Path()
@@ -104,11 +120,15 @@ class PlateauModel(Model):
 
 class SlowValidation(Model):
     """Validates after each epoch, slowly, counting its validation splits in a file the test
-    watches (to signal the job while a validation pass runs)."""
+    watches (to signal the job while a validation pass runs). Its hidden state is not carried
+    across batches."""
 
     def __init__(self, seconds: float, counter: pathlib.Path) -> None:
         super().__init__()
         self.seconds, self.counter, self.validated = seconds, counter, 0
+        # No hidden state through the validation pass: its batches are split across the ranks,
+        # so every rank validates (one batch each with 2 ranks).
+        self.carry_hidden_across_batches = False
 
     def validation_step(self, batch: Any, hidden: Any = None) -> Any:
         import time
@@ -144,6 +164,11 @@ def main() -> int:
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
     parser.add_argument("--validate-every", type=int, default=None, help="validate every N optimizer steps")
     parser.add_argument("--val-workers", type=int, default=0)
+    parser.add_argument("--val-samples", type=int, default=SAMPLES // 3)
+    parser.add_argument("--log-values", action="store_true", help="log values with and without sync (see above)")
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--no-carry", dest="carry", action="store_false",
+                        help="the hidden state resets at each batch (carry_hidden_across_batches=False)")
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
     parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
     parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
@@ -181,6 +206,9 @@ def main() -> int:
     y = x.cumsum(dim=1)[..., :1] * 0.1
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     model.validation_sleep, model.out = args.val_slow, out
+    model.log_values, model.learning_rate = args.log_values, args.lr
+    if not args.carry:
+        model.carry_hidden_across_batches = False
     pause_rank, _, pause_batch = os.environ.get("VALIDATION_PAUSE", "").partition("/")
     if restart == 0 and pause_rank == str(rank):
         model.pause_at_validation_batch = int(pause_batch)
@@ -196,7 +224,7 @@ def main() -> int:
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     if args.validate_every is not None:
-        val_data = validation_loader(x.shape[0] // 3, args.val_workers)
+        val_data = validation_loader(args.val_samples, args.val_workers)
     else:
         val_data = None if args.val_epoch_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
     try:
@@ -210,6 +238,7 @@ def main() -> int:
     if model.last_hidden is not None:  # None when this process trained nothing (a finished run)
         final["hidden.h"], final["hidden.c"] = (t.detach().clone() for t in model.last_hidden)
     torch.save(final, out / f"final-{rank}.pt")
+    (out / f"validation-calls-{rank}").write_text(str(model.validation_batches))  # this process's calls
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0
 

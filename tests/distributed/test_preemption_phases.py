@@ -26,9 +26,11 @@ import torchrun_helpers as helpers
 pytestmark = pytest.mark.slow
 
 RANKS = 3
-# One epoch of 12 splits per rank, a step every 2 splits, a validation pass (4 batches) every 2
-# steps; no periodic checkpoint: the checkpoints are those after validations and the stop's.
-OPTIONS = ("--epochs", "1", "--every", "1000", "--validate-every", "2", "--val-workers", "1")
+# One epoch of 12 splits per rank, a step every 2 splits, a validation pass every 2 steps; no
+# periodic checkpoint: the checkpoints are those after validations and the stop's. No hidden state
+# carried across batches, so the 4 validation batches of a pass are split across the ranks: 2 on
+# rank 0, 1 on rank 1, 1 on rank 2 (3 splits each).
+OPTIONS = ("--epochs", "1", "--every", "1000", "--validate-every", "2", "--val-workers", "1", "--no-carry")
 SLOW = ("--slow", "0.03", "--val-slow", "0.03")
 
 
@@ -86,8 +88,8 @@ def child_processes(pid: int) -> list[int]:
 @pytest.mark.skipif(not pathlib.Path("/proc/self/task").exists(), reason="needs Linux /proc to find DataLoader workers")
 def test_sigterm_to_one_rank_and_its_loader_workers_while_it_validates(reference: pathlib.Path,
                                                                        tmp_path: pathlib.Path) -> None:
-    # Rank 2 pauses in the second batch of the second validation pass; it and its validation
-    # DataLoader worker get SIGTERM (as SLURM signals every process of a job step), the other
+    # Rank 2 pauses in the last split of its batch of the second validation pass; it and its
+    # validation DataLoader worker get SIGTERM (as SLURM signals every process of a job step), the other
     # ranks validate or already wait at the boundary that follows the pass.
     job = tmp_path / "job"
     with launch(job, VALIDATION_PAUSE="2/6") as process:
@@ -107,11 +109,11 @@ def test_sigterm_to_one_rank_and_its_loader_workers_while_it_validates(reference
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("kills", [
-    "0/2/validation_batch_end:6:sigterm",  # rank 2 (alone, not its workers) inside the second pass
+    "0/0/validation_batch_end:3:sigterm",  # rank 0 (alone, not its workers) inside the second pass
     "0/0/checkpoint_before_rename:1:sigterm",  # rank 0 inside the first commit, the others waiting for it
     "0/0/checkpoint_before_file:2:sigterm",  # rank 0 starting the second commit
     "0/1/validation_batch_end:1:sigterm",  # rank 1 in the first validation batch of the run
-    "0/2/validation_batch_end:8:sigterm",  # rank 2 after the last batch of the second pass
+    "0/2/validation_batch_end:2:sigterm",  # rank 2 after the last batch of the second pass
 ], ids=["in-validation", "in-commit", "commit-start", "first-validation-batch", "end-of-a-pass"])
 def test_sigterm_to_one_rank_at_fault_points(reference: pathlib.Path, tmp_path: pathlib.Path, kills: str) -> None:
     job = tmp_path / "job"

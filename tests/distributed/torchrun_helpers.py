@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,58 @@ def torchrun_command(ranks: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *
                      max_restarts: int = 0, script: str = SCRIPT) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.2", script, str(run_dir), str(out_dir), *args]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous endpoint)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def node_command(node: int, port: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
+                 nodes: int = 2, processes_per_node: int = 1) -> list[str]:
+    """One "node" of a job of ``nodes``: its own torchrun agent, joined to the others by a c10d
+    rendezvous on 127.0.0.1:``port`` that node 0 hosts (as ``--rdzv-endpoint=$HEAD:29500`` in
+    docs/distributed.md's several-nodes recipe). No restarts: a node that dies fails the job,
+    and the test restarts every agent, as a scheduler requeues the job."""
+    host = "true" if node == 0 else "false"
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+            f"--nproc-per-node={processes_per_node}", "--max-restarts=0", "--monitor-interval=0.2",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",
+            f"--rdzv-conf=is_host={host},join_timeout={TIMEOUT}", SCRIPT, str(run_dir), str(out_dir), *args]
+
+
+def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, **env: str) -> list[subprocess.Popen]:
+    """Every node's agent of one try of the job in ``job`` (run/, out/), each in a session of
+    its own (a machine of its own); their output is appended to ``job/node-<n>.log``."""
+    (job / "out").mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    started = []
+    for node in range(nodes):
+        with open(job / f"node-{node}.log", "a") as log:
+            started.append(subprocess.Popen(node_command(node, port, job / "run", job / "out", *args, nodes=nodes),
+                                            env=environment(**env), stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))
+    return started
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL a whole node: its agent's process group and its workers (torchrun starts each
+    worker in a session of its own), as a machine that loses power."""
+    from engine.distributed.launch import descendants
+    victims = descendants(agent.pid)
+    os.killpg(agent.pid, signal.SIGKILL)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=TIMEOUT)
+
+
+def node_logs(job: pathlib.Path) -> str:
+    return "".join(path.read_text()[-3000:] for path in sorted(job.glob("node-*.log")))
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ModuleContractError
-from engine.loops.logged import MetricLogger
+from engine.loops.logged import MetricLogger, Recording, reduce_recordings
 
 
 def test_a_weighted_mean_divides_by_the_weights_and_survives_a_checkpoint():
@@ -42,4 +42,7 @@ def test_validation_values_are_weighted_too():
     logger.begin_evaluation()
     logger.log("val_loss", 1.0, "mean", weight=8)
     logger.log("val_loss", 4.0, "mean", weight=4)
-    assert logger.end_evaluation() == {"val_loss": (1.0 * 8 + 4.0 * 4) / 12}
+    recording = logger.end_evaluation()
+    assert reduce_recordings([recording]) == {"val_loss": (1.0 * 8 + 4.0 * 4) / 12}
+    # The weights cross ranks with the values: a recording sent to another rank reduces alike.
+    assert reduce_recordings([Recording.decode(recording.encode())]) == {"val_loss": (1.0 * 8 + 4.0 * 4) / 12}

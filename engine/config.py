@@ -238,6 +238,9 @@ class TrainerConfig:
         exit_on_preemption: after a preemption checkpoint, end the process with
             ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
             ``FitResult.preempted`` set instead.
+        save_on_exception: when an exception or Ctrl-C ends ``fit``, commit a checkpoint of
+            the last completed split if no checkpoint holds it and its state can still be
+            reconstructed exactly, then re-raise (docs/faults.md).
         device: where the module and every batch go: ``"auto"`` (CUDA when available, else
             the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Under torchrun (``LOCAL_RANK``
             set), ``"auto"`` and ``"cuda"`` mean ``cuda:LOCAL_RANK``. See docs/devices.md.
@@ -266,6 +269,7 @@ class TrainerConfig:
     preemption_exit_code: int = 75
     requeue_command: str | None = None
     exit_on_preemption: bool = True
+    save_on_exception: bool = True
     device: str = "auto"
     precision: Precision = "32"
     val_every_n_steps: int | None = None
@@ -305,6 +309,7 @@ class TrainerConfig:
         _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
         _bool(owner, "distributed_sampler", self.distributed_sampler)
         _bool(owner, "exit_on_preemption", self.exit_on_preemption)
+        _bool(owner, "save_on_exception", self.save_on_exception)
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.log_every_seconds is None:
             raise ConfigError(f"{owner}.log_every_seconds: expected a positive number of seconds, got None")

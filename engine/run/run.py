@@ -35,6 +35,7 @@ from engine.loops.compiled import original_module
 from engine.loops.device import prepare_device, resolve_device
 from engine.run.coordinator import join_coordinator
 from engine.run.display import Display
+from engine.run.exception_save import ExceptionSave, NoExceptionSave
 from engine.loops.logged import MetricLogger
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
@@ -78,6 +79,7 @@ class FitRun:
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
+        self.exception_save = self._choose_exception_save()
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self._stop_requested_by_callback)
@@ -103,7 +105,8 @@ class FitRun:
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
-            except BaseException:
+            except BaseException as error:
+                self.exception_save.save_before_raising(error)
                 self.checkpoints.close(failing=True)
                 raise
             finally:
@@ -132,6 +135,13 @@ class FitRun:
             resumed_cursor=self.resumed_cursor,
             metrics=dict(self.logger.latest),
         )
+
+    def _choose_exception_save(self) -> ExceptionSave | NoExceptionSave:
+        if not isinstance(self.checkpoints, RunCheckpointer) or not self.config.save_on_exception:
+            return NoExceptionSave()
+        if self.coordinator.world_size > 1:
+            return NoExceptionSave("a distributed run saves only at boundaries every rank agrees on")
+        return ExceptionSave(self.parts, self.checkpoints)
 
     def _start(self, resume: str) -> None:
         """Restore the checkpoint ``resume`` chooses (engine.run.start) or start fresh, then
@@ -194,6 +204,7 @@ class FitRun:
         due = self.checkpoints.due_at_split(self.tree.units_completed(), steps, asked=self.stop.requested or validated)
         if self.coordinator.agree(self.stop, due):
             self._save(force=self.stop.requested)
+        self._remember_boundary()
         faults.reach("split_end_after_checkpoint")
 
     def _check_stop(self, steps: int) -> None:
@@ -237,6 +248,7 @@ class FitRun:
         self._check_stop(self.tree.step_counter.total)
         if self.coordinator.agree(self.stop, self.checkpoints.due_at_epoch_end(asked=self.stop.requested)):
             self._save(force=self.stop.requested)
+        self._remember_boundary()
 
     def _check_monitor_exists(self) -> None:
         monitor = self.config.checkpoint.monitor if self.config.checkpoint is not None else None
@@ -255,7 +267,13 @@ class FitRun:
                                config.max_epochs, config.max_steps, config.max_time)
         return progress
 
+    def _remember_boundary(self) -> None:
+        """What an exception before the next boundary saves (engine.run.exception_save)."""
+        self.exception_save.remember(self._progress(), self.cursor, self.tree.step_counter.total,
+                                     self._boundary_mark(), self.metrics, self._elapsed())
+
     def _save(self, force: bool = False) -> None:
+        self.exception_save.forget()
         # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
         snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)

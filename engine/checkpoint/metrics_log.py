@@ -63,6 +63,14 @@ class MetricsLog:
         self._storage.write(METRICS_FILE, [], durable=False)
         self.committed_bytes = 0
 
+    def roll_back_to(self, committed_bytes: int) -> None:
+        """A rollback in the same process: drop the lines buffered since, and what was written
+        after the checkpoint restored (the replay writes them again)."""
+        with self._lock:
+            self._lines.clear()
+            self._unwritten.clear()
+        self.resume_at(committed_bytes)
+
     def resume_at(self, committed_bytes: int) -> None:
         """Drop whatever was written after the checkpoint being resumed."""
         self.committed_bytes = committed_bytes

@@ -201,6 +201,13 @@ class RunCheckpointer:
             self._mark_of_last_save = mark
         return written
 
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is committed (a rollback chooses among them),
+        then surface any write error."""
+        if isinstance(self._writer, BackgroundWriter):
+            self._writer.flush()
+        self.check()
+
     def check(self) -> None:
         """Surface a background write error on the training thread."""
         if self._writer is None:

@@ -26,6 +26,7 @@ from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
+from engine.loops.anomaly import AnomalyHistory, AnomalyWatch, NoAnomalyWatch, make_anomaly_watch
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
@@ -65,6 +66,7 @@ class LoopTree:
     precision: Precision
     logger: MetricLogger
     evaluation: EvaluationLoop | None = None
+    watch: AnomalyWatch | NoAnomalyWatch = dataclasses.field(default_factory=NoAnomalyWatch)
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -79,7 +81,7 @@ class LoopTree:
         if self.evaluation is not None:
             records["evaluation.validations"] = self.evaluation.progress
             records["evaluation.batches"] = self.evaluation.batches
-        return ProgressTree(records=records, cursor=cursor)
+        return ProgressTree(records=records, cursor=cursor, anomalies=list(self.epoch.anomalies.records))
 
     def units_completed(self) -> int:
         """Units of step work completed over the run: splits with TBPTT, batches without."""
@@ -95,6 +97,7 @@ class LoopTree:
             saved = tree.records[name]
             saved.reset_on_restart()
             record.total, record.current = saved.total, saved.current
+        self.epoch.anomalies.load(tree.anomalies)
 
     def loop_states(self) -> dict[str, Any]:
         return {
@@ -119,6 +122,7 @@ class LoopTree:
 
     def close(self) -> None:
         self.step_counter.close()
+        self.watch.close()
         if self.evaluation is not None:
             self.evaluation.close()
 
@@ -175,10 +179,15 @@ def build_loops(
     parameters = list(module.parameters())
     precision = make_precision(config.precision, device)
     step_counter = StepCounter(setup.optimizers)
+    if config.anomaly is not None and not automatic:
+        raise ConfigError("TrainerConfig.anomaly: Rollback needs automatic optimization (the engine must check the "
+                          "loss before backward and the gradients before the step); with automatic_optimization = "
+                          "False, set anomaly=None")
+    watch = make_anomaly_watch(config.anomaly, position, setup.optimizers, config.precision)
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,
-            config.accumulate_over == "splits", _clipper(config), precision, step_counter, data_parallel,
+            config.accumulate_over == "splits", _clipper(config), precision, step_counter, data_parallel, watch,
         )
     else:
         if config.accumulate_grad != 1 or config.gradient_clip_val is not None:
@@ -203,7 +212,7 @@ def build_loops(
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
         evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision)
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
-                    logger, evaluation)
+                    logger, evaluation, watch)
 
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,

@@ -12,6 +12,7 @@ The order at each boundary, in one place:
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -36,6 +37,8 @@ from engine.loops.device import prepare_device, resolve_device
 from engine.run.coordinator import join_coordinator
 from engine.run.display import Display
 from engine.run.exception_save import ExceptionSave, NoExceptionSave
+from engine.run.rollback import NoRollbacks, Rollbacks
+from engine.loops.anomaly import AnomalyDetected
 from engine.loops.logged import MetricLogger
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.run.module_checks import check_module, check_optimizer_setup
@@ -80,6 +83,7 @@ class FitRun:
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
         self.exception_save = self._choose_exception_save()
+        self.rollbacks = self._choose_rollbacks()
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self._stop_requested_by_callback)
@@ -101,7 +105,7 @@ class FitRun:
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
-                self.tree.fit.run()
+                self._train()
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
@@ -143,6 +147,43 @@ class FitRun:
             return NoExceptionSave("a distributed run saves only at boundaries every rank agrees on")
         return ExceptionSave(self.parts, self.checkpoints)
 
+    def _choose_rollbacks(self) -> Rollbacks | NoRollbacks:
+        policy = self.config.anomaly
+        if policy is None:
+            return NoRollbacks()
+        if self.coordinator.world_size > 1:
+            raise ConfigError("TrainerConfig.anomaly: Rollback is not supported under torchrun yet (the ranks would "
+                              "have to agree on each anomaly); set anomaly=None")
+        if not isinstance(self.checkpoints, RunCheckpointer) or self.storage is None:
+            raise ConfigError("TrainerConfig.anomaly: Rollback needs checkpoints to roll back to; set run_dir and a "
+                              "checkpoint policy")
+        return Rollbacks(policy, self.checkpoints, self.storage, self.coordinator.is_writer, self.data.length)
+
+    def _train(self) -> None:
+        """Run the loops; an anomaly (raised before any optimizer step used it) rolls back and
+        the loops go on from the restored counters."""
+        while True:
+            try:
+                self.tree.fit.run()
+                return
+            except AnomalyDetected as anomaly:
+                self._roll_back(anomaly)
+
+    def _roll_back(self, anomaly: AnomalyDetected) -> None:
+        """Restore the checkpoint the rollback policy chooses, record the rollback and the
+        batches it skips in the progress, and commit at once (engine.run.rollback)."""
+        history = self.tree.epoch.anomalies
+        loaded, record = self.rollbacks.plan(anomaly, history.records, self.tree.step_counter.total)
+        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
+        self.metrics.roll_back_to(restored.metrics_bytes)
+        history.add(record)
+        self.cursor = loaded.progress.cursor
+        self._update_status()
+        faults.reach("after_rollback")
+        self._save(force=True)
+        self.rollbacks.publish(history.records)
+        warnings.warn(f"splitloop: {record.describe()}", stacklevel=2)
+
     def _start(self, resume: str) -> None:
         """Restore the checkpoint ``resume`` chooses (engine.run.start) or start fresh, then
         start the checkpoint writer."""
@@ -154,6 +195,7 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
+            self.rollbacks.publish(self.tree.epoch.anomalies.records)  # a kill may have come before the last write
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,

@@ -24,7 +24,8 @@ class Anomaly:
     """``split``: the split whose step met the anomaly (never completed); ``kind``: one of
     :data:`KINDS`; ``value``: the loss (or, for gradients, their norm); ``rolled_back_to``: the
     checkpoint restored and its cursor (None: before the first split); ``skipped``: the
-    ``[epoch, batch]`` pairs never trained since."""
+    ``[epoch, batch]`` pairs never trained since; ``optimizer_steps``: the steps applied before
+    the anomaly (where ``plot`` marks it)."""
 
     split: Cursor
     kind: str
@@ -32,6 +33,7 @@ class Anomaly:
     rolled_back_to: str
     rolled_back_cursor: Cursor | None
     skipped: tuple[tuple[int, int], ...]
+    optimizer_steps: int
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class Anomaly:
             "rolled_back_to": self.rolled_back_to,
             "rolled_back_cursor": None if self.rolled_back_cursor is None else self.rolled_back_cursor.to_dict(),
             "skipped": [list(pair) for pair in self.skipped],
+            "optimizer_steps": self.optimizer_steps,
         }
 
     @classmethod
@@ -60,7 +63,8 @@ class Anomaly:
         cursor = data["rolled_back_cursor"]
         return cls(split=Cursor.from_dict(data["split"]), kind=kind, value=float(value), rolled_back_to=name,
                    rolled_back_cursor=None if cursor is None else Cursor.from_dict(cursor),
-                   skipped=_pairs(data["skipped"]))
+                   skipped=_pairs(data["skipped"]),
+                   optimizer_steps=require_int("Anomaly", "optimizer_steps", data["optimizer_steps"]))
 
     def describe(self) -> str:
         """One line: which split, what value, where the run went back to, what it skipped."""

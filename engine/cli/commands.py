@@ -17,6 +17,7 @@ from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
+from engine.run.rollback import anomaly_row
 from engine.trainer import Trainer
 
 
@@ -44,7 +45,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def inspect_run(url: str) -> dict[str, Any]:
-    """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
+    """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint, and
+    the rollbacks past anomalies its progress records (engine.run.rollback)."""
     check_existing_run_dir(url)
     store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect(run_state.validate)
@@ -59,10 +61,14 @@ def inspect_run(url: str) -> dict[str, Any]:
         "latest": None if latest is None else latest.name,
         "best": next(iter(store.best(1)), None),
         "fingerprint": None,
+        "anomalies": [],
     }
     if latest is not None:
-        state = store.load(latest.name, run_state.validate).state
+        loaded = store.load(latest.name, run_state.validate)
+        state = loaded.state
         result["fingerprint"] = fingerprint(state[run_state.MODULE], state[run_state.OPTIMIZERS])
+        result["anomalies"] = [anomaly_row(anomaly) | {"description": anomaly.describe()}
+                               for anomaly in loaded.progress.anomalies]
     return result
 
 
@@ -86,6 +92,8 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(f"best: {report['best']}")
     if report["fingerprint"]:
         print(f"fingerprint: {report['fingerprint']}")
+    for anomaly in report["anomalies"]:
+        print(f"anomaly: {anomaly['description']}")
     return 0
 
 
@@ -133,5 +141,7 @@ def run_plot(run_dir: str, out: str | None) -> int:
         out = os.path.join(run_dir, "metrics.png")
     check_existing_run_dir(run_dir)
     drawn = plot_run(run_dir, out)
-    print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)")
+    anomalies = f", {drawn['anomalies']} rollback(s) past an anomaly" if drawn["anomalies"] else ""
+    print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)"
+          f"{anomalies}")
     return 0

@@ -59,7 +59,8 @@ class Rollbacks:
             last = min(last, self._batches_per_epoch)
         record = Anomaly(split=anomaly.split, kind=anomaly.kind, value=anomaly.value, rolled_back_to=loaded.name,
                          rolled_back_cursor=loaded.progress.cursor,
-                         skipped=tuple((anomaly.split.epoch, batch) for batch in range(first, last)))
+                         skipped=tuple((anomaly.split.epoch, batch) for batch in range(first, last)),
+                         optimizer_steps=optimizer_steps)
         return loaded, record
 
     def _target(self, anomaly: AnomalyDetected, latest_steps: int) -> LoadedCheckpoint:
@@ -98,4 +99,4 @@ def anomaly_row(record: Anomaly) -> dict[str, Any]:
     cursor = record.rolled_back_cursor
     return {"split": list(record.split.as_tuple()), "kind": record.kind, "value": value,
             "rolled_back_to": record.rolled_back_to, "rolled_back_cursor": None if cursor is None else list(cursor.as_tuple()),
-            "skipped_batches": [list(pair) for pair in record.skipped]}
+            "skipped_batches": [list(pair) for pair in record.skipped], "step": record.optimizer_steps}

@@ -80,7 +80,8 @@ def _distinct_tree() -> ProgressTree:
 
 def _distinct_anomaly() -> Anomaly:
     return Anomaly(split=_distinct_cursor(8001), kind="loss spike", value=8100.5, rolled_back_to="ckpt-0000008200",
-                   rolled_back_cursor=_distinct_cursor(8301), skipped=((8401, 8402), (8403, 8404)))
+                   rolled_back_cursor=_distinct_cursor(8301), skipped=((8401, 8402), (8403, 8404)),
+                   optimizer_steps=8501)
 
 
 def _distinct_end() -> RunEnd:

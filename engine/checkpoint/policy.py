@@ -87,6 +87,12 @@ class RunCheckpointer:
         self._resumed_name = None if loaded is None else loaded.name
         return loaded
 
+    def select_with(self, choose: Callable[[], LoadedCheckpoint | None],
+                    validate: StateValidator) -> LoadedCheckpoint | None:
+        """The checkpoint ``choose()`` picks (on rank 0 of a distributed run, the others load
+        the same one and take their own part), or None."""
+        return self._side.select(choose, self.store, validate)
+
     def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         return choose_checkpoint(resume, validate, self._tiering.stores(), self._storage)
 

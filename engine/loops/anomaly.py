@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engine.config import Rollback
 from engine.loops.context import Position
 from progress import Anomaly, Cursor
+
+
+# Agrees a split's anomaly across the ranks of a torchrun job: (code, value) in, the agreed
+# (code, value) out; code 0: none (engine.distributed.agreement.agree_on_anomaly).
+Agreement = Callable[[int, float], "tuple[int, float]"]
+LOSS_KINDS = ("", "non-finite loss", "loss spike")  # by code
 
 
 class AnomalyDetected(Exception):
@@ -37,7 +43,8 @@ class AnomalyWatch:
     split losses travels in the flow's state, so a resumed run judges spikes the same way."""
 
     def __init__(self, policy: Rollback, position: Position, optimizers: list[torch.optim.Optimizer],
-                 check_gradients: bool) -> None:
+                 check_gradients: bool, agree: Agreement | None = None) -> None:
+        self._agree = agree
         self._factor = policy.factor
         self._window = policy.window
         self._position = position
@@ -46,15 +53,17 @@ class AnomalyWatch:
                          for optimizer in optimizers] if check_gradients else []
 
     def check_loss(self, loss: torch.Tensor, optimizer_index: int) -> None:
-        """Raise AnomalyDetected for a non-finite loss, or (the first optimizer's) a spike."""
+        """Raise AnomalyDetected for a non-finite loss, or (the first optimizer's) a spike; under
+        torchrun, on every rank when any rank met one (before backward, whose gradient sync
+        would otherwise wait for a rank that stopped)."""
         value = float(loss.detach().float().item())
-        if not math.isfinite(value):
-            raise AnomalyDetected("non-finite loss", value, self._cursor(optimizer_index))
-        if optimizer_index != 0:
-            return
-        if self._is_spike(value):
-            raise AnomalyDetected("loss spike", value, self._cursor(optimizer_index))
-        self.recent = [*self.recent, value][-self._window:]
+        code = 1 if not math.isfinite(value) else 2 if optimizer_index == 0 and self._is_spike(value) else 0
+        if self._agree is not None:
+            code, value = self._agree(code, value)
+        if code:
+            raise AnomalyDetected(LOSS_KINDS[code], value, self._cursor(optimizer_index))
+        if optimizer_index == 0:
+            self.recent = [*self.recent, value][-self._window:]
 
     def _is_spike(self, value: float) -> bool:
         """Only once ``window`` losses are known: their median is the reference."""
@@ -102,11 +111,13 @@ class NoAnomalyWatch:
 
 
 def make_anomaly_watch(policy: Rollback | None, position: Position, optimizers: list[torch.optim.Optimizer],
-                       precision: str) -> AnomalyWatch | NoAnomalyWatch:
-    """The watch ``TrainerConfig.anomaly`` asks for; under "16-mixed" the scaler judges gradients."""
+                       precision: str, agree: Agreement | None = None) -> AnomalyWatch | NoAnomalyWatch:
+    """The watch ``TrainerConfig.anomaly`` asks for; under "16-mixed" the scaler judges
+    gradients. ``agree``: a torchrun job's agreement on each loss check (gradients, synced by
+    DDP before the step, are the same on every rank and need none)."""
     if policy is None:
         return NoAnomalyWatch()
-    return AnomalyWatch(policy, position, optimizers, check_gradients=precision != "16-mixed")
+    return AnomalyWatch(policy, position, optimizers, check_gradients=precision != "16-mixed", agree=agree)
 
 
 class AnomalyHistory:

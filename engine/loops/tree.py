@@ -16,6 +16,7 @@ to the run's device; the flow runs the step inside the run's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.data.workers import PreemptionSafeLoader
+from engine.distributed.agreement import agree_on_anomaly
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError, ModuleContractError
@@ -183,7 +185,8 @@ def build_loops(
         raise ConfigError("TrainerConfig.anomaly: Rollback needs automatic optimization (the engine must check the "
                           "loss before backward and the gradients before the step); with automatic_optimization = "
                           "False, set anomaly=None")
-    watch = make_anomaly_watch(config.anomaly, position, setup.optimizers, config.precision)
+    agree = None if distributed is None else functools.partial(agree_on_anomaly, distributed)
+    watch = make_anomaly_watch(config.anomaly, position, setup.optimizers, config.precision, agree)
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,

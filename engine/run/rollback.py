@@ -24,7 +24,7 @@ from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.config import Rollback
-from engine.errors import AnomalyError
+from engine.errors import AnomalyError, CheckpointError
 from engine.loops.anomaly import AnomalyDetected
 from engine.run import state as run_state
 from progress import Anomaly
@@ -65,15 +65,26 @@ class Rollbacks:
 
     def _target(self, anomaly: AnomalyDetected, latest_steps: int) -> LoadedCheckpoint:
         """The newest committed checkpoint taken at or before ``latest_steps`` optimizer steps
-        (every committed checkpoint precedes the anomalous split, which never completed)."""
+        (every committed checkpoint precedes the anomalous split, which never completed); chosen
+        by rank 0 of a distributed run, loaded by every rank."""
         self._checkpoints.flush()
-        for name in reversed(self._checkpoints.existing_names()):
-            loaded = self._checkpoints.select(name, run_state.validate)
-            if loaded is not None and loaded.progress.records[STEPS_RECORD].total.completed <= latest_steps:
-                return loaded
+        loaded = self._checkpoints.select_with(lambda: self._newest_before(latest_steps), run_state.validate)
+        if loaded is not None:
+            return loaded
         raise AnomalyError(f"{anomaly.kind} {anomaly.value} at {anomaly.split}: no committed checkpoint to roll back "
                            f"to (Rollback.back={self._policy.back} optimizer steps before it); checkpoint more often "
                            "(CheckpointConfig.every_n_splits) or keep more (keep_last)")
+
+    def _newest_before(self, latest_steps: int) -> LoadedCheckpoint | None:
+        store = self._checkpoints.store
+        for name in reversed(self._checkpoints.existing_names()):
+            try:
+                loaded = store.load(name, run_state.validate)
+            except CheckpointError:
+                continue  # torn or corrupt: an older one will do
+            if loaded.progress.records[STEPS_RECORD].total.completed <= latest_steps:
+                return loaded
+        return None
 
     def publish(self, records: list[Anomaly]) -> None:
         """Rewrite ``anomalies.jsonl`` from the progress's records (writer rank only)."""

@@ -151,9 +151,6 @@ class FitRun:
         policy = self.config.anomaly
         if policy is None:
             return NoRollbacks()
-        if self.coordinator.world_size > 1:
-            raise ConfigError("TrainerConfig.anomaly: Rollback is not supported under torchrun yet (the ranks would "
-                              "have to agree on each anomaly); set anomaly=None")
         if not isinstance(self.checkpoints, RunCheckpointer) or self.storage is None:
             raise ConfigError("TrainerConfig.anomaly: Rollback needs checkpoints to roll back to; set run_dir and a "
                               "checkpoint policy")

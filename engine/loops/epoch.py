@@ -52,7 +52,7 @@ class EpochLoop:
             progress.increment_ready()
             progress.increment_started()
             if self.anomalies.skips(epoch, index):
-                self._skip(index)
+                self._skip()
                 continue
             losses = self.runner.run_batch(batch, index)
             if losses is None:
@@ -73,7 +73,7 @@ class EpochLoop:
         self.data.epoch_done()
         return True
 
-    def _skip(self, index: int) -> None:
+    def _skip(self) -> None:
         """A batch a rollback skips: drawn (the data position moves on) but never trained."""
         self.runner.skip_batch()
         progress = self.progress

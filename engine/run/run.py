@@ -7,6 +7,12 @@ The order at each boundary, in one place:
   asks, after a validation, or to stop);
 - epoch (:meth:`FitRun._epoch_boundary`): display -> the epoch's aggregate row -> validation (row,
   ``on_validation_end``) -> ``on_epoch_end`` -> stop checks -> checkpoint.
+
+After either, a boundary no checkpoint holds is recorded for save on exception
+(engine.run.exception_save: an exception ending ``fit`` commits it when it is still exact). A
+numerical anomaly (``TrainerConfig.anomaly``) leaves the loops before any optimizer step used it;
+:meth:`FitRun._roll_back` restores an earlier checkpoint, records the skipped batches, commits,
+and the loops go on (engine.run.rollback).
 """
 
 from __future__ import annotations

@@ -106,3 +106,18 @@ def test_save_on_exception_false_writes_nothing(tmp_path, references, armed):
     with pytest.raises(engine.InjectedFault):
         train_with_checkpoints("tbptt", run_dir, every=EVERY, save_on_exception=False)
     assert cursors.index(newest(run_dir).progress.cursor.as_tuple()) < 13
+
+
+def test_exception_after_backward_into_an_open_window_writes_nothing_and_says_why(tmp_path, references, armed):
+    """accumulate_grad=4: split 15's backward adds to the gradients split 13 and 14 left pending,
+    so split 14's state is gone (the record sees the gradients written in place)."""
+    reference_dir, cursors = references("accumulate_grad=4")
+    run_dir = str(tmp_path / "run")
+    armed("after_backward:15:raise")
+    with pytest.raises(engine.InjectedFault) as caught:
+        train_with_checkpoints("tbptt", run_dir, every=EVERY, accumulate_grad=4)
+    faults.clear()
+    assert cursors.index(newest(run_dir).progress.cursor.as_tuple()) < 13
+    assert "a parameter, buffer, gradient or hidden state was written in place" in notes(caught.value)
+    train_with_checkpoints("tbptt", run_dir, every=EVERY, accumulate_grad=4)
+    assert_same_run(reference_dir, run_dir)

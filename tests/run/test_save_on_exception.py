@@ -5,12 +5,20 @@ reconstructed exactly (the optimizer already stepped), nothing is written and a 
 
 from __future__ import annotations
 
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+
 import pytest
 
 import engine
 from engine import faults
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
+import forkserver
+from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
 from resume_helpers import assert_same_run
 from scenarios import LossRecorder, SeqModel, train_with_checkpoints
 
@@ -120,4 +128,45 @@ def test_exception_after_backward_into_an_open_window_writes_nothing_and_says_wh
     assert cursors.index(newest(run_dir).progress.cursor.as_tuple()) < 13
     assert "a parameter, buffer, gradient or hidden state was written in place" in notes(caught.value)
     train_with_checkpoints("tbptt", run_dir, every=EVERY, accumulate_grad=4)
+    assert_same_run(reference_dir, run_dir)
+
+
+def ctrl_c_at_random_instant(run_dir, rng, max_delay):
+    """Start scenarios.py, wait until it trains, send SIGINT after a random delay; its status."""
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        # 0.03 s after each of the 24 splits: a first run lasts longer than the longest delay.
+        process = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--every", str(EVERY), "--sleep", "0.03"],
+                                   env=environment(None), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            if process.stdout.readline().startswith("training"):
+                signal_at = rng.uniform(0.0, max_delay)
+                try:
+                    process.wait(signal_at)
+                except subprocess.TimeoutExpired:
+                    process.send_signal(signal.SIGINT)
+            process.wait(TIMEOUT)
+            stderr.seek(0)
+            return process.returncode, stderr.read()
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            process.stdout.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_random_instants_resumes_exactly(tmp_path, references):
+    """A real SIGINT anywhere (in a step, a boundary record, a checkpoint write): whether the last
+    split was saved or not, the run resumed to its end is bit-identical."""
+    reference_dir, _ = references("no accumulation")
+    run_dir = str(tmp_path / "run")
+    rng = random.Random("ctrl-c")
+    interrupted = 0
+    for _ in range(4):
+        status, stderr = ctrl_c_at_random_instant(run_dir, rng, 0.6)
+        assert status in (0, -signal.SIGINT), stderr[-3000:]
+        interrupted += status == -signal.SIGINT
+    assert interrupted >= 1
+    finished = run_scenario("tbptt", run_dir, None, "--every", str(EVERY))
+    assert finished.returncode == 0, finished.stderr[-3000:]
     assert_same_run(reference_dir, run_dir)

@@ -176,10 +176,12 @@ class FitRun:
         """Restore the checkpoint the rollback policy chooses, record the rollback and the
         batches it skips in the progress, and commit at once (engine.run.rollback)."""
         history = self.tree.epoch.anomalies
-        loaded, record = self.rollbacks.plan(anomaly, history.records, self.tree.step_counter.total)
+        earlier = list(history.records)
+        loaded, record = self.rollbacks.plan(anomaly, earlier, self.tree.step_counter.total)
         restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
         self.metrics.roll_back_to(restored.metrics_bytes)
-        history.add(record)
+        # Every rollback so far, even one the restored checkpoint predates: its batches stay skipped.
+        history.load([*earlier, record])
         self.cursor = loaded.progress.cursor
         self._update_status()
         faults.reach("after_rollback")

@@ -105,6 +105,24 @@ def test_plot_marks_each_rollback(references):
         pyplot.close(figure)
 
 
+@pytest.mark.timeout(180)  # the old code rolled back forever
+def test_a_rollback_to_a_checkpoint_older_than_an_earlier_rollback_keeps_skipping_its_batches(tmp_path, monkeypatch):
+    """As if every newer checkpoint were unreadable: each rollback goes back to the first one,
+    which predates the first rollback. Both skips stay recorded (and skipped), the run ends."""
+    from engine.run import state as run_state
+    from engine.run.rollback import Rollbacks
+
+    def oldest(self, latest_steps):
+        return self._checkpoints.store.load(self._checkpoints.existing_names()[0], run_state.validate)
+
+    monkeypatch.setattr(Rollbacks, "_newest_before", oldest)
+    with pytest.warns(UserWarning, match="rolled back to"):
+        model, result = train_poisoned("nan", str(tmp_path))  # keep_last=None: the first checkpoint stays
+    assert [tuple(row["split"]) for row in anomaly_rows(str(tmp_path))] == ANOMALOUS
+    assert result.epochs_completed == 2
+    assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+
+
 def test_max_rollbacks_stops_the_run_with_a_clear_error(tmp_path):
     with pytest.warns(UserWarning, match="rolled back to"):
         with pytest.raises(engine.AnomalyError, match=r"after 1 rollback\(s\): Rollback.max_rollbacks=1 reached"):

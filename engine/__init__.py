@@ -3,19 +3,21 @@
 Public API (see docs/quickstart.md)::
 
     Trainer, TrainerConfig, CheckpointConfig, FitResult
+    Rollback (TrainerConfig.anomaly: roll back past a non-finite or spiking loss)
     Module, LRSchedule, split_along_time
     Callback, RunView, EarlyStopping
     fingerprint, load_weights, export_weights
     preemption_safe (a DataLoader of your own whose workers outlive a preemption signal)
     errors: EngineError, ConfigError, ModuleContractError, SplitError, DataError, CheckpointError,
             CheckpointNotFound, CheckpointCorrupt, CheckpointIncompatible, CheckpointWriteError,
-            WriterConflict, ReplicaDivergence, InjectedFault
+            WriterConflict, ReplicaDivergence, InjectedFault, AnomalyError
 """
 
 from engine.callbacks import Callback, RunView
-from engine.config import CheckpointConfig, TrainerConfig
+from engine.config import CheckpointConfig, Rollback, TrainerConfig
 from engine.callbacks.early_stopping import EarlyStopping
 from engine.errors import (
+    AnomalyError,
     CheckpointCorrupt,
     CheckpointError,
     CheckpointIncompatible,
@@ -40,6 +42,7 @@ from engine.trainer import Trainer
 from engine.weights import export_weights, load_weights
 
 __all__ = [
+    "AnomalyError",
     "Callback",
     "CheckpointConfig",
     "CheckpointCorrupt",
@@ -62,6 +65,7 @@ __all__ = [
     "TrainerConfig",
     "WriterConflict",
     "ReplicaDivergence",
+    "Rollback",
     "export_weights",
     "fingerprint",
     "load_weights",

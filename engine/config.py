@@ -48,6 +48,50 @@ def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> 
         raise ConfigError(f"{owner}.{name}: expected one of {list(allowed)}, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    """Roll back past a numerical anomaly (docs/faults.md): never step the optimizer with bad
+    gradients, restore an earlier checkpoint in the same process, skip the batches that caused
+    it, and replay exactly.
+
+    Args:
+        factor: also an anomaly: a split loss above ``factor`` times the median of the last
+            ``window`` split losses (a spike). None: only non-finite losses and gradients.
+        window: how many recent split losses the median of ``factor`` looks at.
+        back: go back to the newest checkpoint at least ``back`` optimizer steps before the
+            anomalous split (0: the newest checkpoint before it).
+        skip_batches: how many batches to skip, from the anomalous one on (within its epoch).
+        max_rollbacks: after this many rollbacks the next anomaly stops the run with
+            ``engine.AnomalyError``.
+
+    Example::
+
+        engine.TrainerConfig(run_dir="runs/lm", anomaly=engine.Rollback(factor=10.0, window=50))
+    """
+
+    factor: float | None = None
+    window: int = 20
+    back: int = 0
+    skip_batches: int = 1
+    max_rollbacks: int = 3
+
+    def __post_init__(self) -> None:
+        owner = "Rollback"
+        if self.factor is not None:
+            _positive_number_or_none(owner, "factor", self.factor)
+            if self.factor <= 1:
+                raise ConfigError(f"{owner}.factor: expected a number above 1 (times the median loss) or None, "
+                                  f"got {self.factor!r}")
+        _positive_int_or_none(owner, "window", self.window)
+        _positive_int_or_none(owner, "skip_batches", self.skip_batches)
+        _positive_int_or_none(owner, "max_rollbacks", self.max_rollbacks)
+        for name in ("window", "skip_batches", "max_rollbacks"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"{owner}.{name}: expected a positive int, got None")
+        if isinstance(self.back, bool) or not isinstance(self.back, int) or self.back < 0:
+            raise ConfigError(f"{owner}.back: expected an int >= 0 (optimizer steps), got {self.back!r}")
+
+
 @refuse_unknown_fields(from_lightning(LIGHTNING_CHECKPOINT))
 @dataclasses.dataclass
 class CheckpointConfig:
@@ -239,6 +283,11 @@ class TrainerConfig:
         exit_on_preemption: after a preemption checkpoint, end the process with
             ``preemption_exit_code`` (SystemExit); False makes ``fit`` return with
             ``FitResult.preempted`` set instead.
+        save_on_exception: when an exception or Ctrl-C ends ``fit``, commit a checkpoint of
+            the last completed split if no checkpoint holds it and its state can still be
+            reconstructed exactly, then re-raise (docs/faults.md).
+        anomaly: :class:`Rollback` to roll back past a non-finite or spiking loss; None
+            trains on whatever the loss is.
         device: where the module and every batch go: ``"auto"`` (CUDA when available, else
             the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Under torchrun (``LOCAL_RANK``
             set), ``"auto"`` and ``"cuda"`` mean ``cuda:LOCAL_RANK``. See docs/devices.md.
@@ -270,6 +319,8 @@ class TrainerConfig:
     preemption_exit_code: int = 75
     requeue_command: str | None = None
     exit_on_preemption: bool = True
+    save_on_exception: bool = True
+    anomaly: Rollback | None = None
     device: str = "auto"
     precision: Precision = "32"
     val_every_n_steps: int | None = None
@@ -311,6 +362,12 @@ class TrainerConfig:
         _bool(owner, "distributed_sampler", self.distributed_sampler)
         _bool(owner, "exit_on_preemption", self.exit_on_preemption)
         _loggers(owner, self.loggers)
+        _bool(owner, "save_on_exception", self.save_on_exception)
+        if self.anomaly is not None and not isinstance(self.anomaly, Rollback):
+            raise ConfigError(f"{owner}.anomaly: expected engine.Rollback(...) or None, got {self.anomaly!r}")
+        if self.anomaly is not None and self.checkpoint is None:
+            raise ConfigError(f"{owner}.anomaly: Rollback needs checkpoints to roll back to; set run_dir (and keep "
+                              "a checkpoint policy)")
         _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.log_every_seconds is None:
             raise ConfigError(f"{owner}.log_every_seconds: expected a positive number of seconds, got None")

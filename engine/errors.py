@@ -12,6 +12,7 @@
     │   ├── CheckpointWriteError a checkpoint could not be written (I/O error, bad state)
     │   ├── WriterConflict       another process is writing checkpoints to the same run dir
     │   └── ReplicaDivergence    the ranks of a distributed run disagree on replicated state
+    ├── AnomalyError             a numerical anomaly the run cannot roll back past (Rollback)
     └── InjectedFault            raised by the fault-injection harness (engine.faults)
 """
 
@@ -66,6 +67,11 @@ class WriterConflict(CheckpointError):
 class ReplicaDivergence(CheckpointError):
     """The ranks of a distributed run hold different replicated state (parameters, optimizer,
     progress) at a checkpoint; the checkpoint is not committed. Never downgraded to a warning."""
+
+
+class AnomalyError(EngineError):
+    """A non-finite or spiking loss (or non-finite gradients) that ``Rollback`` cannot roll back
+    past: ``max_rollbacks`` reached, or no checkpoint old enough."""
 
 
 class InjectedFault(EngineError):

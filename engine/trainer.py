@@ -41,6 +41,8 @@ class Trainer:
                         loss, hidden = step(split, hidden)  # flow: zero_grad/backward/step
                     log metrics; callbacks; maybe checkpoint
             step the epoch's schedulers; maybe checkpoint
+        # a NaN/spiking loss with anomaly=Rollback(): restore a checkpoint, skip the batch, go on
+        # an exception: commit the last completed split if it is still exact, then re-raise
     """
 
     @refuse_unknown_keywords("Trainer", trainer_hints(field.name for field in dataclasses.fields(TrainerConfig)))

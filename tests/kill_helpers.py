@@ -31,8 +31,8 @@ def environment(faults: str | None) -> dict[str, str]:
 
 def run_scenario(name: str, run_dir: str, faults: str | None = None, *args: str,
                  script: str = SCRIPT) -> subprocess.CompletedProcess:
-    """Train in a subprocess; returns the completed process (returncode -9 when SIGKILLed).
-    ``script`` is another scenario script taking the same ``NAME RUN_DIR`` arguments."""
+    """Train in a subprocess (``script NAME RUN_DIR ARGS``, scenarios.py by default); returns
+    the completed process (returncode -9 when SIGKILLed)."""
     return forkserver.run([sys.executable, script, name, run_dir, *args], env=environment(faults),
                           capture_output=True, text=True, timeout=TIMEOUT)
 
@@ -52,8 +52,8 @@ def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int 
 
 def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_delay: float, *args: str,
                            script: str = SCRIPT) -> bool:
-    """Start the scenario, wait until it trains, SIGKILL it after a random delay. Returns
-    False if it finished before the kill."""
+    """Start the scenario (``script``, scenarios.py by default), wait until it trains, SIGKILL
+    it after a random delay. Returns False if it finished before the kill."""
     with tempfile.TemporaryFile(mode="w+") as stderr:  # a file, so a chatty child never blocks on a pipe
         process = forkserver.popen([sys.executable, script, name, run_dir, *args], env=environment(None),
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)

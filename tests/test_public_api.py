@@ -78,21 +78,21 @@ def test_engine_exports_the_documented_api():
         "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
         "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
         "CheckpointWriteError", "WriterConflict", "ReplicaDivergence", "InjectedFault", "EarlyStopping", "load_weights",
-        "export_weights", "preemption_safe",
+        "export_weights", "preemption_safe", "Rollback", "AnomalyError",
     }
     assert set(engine.__all__) == documented
 
 
 def test_progress_exports_the_documented_api():
     documented = {"Counts", "Progress", "Cursor", "ProgressTree", "RunEnd", "encode_tree", "decode_tree",
-                  "ProgressSchemaError", "SCHEMA_VERSION"}
+                  "ProgressSchemaError", "SCHEMA_VERSION", "Anomaly"}
     assert set(progress.__all__) == documented
 
 
 def test_engine_errors_form_one_tree():
     errors = [getattr(engine, name) for name in engine.__all__
               if isinstance(getattr(engine, name), type) and issubclass(getattr(engine, name), Exception)]
-    assert len(errors) == 13
+    assert len(errors) == 14
     assert all(issubclass(error, engine.EngineError) for error in errors)
     for child in ("CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible", "CheckpointWriteError",
                   "WriterConflict", "ReplicaDivergence"):

@@ -70,6 +70,15 @@ class MetricsLog:
         self._storage.write(METRICS_FILE, [], durable=False)
         self.committed_bytes = 0
 
+    def roll_back_to(self, committed_bytes: int, resumed_step: int) -> None:
+        """A rollback in the same process: drop the lines buffered since, and what was written
+        after the checkpoint restored (at optimizer step ``resumed_step``; the replay writes them
+        again), and tell the loggers."""
+        with self._lock:
+            self._lines.clear()
+            self._unwritten.clear()
+        self.resume_at(committed_bytes, resumed_step)
+
     def resume_at(self, committed_bytes: int, resumed_step: int = 0) -> None:
         """Drop whatever was written after the checkpoint being resumed (at optimizer step
         ``resumed_step``), and tell the loggers which rows it committed."""

@@ -87,6 +87,12 @@ class RunCheckpointer:
         self._resumed_name = None if loaded is None else loaded.name
         return loaded
 
+    def select_with(self, choose: Callable[[], LoadedCheckpoint | None],
+                    validate: StateValidator) -> LoadedCheckpoint | None:
+        """The checkpoint ``choose()`` picks (on rank 0 of a distributed run, the others load
+        the same one and take their own part), or None."""
+        return self._side.select(choose, self.store, validate)
+
     def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
         return choose_checkpoint(resume, validate, self._tiering.stores(), self._storage)
 
@@ -200,6 +206,13 @@ class RunCheckpointer:
         if written:
             self._mark_of_last_save = mark
         return written
+
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is committed (a rollback chooses among them),
+        then surface any write error."""
+        if isinstance(self._writer, BackgroundWriter):
+            self._writer.flush()
+        self.check()
 
     def check(self) -> None:
         """Surface a background write error on the training thread."""

@@ -18,6 +18,7 @@ from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
+from engine.run.rollback import anomaly_row
 from engine.trainer import Trainer
 
 
@@ -45,7 +46,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def inspect_run(url: str) -> dict[str, Any]:
-    """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
+    """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint, and
+    the rollbacks past anomalies its progress records (engine.run.rollback)."""
     check_existing_run_dir(url)
     store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect(run_state.validate)
@@ -60,11 +62,15 @@ def inspect_run(url: str) -> dict[str, Any]:
         "latest": None if latest is None else latest.name,
         "best": next(iter(store.best(1)), None),
         "fingerprint": None,
+        "anomalies": [],
     }
     if latest is not None:
-        state = store.load(latest.name, run_state.validate).state
+        loaded = store.load(latest.name, run_state.validate)
+        state = loaded.state
         result["fingerprint"] = fingerprint(state[run_state.MODULE], state[run_state.OPTIMIZERS])
         result["hyperparameters"] = _hyperparameters(state[CALLBACKS])
+        result["anomalies"] = [anomaly_row(anomaly) | {"description": anomaly.describe()}
+                               for anomaly in loaded.progress.anomalies]
     return result
 
 
@@ -96,6 +102,8 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(f"fingerprint: {report['fingerprint']}")
     if report.get("hyperparameters"):
         print(f"hyperparameters: {json.dumps(report['hyperparameters'], sort_keys=True)}")
+    for anomaly in report["anomalies"]:
+        print(f"anomaly: {anomaly['description']}")
     return 0
 
 
@@ -143,5 +151,7 @@ def run_plot(run_dir: str, out: str | None) -> int:
         out = os.path.join(run_dir, "metrics.png")
     check_existing_run_dir(run_dir)
     drawn = plot_run(run_dir, out)
-    print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)")
+    anomalies = f", {drawn['anomalies']} rollback(s) past an anomaly" if drawn["anomalies"] else ""
+    print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)"
+          f"{anomalies}")
     return 0

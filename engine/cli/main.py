@@ -9,7 +9,8 @@ import sys
 from typing import Callable, Sequence
 
 from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
-from engine.errors import EngineError
+from engine.distributed.requeue import RequeuePolicy, parse_signal
+from engine.errors import ConfigError, EngineError
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -95,6 +96,12 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
     launch.add_argument("--exit-code", type=EXIT_STATUS, default=75, help="exit status after a preemption, 0..255 (default 75)")
     launch.add_argument("--grace", type=_positive_seconds, default=600.0, metavar="SECONDS",
                         help="after a stop request, SIGKILL what of the job still runs after SECONDS (default 600)")
+    launch.add_argument("--requeue", action="store_true",
+                        help="after a committed preemption, run 'scontrol requeue $SLURM_JOB_ID' (when scontrol is on "
+                             "PATH); the exit status stays --exit-code")
+    launch.add_argument("--signal", action="append", default=[], metavar="NAME",
+                        help="with --requeue: requeue only a preemption this signal requested (USR1 for SLURM's "
+                             "--signal=B:USR1@120; repeat for several; default: any)")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     return parser
 
@@ -158,10 +165,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "launch":
         from engine.distributed.launch import launch
         command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        return launch(command, args.marker, args.exit_code, args.grace)
+        return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args))
     if args.command == "plot":
         return run_plot(args.dir, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _requeue_policy(args: argparse.Namespace) -> RequeuePolicy | None:
+    """``--requeue [--signal NAME ...]`` as a RequeuePolicy (None without --requeue)."""
+    if args.signal and not args.requeue:
+        raise ConfigError("launch --signal names the signal whose preemption is requeued: it needs --requeue")
+    if not args.requeue:
+        return None
+    return RequeuePolicy(frozenset(parse_signal(name) for name in args.signal))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,6 +1,7 @@
 """``python -m engine plot DIR [--out FILE.png]``: a run's curves over optimizer steps, one panel
 per metric family, with a labelled marker where the run resumed. Needs matplotlib
-(``pip install 'splitloop[plot]'``); draws off-screen (no display needed).
+(``pip install 'splitloop[plot]'``); draws off-screen (no display needed). A rollback past a
+numerical anomaly (``anomalies.jsonl``) is a red dotted line where it happened.
 
 A *family* is a metric name without its stage prefix: ``loss`` holds the training loss of every
 split, ``val_loss`` and ``train_loss``; ``ppl`` holds ``val_ppl``; ``acc`` holds ``train_acc``
@@ -20,6 +21,7 @@ from typing import Any, Iterable
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointNotFound, ConfigError, EngineError
 from engine.checkpoint.metrics_log import METRICS_FILE, RESUMES_FILE
+from engine.run.rollback import ANOMALIES_FILE
 
 _STAGE_PREFIXES = ("train_", "val_", "validation_", "test_")
 TRAINING_LOSS = "loss"  # the name of the per-split training loss in its panel
@@ -44,6 +46,7 @@ class Curves:
     epochs: dict[str, Points]
     validation: dict[str, Points]
     resumes: list[tuple[float, str]]
+    anomalies: list[tuple[float, str]]  # (optimizer steps, what happened): rollbacks past an anomaly
     split_period: int  # splits per batch (1 without TBPTT): the smoothing window is a multiple
     rows: dict[str, int]  # rows drawn, per kind ("train", "val", "resumes")
 
@@ -96,9 +99,11 @@ def read_curves(run_dir: str) -> Curves:
         for name, value in _numbers(row.get("metrics")):
             splits.setdefault(name, []).append((row["step"], value))
     period = max((row["split"] for row in train if isinstance(row.get("split"), int)), default=0) + 1
+    anomalies = [(float(row["step"]), f"{row.get('kind', 'anomaly')}: back to {_short(str(row.get('rolled_back_to', '?')))}")
+                 for row in read_rows(storage, ANOMALIES_FILE) if _is_number(row.get("step"))]
     return Curves(splits=splits, epochs=_by_name(_aggregate_rows(rows, "train_epoch")), validation=_by_name(val),
-                  resumes=resumes, split_period=period,
-                  rows={"train": len(train), "val": len(val), "resumes": len(resumes)})
+                  resumes=resumes, anomalies=anomalies, split_period=period,
+                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies)})
 
 
 def plot_run(run_dir: str, out: str) -> dict[str, int]:
@@ -120,6 +125,7 @@ def draw(curves: Curves, pyplot: Any, title: str) -> Any:
     for family, panel in zip(families, panels):
         _draw_family(panel, family, curves)
     _mark_resumes(panels, curves.resumes)
+    _mark_anomalies(panels, curves.anomalies)
     panels[-1].set_xlabel("optimizer steps")
     figure.suptitle(title)
     figure.tight_layout()
@@ -169,6 +175,19 @@ def _mark_resumes(panels: list[Any], resumes: list[tuple[float, str]]) -> None:
                      textcoords="offset points", rotation=90, va="top", ha="right" if on_the_left else "left",
                      fontsize="x-small", color="dimgrey")
     if by_step:
+        _legend(top)
+
+
+def _mark_anomalies(panels: list[Any], anomalies: list[tuple[float, str]]) -> None:
+    """A red dotted line at each anomaly the run rolled back past, labelled on the top panel."""
+    top = panels[0]
+    for number, (step, label) in enumerate(anomalies):
+        for panel in panels:
+            panel.axvline(step, color="red", linestyle=":", linewidth=1.0,
+                          label="rolled back (anomaly)" if panel is top and number == 0 else None)
+        top.annotate(label, xy=(step, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 4),
+                     textcoords="offset points", rotation=90, va="bottom", ha="left", fontsize="x-small", color="red")
+    if anomalies:
         _legend(top)
 
 

@@ -7,6 +7,8 @@
   the maximum over the ranks. A signal that reaches one rank (or a ``max_time`` that one rank's
   clock passes first) therefore stops every rank at the same boundary, and the checkpoint
   policy's decisions (``every_seconds`` reads a clock) are the same everywhere.
+* Whether a split met a numerical anomaly (``TrainerConfig.anomaly``): the lowest rank's that
+  did, so every rank rolls back together.
 * Once a stop is agreed, why the run ended: the reason of the lowest rank that has one, so the
   end every checkpoint records (replicated, checked equal) is the same on every rank.
 """
@@ -54,6 +56,20 @@ def agree(context: DistributedContext, preempted: bool, stop: bool, checkpoint: 
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.cpu().tolist()
     return AgreedFlags(values[0] > 0, values[1] > 0, values[2] > 0)
+
+
+def agree_on_anomaly(context: DistributedContext, code: int, value: float) -> tuple[int, float]:
+    """A numerical anomaly (``code`` > 0, with its ``value``) of the lowest rank that met one, on
+    every rank ((0, 0.0) when none did): every rank then rolls back together, and records the
+    same anomaly in its (replicated) progress."""
+    local = context.rank_tensor([float(code), value])
+    gathered = [torch.empty_like(local) for _ in range(context.world_size)]
+    dist.all_gather(gathered, local)
+    for candidate in gathered:
+        found_code, found_value = candidate.cpu().tolist()
+        if found_code > 0:
+            return int(found_code), float(found_value)
+    return 0, 0.0
 
 
 REASON_BYTES = 1024  # a longer reason is cut (UTF-8 safely) when it is shared

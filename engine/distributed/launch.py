@@ -1,4 +1,4 @@
-"""``python -m engine launch [--marker PATH] [--exit-code N] [--grace SECONDS] -- torchrun ...``.
+"""``python -m engine launch [--marker PATH] [--exit-code N] [--grace SECONDS] [--requeue [--signal NAME]] -- torchrun ...``.
 
 The launcher owns the preemption protocol of a torchrun job, because torchrun cannot: it dies
 of SIGUSR1, forwards a repeated SIGTERM into a broken shutdown, and exits 0 or 1 whatever its
@@ -11,7 +11,8 @@ workers returned. What the launcher does::
         keep waiting: the workers agree on a boundary, commit, exit 0; torchrun ends;
         past --grace seconds, SIGKILL whatever of the job is still running;
     when torchrun ends with workers left (it died): the same request, then the same wait;
-    exit --exit-code (75) when rank 0 left this launch's marker, else torchrun's status.
+    exit --exit-code (75) when rank 0 left this launch's marker (after ``scontrol requeue`` with
+    --requeue, engine.distributed.requeue), else torchrun's status.
 
 Workers left by a torchrun that died are re-parented to the launcher (a child subreaper), so
 none escapes it. Linux only: the job's processes are followed in /proc. See docs/preemption.md.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from engine.distributed.preemption_marker import MARKER_VARIABLE, WORKERS_VARIABLE, registered_workers
+from engine.distributed.requeue import RequeuePolicy, requeue_after_preemption
 from engine.errors import ConfigError
 from engine.faults.preemption import PreemptionWatcher
 
@@ -76,11 +78,12 @@ class LaunchFiles:
 
 
 def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 75,
-           grace_seconds: float = DEFAULT_GRACE_SECONDS) -> int:
+           grace_seconds: float = DEFAULT_GRACE_SECONDS, requeue: RequeuePolicy | None = None) -> int:
     """Run ``command`` (torchrun ...) under the launcher's preemption protocol (module docstring).
 
     Returns ``exit_code`` when the run committed a preemption checkpoint, else the command's exit
-    status (128 + N for a death by signal N).
+    status (128 + N for a death by signal N). With ``requeue``, a committed preemption also puts
+    the SLURM job back in the queue (engine.distributed.requeue).
     """
     if not command:
         raise ConfigError("launch: no command given; usage: python -m engine launch -- torchrun ... train.py")
@@ -95,7 +98,7 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
             earlier_children = set(_children(os.getpid(), process_table()))
             job = Job(_start(command, files), command[0], earlier_children)
             status = job.supervise(watcher, files, grace_seconds)
-        return _outcome(status, watcher, files, exit_code)
+        return _outcome(status, watcher, files, exit_code, requeue)
     finally:
         files.remove()
 
@@ -231,10 +234,13 @@ def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> s
     return found
 
 
-def _outcome(status: int, watcher: PreemptionWatcher, files: LaunchFiles, exit_code: int) -> int:
+def _outcome(status: int, watcher: PreemptionWatcher, files: LaunchFiles, exit_code: int,
+             requeue: RequeuePolicy | None) -> int:
     if os.path.exists(files.marker):
         with open(files.marker, encoding="utf-8") as handle:
             record = json.load(handle)
+        if requeue is not None:
+            requeue_after_preemption(requeue, watcher.received, record.get("reason"))
         print(f"splitloop launch: the run was preempted ({record.get('reason')}); checkpoint "
               f"{record.get('checkpoint')} committed; exiting with {exit_code}", file=sys.stderr, flush=True)
         return exit_code

@@ -36,6 +36,9 @@ LOOP_POINTS: dict[str, str] = {
 VALIDATION_POINTS: dict[str, str] = {
     "validation_batch_end": "after each batch of a validation pass",
 }
+ROLLBACK_POINTS: dict[str, str] = {
+    "after_rollback": "after a rollback restored a checkpoint, before the commit that records it (Rollback)",
+}
 CHECKPOINT_POINTS: dict[str, str] = {
     "checkpoint_before_file": "inside a checkpoint write, before each data file",
     "checkpoint_after_file": "inside a checkpoint write, after each data file",
@@ -47,7 +50,7 @@ CHECKPOINT_POINTS: dict[str, str] = {
 IO_POINTS: dict[str, str] = {
     "filesystem_write": "each write-type call on the run directory's filesystem (needs enospc/eio to mean an I/O error)",
 }
-POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **CHECKPOINT_POINTS, **IO_POINTS}
+POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **ROLLBACK_POINTS, **CHECKPOINT_POINTS, **IO_POINTS}
 
 KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio")
 

@@ -55,5 +55,9 @@ class BatchRunner(Protocol):
         requested before the batch ended."""
         ...
 
+    def skip_batch(self) -> None:
+        """Drop what remains of the batch in progress (a rollback skips it)."""
+        ...
+
     def end_epoch(self) -> None:
         ...

@@ -89,5 +89,8 @@ class OnDevice:
     def run_batch(self, batch: Any, batch_index: int) -> Losses | None:
         return self.runner.run_batch(move_to_device(batch, self.device), batch_index)
 
+    def skip_batch(self) -> None:
+        self.runner.skip_batch()
+
     def end_epoch(self) -> None:
         self.runner.end_epoch()

@@ -8,6 +8,7 @@ from typing import Callable
 from engine import faults
 from engine.data.position import EXHAUSTED, EpochData
 from engine.errors import DataError
+from engine.loops.anomaly import AnomalyHistory
 from engine.loops.context import Position, StopState
 from engine.loops.contracts import BatchRunner, Losses
 from progress import Progress
@@ -27,7 +28,9 @@ class EpochLoop:
         position: Position,
         stop: StopState,
         batch_boundary: BatchBoundary | None,
+        anomalies: AnomalyHistory | None = None,
     ) -> None:
+        self.anomalies = anomalies if anomalies is not None else AnomalyHistory()
         self.progress = Progress()
         self.data = data
         self.runner = runner
@@ -48,6 +51,9 @@ class EpochLoop:
             self._position.batch = index
             progress.increment_ready()
             progress.increment_started()
+            if self.anomalies.skips(epoch, index):
+                self._skip()
+                continue
             losses = self.runner.run_batch(batch, index)
             if losses is None:
                 return False
@@ -66,6 +72,14 @@ class EpochLoop:
         progress.reset_current()
         self.data.epoch_done()
         return True
+
+    def _skip(self) -> None:
+        """A batch a rollback skips: drawn (the data position moves on) but never trained."""
+        self.runner.skip_batch()
+        progress = self.progress
+        progress.increment_processed()
+        progress.increment_completed()
+        self.data.batch_done()
 
     def _check_length(self, epoch: int, batches: int) -> None:
         """Warn, once per run, when the data's ``len()`` is not the number of batches an epoch

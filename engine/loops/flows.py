@@ -25,6 +25,7 @@ import torch
 
 from engine import faults
 from engine.errors import ModuleContractError
+from engine.loops.anomaly import AnomalyWatch, NoAnomalyWatch
 from engine.loops.precision import Precision
 from engine.loops.step_output import Hidden, StepCall
 from engine.loops.optim_setup import OptimizerSetup
@@ -95,8 +96,10 @@ class AutomaticFlow:
         precision: Precision,
         step_counter: StepCounter,
         gradient_sync: GradientSync | None = None,
+        watch: AnomalyWatch | NoAnomalyWatch | None = None,
     ) -> None:
         self._call_step = call_step
+        self._watch = watch if watch is not None else NoAnomalyWatch()
         self._gradient_sync = gradient_sync
         self._precision = precision
         self._step_counter = step_counter
@@ -140,6 +143,7 @@ class AutomaticFlow:
                 "the loss returned by training_step does not require grad, so backward cannot reach any parameter: "
                 "it was computed without the module's trainable parameters (under torch.no_grad(), from .detach() "
                 "or .item(), or from a new tensor); return the loss computed from the model's output")
+        self._watch.check_loss(loss, optimizer_index)  # before backward: a bad loss reaches no gradient
         self._precision.backward(loss / self._accumulate if self._accumulate > 1 else loss)
         faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True
@@ -198,9 +202,11 @@ class AutomaticFlow:
             # are scaled by the scaler's current scale, saved beside them in "precision".
             "gradients": _gradients_state(self._parameters) if pending else {},
             "precision": self._precision.state_dict(),
+            "anomaly": self._watch.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._watch.load_state_dict(state.get("anomaly", {}))  # checkpoints of earlier versions lack it
         self.needs_zero_grad = list(state["needs_zero_grad"])
         self.pending_backward = list(state["pending_backward"])
         self.units_since_step = int(state["units_since_step"])

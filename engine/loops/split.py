@@ -70,6 +70,12 @@ class SplitLoop:
             self.hidden = None
         return losses
 
+    def skip_batch(self) -> None:
+        """The batch is skipped (a rollback past an anomaly): what remains of it is not run."""
+        self.progress.reset_current()
+        if not self._carry:
+            self.hidden = None
+
     def end_epoch(self) -> None:
         self.hidden = None
         self._runner.end_epoch()
@@ -99,6 +105,9 @@ class WholeBatch:
     def run_batch(self, batch: Any, batch_index: int) -> Losses | None:
         losses, _ = self._runner.run_split(batch, None, True)
         return losses
+
+    def skip_batch(self) -> None:
+        pass
 
     def end_epoch(self) -> None:
         self._runner.end_epoch()

@@ -16,6 +16,7 @@ to the run's device; the flow runs the step inside the run's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -23,12 +24,14 @@ import torch
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.data.workers import PreemptionSafeLoader
+from engine.distributed.agreement import agree_on_anomaly
 from engine.distributed.data_parallel import DataParallelStep
 from engine.distributed.sharded import ShardedStep, is_sharded_module
 from engine.distributed.environment import DistributedContext
 from engine.distributed.rank_values import RankExchange
 from engine.distributed.sampler import shard_validation_loader
 from engine.errors import ConfigError, ModuleContractError
+from engine.loops.anomaly import AnomalyHistory, AnomalyWatch, NoAnomalyWatch, make_anomaly_watch
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
@@ -71,6 +74,7 @@ class LoopTree:
     logger: MetricLogger
     evaluation: EvaluationLoop | None = None
     monitored: MonitoredSchedules = dataclasses.field(default_factory=lambda: MonitoredSchedules([]))
+    watch: AnomalyWatch | NoAnomalyWatch = dataclasses.field(default_factory=NoAnomalyWatch)
 
     def progress_tree(self, cursor: Any = None) -> ProgressTree:
         records = {
@@ -85,7 +89,7 @@ class LoopTree:
         if self.evaluation is not None:
             records["evaluation.validations"] = self.evaluation.progress
             records["evaluation.batches"] = self.evaluation.batches
-        return ProgressTree(records=records, cursor=cursor)
+        return ProgressTree(records=records, cursor=cursor, anomalies=list(self.epoch.anomalies.records))
 
     def units_completed(self) -> int:
         """Units of step work completed over the run: splits with TBPTT, batches without."""
@@ -101,6 +105,7 @@ class LoopTree:
             saved = tree.records[name]
             saved.reset_on_restart()
             record.total, record.current = saved.total, saved.current
+        self.epoch.anomalies.load(tree.anomalies)
 
     def loop_states(self) -> dict[str, Any]:
         return {
@@ -125,6 +130,7 @@ class LoopTree:
 
     def close(self) -> None:
         self.step_counter.close()
+        self.watch.close()
         if self.evaluation is not None:
             self.evaluation.close()
 
@@ -185,10 +191,16 @@ def build_loops(
     parameters = list(module.parameters())
     precision = make_precision(config.precision, device)
     step_counter = StepCounter(setup.optimizers)
+    if config.anomaly is not None and not automatic:
+        raise ConfigError("TrainerConfig.anomaly: Rollback needs automatic optimization (the engine must check the "
+                          "loss before backward and the gradients before the step); with automatic_optimization = "
+                          "False, set anomaly=None")
+    agree = None if distributed is None else functools.partial(agree_on_anomaly, distributed)
+    watch = make_anomaly_watch(config.anomaly, position, setup.optimizers, config.precision, agree)
     if automatic:
         flow: AutomaticFlow | ManualFlow = AutomaticFlow(
             call_step, read_output, setup, parameters, config.accumulate_grad,
-            config.accumulate_over == "splits", _clipper(config), precision, step_counter, gradient_sync,
+            config.accumulate_over == "splits", _clipper(config), precision, step_counter, gradient_sync, watch,
         )
     else:
         if config.accumulate_grad != 1 or config.gradient_clip_val is not None:
@@ -219,7 +231,7 @@ def build_loops(
         evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks)
     monitored = MonitoredSchedules(setup.schedules if automatic else [], _agree_values(distributed))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
-                    logger, evaluation, monitored)
+                    logger, evaluation, monitored, watch)
 
 
 def _agree_values(distributed: DistributedContext | None) -> AgreeValues:

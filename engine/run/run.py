@@ -7,11 +7,18 @@ The order at each boundary, in one place:
   asks, after a validation, or to stop);
 - epoch (:meth:`FitRun._epoch_boundary`): display -> the epoch's aggregate row -> validation (row,
   ``on_validation_end``) -> ``on_epoch_end`` -> stop checks -> checkpoint.
+
+After either, a boundary no checkpoint holds is recorded for save on exception
+(engine.run.exception_save: an exception ending ``fit`` commits it when it is still exact). A
+numerical anomaly (``TrainerConfig.anomaly``) leaves the loops before any optimizer step used it;
+:meth:`FitRun._roll_back` restores an earlier checkpoint, records the skipped batches, commits,
+and the loops go on (engine.run.rollback).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -35,6 +42,9 @@ from engine.loops.compiled import original_module
 from engine.loops.device import prepare_device, resolve_device
 from engine.run.coordinator import join_coordinator
 from engine.run.display import Display
+from engine.run.exception_save import ExceptionSave, NoExceptionSave
+from engine.run.rollback import NoRollbacks, Rollbacks
+from engine.loops.anomaly import AnomalyDetected
 from engine.loops.logged import MetricLogger
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.loggers.base import LoggerSet
@@ -82,6 +92,8 @@ class FitRun:
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
+        self.exception_save = self._choose_exception_save()
+        self.rollbacks = self._choose_rollbacks()
         self.preemption = PreemptionWatcher(config.preemption_signals)
         self.status = RunStatus()
         self.view = RunView(self.status, self._stop_requested_by_callback)
@@ -103,11 +115,12 @@ class FitRun:
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
-                self.tree.fit.run()
+                self._train()
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
-            except BaseException:
+            except BaseException as error:
+                self.exception_save.save_before_raising(error)
                 self.checkpoints.close(failing=True)
                 raise
             finally:
@@ -138,6 +151,49 @@ class FitRun:
             metrics=dict(self.logger.latest),
         )
 
+    def _choose_exception_save(self) -> ExceptionSave | NoExceptionSave:
+        if not isinstance(self.checkpoints, RunCheckpointer) or not self.config.save_on_exception:
+            return NoExceptionSave()
+        if self.coordinator.world_size > 1:
+            return NoExceptionSave("a distributed run saves only at boundaries every rank agrees on")
+        return ExceptionSave(self.parts, self.checkpoints)
+
+    def _choose_rollbacks(self) -> Rollbacks | NoRollbacks:
+        policy = self.config.anomaly
+        if policy is None:
+            return NoRollbacks()
+        if not isinstance(self.checkpoints, RunCheckpointer) or self.storage is None:
+            raise ConfigError("TrainerConfig.anomaly: Rollback needs checkpoints to roll back to; set run_dir and a "
+                              "checkpoint policy")
+        return Rollbacks(policy, self.checkpoints, self.storage, self.coordinator.is_writer, self.data.length)
+
+    def _train(self) -> None:
+        """Run the loops; an anomaly (raised before any optimizer step used it) rolls back and
+        the loops go on from the restored counters."""
+        while True:
+            try:
+                self.tree.fit.run()
+                return
+            except AnomalyDetected as anomaly:
+                self._roll_back(anomaly)
+
+    def _roll_back(self, anomaly: AnomalyDetected) -> None:
+        """Restore the checkpoint the rollback policy chooses, record the rollback and the
+        batches it skips in the progress, and commit at once (engine.run.rollback)."""
+        history = self.tree.epoch.anomalies
+        earlier = list(history.records)
+        loaded, record = self.rollbacks.plan(anomaly, earlier, self.tree.step_counter.total)
+        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
+        self.metrics.roll_back_to(restored.metrics_bytes, self.tree.step_counter.total)
+        # Every rollback so far, even one the restored checkpoint predates: its batches stay skipped.
+        history.load([*earlier, record])
+        self.cursor = loaded.progress.cursor
+        self._update_status()
+        faults.reach("after_rollback")
+        self._save(force=True)
+        self.rollbacks.publish(history.records)
+        warnings.warn(f"splitloop: {record.describe()}", stacklevel=2)
+
     def _start(self, resume: str) -> None:
         """Restore the checkpoint ``resume`` chooses (engine.run.start) or start fresh, then
         start the checkpoint writer."""
@@ -149,6 +205,7 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
+            self.rollbacks.publish(self.tree.epoch.anomalies.records)  # a kill may have come before the last write
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.
             reason = split_boundary_stop_reason(self.tree.step_counter.total, self.config.max_steps,
@@ -201,6 +258,7 @@ class FitRun:
         due = self.checkpoints.due_at_split(self.tree.units_completed(), steps, asked=self.stop.requested or validated)
         if self.coordinator.agree(self.stop, due):
             self._save(force=self.stop.requested)
+        self._remember_boundary()
         faults.reach("split_end_after_checkpoint")
 
     def _check_stop(self, steps: int) -> None:
@@ -245,6 +303,7 @@ class FitRun:
         self._check_stop(self.tree.step_counter.total)
         if self.coordinator.agree(self.stop, self.checkpoints.due_at_epoch_end(asked=self.stop.requested)):
             self._save(force=self.stop.requested)
+        self._remember_boundary()
 
     def _check_monitor_exists(self) -> None:
         monitor = self.config.checkpoint.monitor if self.config.checkpoint is not None else None
@@ -263,7 +322,13 @@ class FitRun:
                                config.max_epochs, config.max_steps, config.max_time)
         return progress
 
+    def _remember_boundary(self) -> None:
+        """What an exception before the next boundary saves (engine.run.exception_save)."""
+        self.exception_save.remember(self._progress(), self.cursor, self.tree.step_counter.total,
+                                     self._boundary_mark(), self.metrics, self._elapsed())
+
     def _save(self, force: bool = False) -> None:
+        self.exception_save.forget()
         # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
         snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)

@@ -128,17 +128,38 @@ class RestoredRun:
 
 def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed_seconds: float) -> RunSnapshot:
     """The state tree of the run as it is now (tensors are the live ones: encode before training goes on)."""
+    return complete(parts, capture_volatile(parts, metrics_bytes, elapsed_seconds), progress)
+
+
+def capture_volatile(parts: RunParts, metrics_bytes: int, elapsed_seconds: float) -> dict[str, Any]:
+    """The entries of the state tree that change without an optimizer step (loop states,
+    random streams, schedulers, callbacks, metrics length, time): with the model and
+    optimizers as they are later, :func:`complete` makes the checkpoint of this instant
+    (engine.run.exception_save). Tensors are the live ones."""
     callback_states = {key: callback.state_dict() for key, callback in parts.callbacks_by_key().items()}
-    state = {
-        SIGNATURE: parts.signature(),
-        MODULE: plain_state(parts.module.state_dict()),
-        OPTIMIZERS: [optimizer.state_dict() for optimizer in parts.setup.optimizers],
+    return {
         SCHEDULERS: [schedule.scheduler.state_dict() for schedule in parts.setup.schedules],
         LOOPS: parts.tree.loop_states(),
         RNG: capture_global_rng().to_state(),
         CALLBACKS: {key: value for key, value in callback_states.items() if value},
         METRICS_BYTES: metrics_bytes,
         ELAPSED_SECONDS: elapsed_seconds,
+    }
+
+
+def complete(parts: RunParts, volatile: dict[str, Any], progress: ProgressTree) -> RunSnapshot:
+    """The snapshot made of ``volatile`` (:func:`capture_volatile`) and the model and
+    optimizers as they are now."""
+    state = {
+        SIGNATURE: parts.signature(),
+        MODULE: plain_state(parts.module.state_dict()),
+        OPTIMIZERS: [optimizer.state_dict() for optimizer in parts.setup.optimizers],
+        SCHEDULERS: volatile[SCHEDULERS],
+        LOOPS: volatile[LOOPS],
+        RNG: volatile[RNG],
+        CALLBACKS: volatile[CALLBACKS],
+        METRICS_BYTES: volatile[METRICS_BYTES],
+        ELAPSED_SECONDS: volatile[ELAPSED_SECONDS],
         ENVELOPE: capture_envelope(parts.tree.device),
     }
     return RunSnapshot(state, encode_tree(progress), progress)

@@ -43,7 +43,7 @@ def test_a_resume_is_recorded_outside_metrics_jsonl(resumed_run):
 def test_plot_renders_a_png_with_every_row(resumed_run, tmp_path):
     out = str(tmp_path / "run.png")
     drawn = plot_run(resumed_run, out)
-    assert drawn == {"train": 12, "val": 3, "resumes": 1}  # 12 splits; val at steps 4, 8, 12 (= the epoch end)
+    assert drawn == {"train": 12, "val": 3, "resumes": 1, "anomalies": 0}  # 12 splits; val at steps 4, 8, 12 (= the epoch end)
     width, height = png_size(out)
     assert width > 300 and height > 300
 

@@ -21,6 +21,9 @@ ranks (``samples``), and in validation the samples (``val_samples``, summed) and
 target (``val_max``). ``--no-carry`` resets the hidden state at each batch (in validation too,
 whose batches are then split across the ranks instead of all read by rank 0).
 
+``--poison`` makes one sample's input NaN (one rank meets it each epoch) and trains with
+``engine.Rollback()``: both ranks roll back together.
+
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
 syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
 ``DIVERGE_AT`` (first try only) add a tiny offset to one parameter of that rank after that many
@@ -48,6 +51,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import engine
 
 SAMPLES, BATCH, TIME, FEATURES, SPLIT = 24, 2, 12, 3, 4
+POISONED_SAMPLE = 9
 
 
 class Model(engine.Module):
@@ -172,6 +176,8 @@ def main() -> int:
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
     parser.add_argument("--stop-rank", type=int, default=None, help="this rank alone asks to stop ...")
     parser.add_argument("--stop-at", type=int, default=0, help="... after this many splits")
+    parser.add_argument("--poison", action="store_true",
+                        help="sample POISONED_SAMPLE's input is NaN from time step 5 on; train with engine.Rollback()")
     parser.add_argument("--no-epoch-checkpoint", dest="epoch_checkpoint", action="store_false",
                         help="no checkpoint at epoch ends (CheckpointConfig.at_epoch_end=False)")
     parser.add_argument("--plateau-and-loggers", action="store_true",
@@ -204,6 +210,8 @@ def main() -> int:
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
     y = x.cumsum(dim=1)[..., :1] * 0.1
+    if args.poison:
+        x[POISONED_SAMPLE, 5:] = float("nan")  # computed from x before: y stays finite
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
     model.validation_sleep, model.out = args.val_slow, out
     model.log_values, model.learning_rate = args.log_values, args.lr
@@ -221,6 +229,7 @@ def main() -> int:
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
         loggers=[engine.loggers.TensorBoard(str(out / f"tensorboard-{rank}")),
                  engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else [],
+        anomaly=engine.Rollback() if args.poison else None,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     if args.validate_every is not None:

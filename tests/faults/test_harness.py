@@ -30,8 +30,10 @@ def matrix(kinds_by_point):
 
 
 def test_every_point_has_a_test_here():
-    # validation_batch_end needs validation data: tests/run/test_validation*.py fault it.
-    assert set(LOOP_POINTS) | set(CHECKPOINT_POINTS) | {"filesystem_write", "validation_batch_end"} == set(faults.POINTS)
+    # validation_batch_end needs validation data: tests/run/test_validation*.py fault it;
+    # after_rollback needs an anomaly: tests/run/test_rollback.py faults it.
+    assert set(LOOP_POINTS) | set(CHECKPOINT_POINTS) | {"filesystem_write", "validation_batch_end",
+                                                        "after_rollback"} == set(faults.POINTS)
 
 
 def test_in_process_faults_resume_exactly(tmp_path):

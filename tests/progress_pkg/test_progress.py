@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 import progress
-from progress import Counts, Cursor, Progress, ProgressSchemaError, ProgressTree, RunEnd, decode_tree, encode_tree
+from progress import Anomaly, Counts, Cursor, Progress, ProgressSchemaError, ProgressTree, RunEnd, decode_tree, encode_tree
 
 COUNT_FIELDS = ("ready", "started", "processed", "completed")
 
@@ -28,6 +28,9 @@ def _leaves(value):
     elif isinstance(value, dict):
         for item in value.values():
             yield from _leaves(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
     else:
         yield value
 
@@ -42,6 +45,10 @@ def _assert_fields_equal(expected, actual, where="record"):
         assert list(actual) == list(expected), f"{where}: keys differ"
         for key in expected:
             _assert_fields_equal(expected[key], actual[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: lengths differ"
+        for index, (mine, theirs) in enumerate(zip(expected, actual)):
+            _assert_fields_equal(mine, theirs, f"{where}[{index}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
@@ -67,7 +74,14 @@ def _distinct_tree() -> ProgressTree:
                  "split.splits": _distinct_progress(2001)},
         cursor=_distinct_cursor(5001),
         end=_distinct_end(),
+        anomalies=[_distinct_anomaly()],
     )
+
+
+def _distinct_anomaly() -> Anomaly:
+    return Anomaly(split=_distinct_cursor(8001), kind="loss spike", value=8100.5, rolled_back_to="ckpt-0000008200",
+                   rolled_back_cursor=_distinct_cursor(8301), skipped=((8401, 8402), (8403, 8404)),
+                   optimizer_steps=8501)
 
 
 def _distinct_end() -> RunEnd:
@@ -178,6 +192,7 @@ RECORD_BUILDERS = {
     "Cursor": lambda: _distinct_cursor(21),
     "Progress": lambda: _distinct_progress(31),
     "ProgressTree": _distinct_tree,
+    "Anomaly": _distinct_anomaly,
 }
 
 
@@ -225,8 +240,8 @@ def _valid_dicts():
 def test_from_dict_rejects_each_missing_key(cls):
     valid = _valid_dicts()[cls]
     for key in valid:
-        if cls is ProgressTree and key == "end":
-            continue  # added later: see test_a_tree_of_an_earlier_version_without_end_reads_as_not_ended
+        if cls is ProgressTree and key in ("end", "anomalies"):
+            continue  # added later: see test_a_tree_of_an_earlier_version_without_..._reads_as_...
         broken = {k: v for k, v in valid.items() if k != key}
         with pytest.raises(ProgressSchemaError, match="missing") as caught:
             cls.from_dict(broken)
@@ -259,6 +274,29 @@ def test_from_dict_rejects_non_mappings(bad):
     for cls in (Counts, Cursor, Progress, ProgressTree):
         with pytest.raises(ProgressSchemaError, match="mapping"):
             cls.from_dict(bad)
+
+
+def test_a_tree_of_an_earlier_version_without_anomalies_reads_as_none():
+    data = _distinct_tree().to_dict()
+    del data["anomalies"]
+    assert decode_tree(msgpack.packb(_envelope(tree=data))).anomalies == []
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_anomaly_value_round_trips_and_its_tree_equals_itself(value):
+    tree = dataclasses.replace(_distinct_tree(), anomalies=[dataclasses.replace(_distinct_anomaly(), value=value)])
+    decoded = decode_tree(encode_tree(tree))
+    assert decoded.to_dict() == tree.to_dict()  # NaN equals nothing: it travels as text
+    assert str(decoded.anomalies[0].value) == str(value)
+
+
+@pytest.mark.parametrize("field, bad", [("kind", "overflow"), ("value", "1.5"), ("value", None),
+                                        ("rolled_back_to", 3), ("skipped", [[1]]), ("skipped", [[-1, 2]])])
+def test_anomaly_from_dict_rejects_bad_values(field, bad):
+    data = _distinct_anomaly().to_dict()
+    data[field] = bad
+    with pytest.raises(ProgressSchemaError, match=f"Anomaly.{field}"):
+        Anomaly.from_dict(data)
 
 
 def test_a_tree_of_an_earlier_version_without_end_reads_as_not_ended():

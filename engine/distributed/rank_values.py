@@ -59,3 +59,20 @@ class RankExchange:
     def seed_of_rank_zero(self, seed: int) -> int:
         """Rank 0's ``seed``."""
         return seed_of_rank_zero(self._context, seed)
+
+
+class LockstepRanks:
+    """A validation pass of a sharded (FSDP2) model: every forward gathers parameters from every
+    rank, so the ranks cannot validate blocks of different lengths; each validates every batch,
+    in lockstep, and the pass's values are rank 0's (every rank computes the same ones), so each
+    sample is counted once."""
+
+    def __init__(self, exchange: RankExchange) -> None:
+        self._exchange = exchange
+
+    def gather(self, payload: bytes) -> list[bytes]:
+        """Rank 0's ``payload`` alone (a collective all the same)."""
+        return self._exchange.gather(payload)[:1]
+
+    def seed_of_rank_zero(self, seed: int) -> int:
+        return self._exchange.seed_of_rank_zero(seed)

@@ -59,25 +59,32 @@ class ShardedStep:
                 # checkpoint captures.
                 submodule.set_requires_gradient_sync(True, recurse=False)
 
-        def as_forward(*args: Any, **kwargs: Any) -> Any:
-            del module.forward  # calls the step makes reach the module's own forward
-            return step(*args, **kwargs)
-
-        @functools.wraps(step)  # keeps the step's signature (batch_idx / split_idx detection)
-        def run_step(*args: Any, **kwargs: Any) -> Any:
-            module.forward = as_forward
-            try:
-                return module(*args, **kwargs)
-            finally:
-                module.__dict__.pop("forward", None)
-
-        self.step: Callable[..., Any] = run_step
+        self.step: Callable[..., Any] = as_root_forward(module, step)
 
     def set_will_step(self, will_step: bool) -> None:
         """Every micro-step reduce-scatters; the window accumulates sharded gradients."""
 
     def sync_open_window(self, parameters: list[torch.nn.Parameter]) -> None:
         """An open window's gradients are already reduced (each micro-step synced)."""
+
+
+def as_root_forward(module: torch.nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` (training or validation) run as the root module's forward, so that FSDP2's root
+    hooks gather the root's own parameters around it, whatever the step calls inside."""
+
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        del module.forward  # calls the step makes reach the module's own forward
+        return step(*args, **kwargs)
+
+    @functools.wraps(step)  # keeps the step's signature (batch_idx / split_idx detection)
+    def run_step(*args: Any, **kwargs: Any) -> Any:
+        module.forward = as_forward
+        try:
+            return module(*args, **kwargs)
+        finally:
+            module.__dict__.pop("forward", None)
+
+    return run_step
 
 
 def rebuild_dtensors(name: str, tree: Any, module: torch.nn.Module) -> Any:

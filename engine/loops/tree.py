@@ -26,16 +26,16 @@ from engine.data.position import EpochData
 from engine.data.workers import PreemptionSafeLoader
 from engine.distributed.agreement import agree_on_anomaly
 from engine.distributed.data_parallel import DataParallelStep
-from engine.distributed.sharded import ShardedStep, is_sharded_module
+from engine.distributed.sharded import ShardedStep, as_root_forward, is_sharded_module
 from engine.distributed.environment import DistributedContext
-from engine.distributed.rank_values import RankExchange
+from engine.distributed.rank_values import LockstepRanks, RankExchange
 from engine.distributed.sampler import shard_validation_loader
 from engine.errors import ConfigError, ModuleContractError
 from engine.loops.anomaly import AnomalyHistory, AnomalyWatch, NoAnomalyWatch, make_anomaly_watch
 from engine.loops.contracts import Losses
 from engine.loops.context import Position, StopState
 from engine.loops.epoch import EpochLoop
-from engine.loops.evaluation import EvaluationLoop
+from engine.loops.evaluation import EvaluationLoop, Ranks
 from engine.loops.fit import FitLoop
 from engine.loops.flows import AutomaticFlow, ManualFlow, StepCounter
 from engine.loops.optimizer import OptimizerLoop, SingleOptimizer
@@ -221,14 +221,18 @@ def build_loops(
     fit_loop = FitLoop(epoch_loop, config.max_epochs, position, stop, boundaries.epoch)
     evaluation = None
     if val_data is not None:
-        ranks = None
-        if distributed is not None:
+        ranks: Ranks | None = None
+        sharded = distributed is not None and is_sharded_module(original_module(module))
+        if distributed is not None and sharded:
+            ranks = LockstepRanks(RankExchange(distributed))  # each FSDP2 forward is a collective
+        elif distributed is not None:
             ranks = RankExchange(distributed)
             if config.distributed_sampler:
                 val_data = shard_validation_loader(val_data, distributed, one_sequence=carry)
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
-        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks)
+        evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks,
+                                      sharded)
     monitored = MonitoredSchedules(setup.schedules if automatic else [], _agree_values(distributed))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation, monitored, watch)
@@ -244,10 +248,12 @@ def _agree_values(distributed: DistributedContext | None) -> AgreeValues:
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,
                      logger: MetricLogger, device: torch.device, precision: Precision,
-                     ranks: RankExchange | None) -> EvaluationLoop:
+                     ranks: Ranks | None, sharded: bool) -> EvaluationLoop:
     step = getattr(module, "validation_step", None)
     if not callable(step):
         raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
+    if sharded:
+        step = as_root_forward(original_module(module), step)
     if split_length is None:
         call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
         return EvaluationLoop(module, val_data, call, None, None, carry, logger, ranks)

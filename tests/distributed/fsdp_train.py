@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import engine
 
 SAMPLES, BATCH, TIME, VOCAB, SPLIT = 16, 2, 12, 15, 4
+VAL_SAMPLES = 10
 
 
 class Model(engine.Module):
@@ -53,6 +54,13 @@ class Model(engine.Module):
         out, hidden = self.rnn(self.embedding(tokens), hidden)
         self.last_hidden = hidden
         logits = self.head(out)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), hidden
+
+    def validation_step(self, batch: Any, hidden: Any = None) -> Any:
+        tokens, targets = batch
+        out, hidden = self.rnn(self.embedding(tokens), hidden)
+        logits = self.head(out)
+        self.log("val_tokens", float(targets.numel()), reduce="sum")
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), hidden
 
     def configure_optimizers(self) -> Any:
@@ -111,6 +119,9 @@ def main() -> int:
     parser.add_argument("--clip", type=float, default=0.5, help="gradient_clip_val (norm)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed")
     parser.add_argument("--shard-before-fit", action="store_true", help="fully_shard before fit, not in configure_model")
+    parser.add_argument("--validate", action="store_true",
+                        help=f"validate at each epoch end on {VAL_SAMPLES} samples ({VAL_SAMPLES // BATCH} batches: "
+                             "not a multiple of the world size)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -134,9 +145,12 @@ def main() -> int:
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate,
         device="cpu", gradient_clip_val=args.clip,
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+        val_at_epoch_end=args.validate,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
-    result = engine.Trainer(config, callbacks).fit(model, loader)
+    val_tokens = torch.randint(0, VOCAB, (VAL_SAMPLES, TIME + 1), generator=generator)
+    val_data = DataLoader(TensorDataset(val_tokens[:, :-1], val_tokens[:, 1:]), batch_size=BATCH) if args.validate else None
+    result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
     if "WORLD_SIZE" in os.environ and not all(hasattr(p, "device_mesh") for p in model.parameters()):
         raise SystemExit("the model was not sharded: Module.configure_model was not called")
     torch.save(final_state(model, model.optimizers()), out / f"final-{rank}.pt")  # type: ignore[arg-type]

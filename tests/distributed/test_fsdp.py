@@ -4,6 +4,7 @@ missing rank part, refusals. tests/distributed/fsdp_train.py is the job."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import random
 import shutil
@@ -170,6 +171,23 @@ def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(re
     again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
+
+
+def test_validation_of_a_sharded_model_runs_every_batch_in_lockstep_and_counts_each_sample_once(
+        tmp_path: pathlib.Path) -> None:
+    # 5 validation batches on 2 ranks: blocks of 3 and 2 would leave rank 0 waiting forever in
+    # an FSDP2 forward (a collective) that rank 1 never makes; the root's own parameters are
+    # gathered only inside its forward hooks, which validation_step bypassed.
+    reference, _, _ = train(tmp_path, "reference", 2, "--validate", "--every", "3")
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "reference" / "run" / "metrics.jsonl").read_text().splitlines()]
+    validation = [row["metrics"] for row in rows if row["stage"] == "val"]
+    assert len(validation) == 2 and all("val_loss" in values for values in validation)
+    assert all(values["val_tokens"] == fsdp_train.VAL_SAMPLES * fsdp_train.TIME for values in validation)
+    killed, _, _ = train(tmp_path, "killed", 2, "--validate", "--every", "3", max_restarts=1,
+                         KILLS="0/1/epoch_end:1:sigkill")
+    assert killed.returncode == 0, killed.stderr[-4000:]
+    helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 2)
 
 
 def test_load_weights_and_export_consolidate_the_shards_in_one_process(reference_two: pathlib.Path,

@@ -1,7 +1,8 @@
 """Give each rank its shard of a map-style DataLoader through a ``DistributedSampler``.
 
 A DataLoader over a map-style dataset with a plain sampler is rebuilt with a
-``DistributedSampler`` (shuffled when the original shuffled; ``seed`` 0, so every rank
+``DistributedSampler`` (the engine's own, :class:`~engine.distributed.global_order.GlobalOrderSampler`,
+which a resume on another world size re-partitions; shuffled when the original shuffled; ``seed`` 0, so every rank
 partitions the same permutation; the engine calls ``set_epoch`` each epoch). A loader that
 already has a ``DistributedSampler``, an iterable-style dataset, a custom batch sampler, or any
 other iterable is left alone (it must shard itself). ``TrainerConfig.distributed_sampler=False``
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.distributed.environment import DistributedContext
+from engine.distributed.global_order import GlobalOrderSampler
 
 
 def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[Any]:
@@ -28,7 +30,7 @@ def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[A
     if batch_sampler is None or type(data.sampler) not in (RandomSampler, SequentialSampler) or \
             getattr(batch_sampler, "sampler", None) is not data.sampler or data.batch_size is None:
         return data  # a custom (batch) sampler: the user decides how it shards
-    sampler: DistributedSampler[Any] = DistributedSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
+    sampler = GlobalOrderSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
                                  shuffle=isinstance(data.sampler, RandomSampler), seed=0, drop_last=data.drop_last)
     return DataLoader(
         data.dataset, batch_size=data.batch_size, sampler=sampler, num_workers=data.num_workers,

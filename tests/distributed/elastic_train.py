@@ -9,9 +9,7 @@ optimizer step to ``OUT_DIR/steps-<ATTEMPT>-<rank>.jsonl``: the step number (1-b
 whole run) and the ids of the samples it trained on in that step. ``--kill-at-step N``: rank 0
 SIGKILLs itself once step N is done, before that boundary's checkpoint (so it is redone). The
 final parameters go to ``OUT_DIR/final-<ATTEMPT>.pt`` (rank 0).
-
-``--refusal KIND`` sets up what a world-size change must refuse: ``carry`` (TBPTT with hidden
-state carried across batches), ``own-sampler`` (a DistributedSampler of the user's, padding).
+A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
 """
 
 from __future__ import annotations
@@ -30,11 +28,10 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
 import engine
 
-SAMPLES, FEATURES, TIME = 48, 3, 4
+SAMPLES, FEATURES = 48, 3
 
 
 class Model(engine.Module):
@@ -52,26 +49,6 @@ class Model(engine.Module):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-class CarriedModel(engine.Module):
-    """TBPTT with the hidden state carried from batch to batch (refused across world sizes)."""
-
-    def __init__(self, record: "Record") -> None:
-        super().__init__()
-        self.tbptt_split_length = 2
-        self.carry_hidden_across_batches = True
-        self.rnn = torch.nn.RNN(FEATURES, 4, batch_first=True)
-        self.record = record
-
-    def training_step(self, batch: Any, hidden: Any = None) -> Any:
-        x, y, ids = batch
-        self.record.ids = [int(i) for i in ids]
-        out, hidden = self.rnn(x, hidden)
-        return out.pow(2).mean(), hidden
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 class Record(engine.Callback):
     """Writes each step's sample ids; rank 0 SIGKILLs itself after ``kill_at`` steps."""
 
@@ -86,24 +63,11 @@ class Record(engine.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def dataset(refusal: str | None) -> TensorDataset:
+def loader(batch: int) -> DataLoader:
     generator = torch.Generator().manual_seed(7)
-    if refusal == "carry":
-        x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
-        return TensorDataset(x, x[..., :1], torch.arange(SAMPLES))
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(SAMPLES))
-
-
-def loader(refusal: str | None, batch: int, samples: int) -> DataLoader:
-    data = dataset(refusal)
-    if samples < SAMPLES:
-        data = TensorDataset(*(tensor[:samples] for tensor in data.tensors))
-    if refusal == "own-sampler":
-        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
-        return DataLoader(data, batch_size=batch, sampler=sampler)
-    return DataLoader(data, batch_size=batch, shuffle=True)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(SAMPLES)), batch_size=batch,
+                      shuffle=True)
 
 
 def main() -> int:
@@ -112,21 +76,19 @@ def main() -> int:
     parser.add_argument("out_dir")
     parser.add_argument("attempt", type=int)
     parser.add_argument("--batch", type=int, default=4, help="per-rank batch size in the script")
-    parser.add_argument("--samples", type=int, default=SAMPLES)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None)
-    parser.add_argument("--refusal", choices=["carry", "own-sampler"], default=None)
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = pathlib.Path(args.out_dir)
     record = Record(out / f"steps-{args.attempt}-{rank}.jsonl", args.kill_at_step, rank)
     torch.manual_seed(100)
-    model = CarriedModel(record) if args.refusal == "carry" else Model(record)
+    model = Model(record)
     torch.manual_seed(1000 + rank)
     config = engine.TrainerConfig(max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", device="cpu",
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2))
     try:
-        engine.Trainer(config, [record]).fit(model, loader(args.refusal, args.batch, args.samples))
+        engine.Trainer(config, [record]).fit(model, loader(args.batch))
     except engine.CheckpointIncompatible as error:
         (out / f"error-{args.attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
         return 2

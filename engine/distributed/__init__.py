@@ -6,6 +6,7 @@ One job per module:
 * :mod:`~engine.distributed.environment`: detect torchrun, join the process group;
 * :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
 * :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders;
+* :mod:`~engine.distributed.global_order`: the run's data order, resuming on another world size;
 * :mod:`~engine.distributed.agreement`: losses and stop / checkpoint decisions per boundary;
 * :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;
 * :mod:`~engine.distributed.commit`: one checkpoint for all ranks;

@@ -9,6 +9,11 @@ optimizer step to ``OUT_DIR/steps-<ATTEMPT>-<rank>.jsonl``: the step number (1-b
 whole run) and the ids of the samples it trained on in that step. ``--kill-at-step N``: rank 0
 SIGKILLs itself once step N is done, before that boundary's checkpoint (so it is redone). The
 final parameters go to ``OUT_DIR/final-<ATTEMPT>.pt`` (rank 0).
+``--pause-at-step N`` (for ``torchrun --nnodes=MIN:MAX``): on 2 ranks only, rank 0 writes
+``OUT_DIR/paused`` after step N and waits for ``OUT_DIR/go`` (the test starts a second agent
+meanwhile), then every step takes a second more. ``ATTEMPT`` ``w`` names the step files by the world size instead (one torchrun whose
+group changes size).
+
 A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
 """
 
@@ -24,6 +29,7 @@ import argparse
 import json
 import pathlib
 import signal
+import time
 from typing import Any
 
 import torch
@@ -52,8 +58,8 @@ class Model(engine.Module):
 class Record(engine.Callback):
     """Writes each step's sample ids; rank 0 SIGKILLs itself after ``kill_at`` steps."""
 
-    def __init__(self, path: pathlib.Path, kill_at: int | None, rank: int) -> None:
-        self.path, self.kill_at, self.rank = path, kill_at, rank
+    def __init__(self, path: pathlib.Path, kill_at: int | None, rank: int, pause_at: int | None = None) -> None:
+        self.path, self.kill_at, self.rank, self.pause_at = path, kill_at, rank, pause_at
         self.ids: list[int] = []
 
     def on_split_end(self, view: engine.RunView) -> None:
@@ -61,6 +67,13 @@ class Record(engine.Callback):
             file.write(json.dumps({"step": view.optimizer_steps, "ids": self.ids}) + "\n")
         if self.rank == 0 and view.optimizer_steps == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.pause_at is not None and view.optimizer_steps >= self.pause_at:
+            if self.rank == 0 and view.optimizer_steps == self.pause_at:
+                (self.path.parent / "paused").write_text("")
+                deadline = time.monotonic() + 200
+                while not (self.path.parent / "go").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            time.sleep(1.0)  # slow from here on: the second agent joins before the run ends
 
 
 def loader(batch: int) -> DataLoader:
@@ -74,14 +87,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("attempt", type=int)
+    parser.add_argument("attempt")
     parser.add_argument("--batch", type=int, default=4, help="per-rank batch size in the script")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--pause-at-step", type=int, default=None)
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = pathlib.Path(args.out_dir)
-    record = Record(out / f"steps-{args.attempt}-{rank}.jsonl", args.kill_at_step, rank)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    attempt = str(world_size) if args.attempt == "w" else args.attempt
+    record = Record(out / f"steps-{attempt}-{rank}.jsonl", args.kill_at_step, rank,
+                    args.pause_at_step if world_size == 2 else None)
     torch.manual_seed(100)
     model = Model(record)
     torch.manual_seed(1000 + rank)
@@ -90,11 +107,11 @@ def main() -> int:
     try:
         engine.Trainer(config, [record]).fit(model, loader(args.batch))
     except engine.CheckpointIncompatible as error:
-        (out / f"error-{args.attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+        (out / f"error-{attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
         return 2
     if rank == 0:
         torch.save({key: value.detach().clone() for key, value in model.state_dict().items()},
-                   out / f"final-{args.attempt}.pt")
+                   out / f"final-{attempt}.pt")
     return 0
 
 

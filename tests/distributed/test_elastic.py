@@ -220,3 +220,40 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_tr
         assert error.startswith("WorldSizeChangeRefused: ") and "\n" not in error
         assert "the global batch G=8 does not split into 3 equal parts" in error
     assert not list((job / "out").glob("steps-*"))  # nothing trained
+
+
+def _agent(job: pathlib.Path, port: int, log: pathlib.Path, hosts_store: bool) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+               f"--rdzv-conf=last_call_timeout=1,is_host={int(hosts_store)}", "--local-addr=127.0.0.1",
+               "--max-restarts=0", "--monitor-interval=0.2",
+               SCRIPT, str(job / "run"), str(job / "out"), "w", "--pause-at-step", "3"]
+    # Without it the agents keep torch's shared rendezvous store across the membership change and
+    # the next round waits forever for keys written to another store (torch 2.13; docs/distributed.md).
+    return subprocess.Popen(command, env=helpers.environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_a_second_torchrun_agent_joining_mid_run_continues_on_the_larger_world(
+        reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    job = tmp_path / "job"
+    (job / "out").mkdir(parents=True)
+    first = _agent(job, port, tmp_path / "first.log", hosts_store=True)
+    second = None
+    try:
+        helpers.wait_for(lambda: (job / "out" / "paused").exists(), "the first group's step 3", first)
+        second = _agent(job, port, tmp_path / "second.log", hosts_store=False)
+        (job / "out" / "go").write_text("")
+        assert first.wait(timeout=helpers.TIMEOUT) == 0, (tmp_path / "first.log").read_text()[-4000:]
+        assert second.wait(timeout=helpers.TIMEOUT) == 0, (tmp_path / "second.log").read_text()[-4000:]
+    finally:
+        for agent in (first, second):
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+    assert _samples_per_step(job / "out") == _samples_per_step(reference_run / "out")
+    resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
+    assert [(row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 4)]

@@ -164,14 +164,14 @@ def adapt_data(name: str, state: Mapping[str, Any], data: EpochData, module: tor
     saved = state[SIGNATURE]
     before = saved_world_size(saved)
     changed = before != world_size
+    global_batch = saved.get(GLOBAL_BATCH)
+    loader = _engine_ordered(data.source, world_size) if changed or isinstance(global_batch, int) else data.source
     if changed:
-        reason = refusal(name, saved, world_size, _engine_ordered(data.source, world_size), module) or \
+        reason = refusal(name, saved, world_size, loader, module) or \
             _refusal_inside_a_batch(name, state, before, world_size)
         if reason is not None:
             raise reason
-    global_batch = saved.get(GLOBAL_BATCH)
     if isinstance(global_batch, int):
-        loader = _engine_ordered(data.source, world_size)
         if ordered_by_engine(loader):
             assert isinstance(loader, DataLoader)  # ordered_by_engine
             if regroup(loader, global_batch, world_size, rank) or loader is not data.source:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchrun_helpers as helpers
+from engine.cli.commands import inspect_run
 from engine.distributed import global_order
 from engine.distributed.environment import DistributedContext
 from engine.distributed.sampler import shard_loader
@@ -191,6 +192,7 @@ def test_sigkilled_run_resumed_on_4_then_1_then_2_ranks_trains_every_step_on_the
         assert process.returncode == (0 if kill_at is None else 1), process.stderr[-4000:]
         if kill_at is not None:
             assert "SIGKILL" in process.stderr
+        assert inspect_run(str(job / "run"))["checkpoints"][-1]["world_size"] == ranks
     expected = _samples_per_step(reference_run / "out")
     got = _samples_per_step(job / "out")
     assert len(expected) == 12 and got == expected

@@ -11,7 +11,7 @@ SIGKILLs itself once step N is done, before that boundary's checkpoint (so it is
 final parameters go to ``OUT_DIR/final-<ATTEMPT>.pt`` (rank 0).
 ``--pause-at-step N`` (for ``torchrun --nnodes=MIN:MAX``): on 2 ranks only, rank 0 writes
 ``OUT_DIR/paused`` after step N and waits for ``OUT_DIR/go`` (the test starts a second agent
-meanwhile), then every step takes a second more. ``ATTEMPT`` ``w`` names the step files by the world size instead (one torchrun whose
+meanwhile). ``ATTEMPT`` ``w`` names the step files by the world size instead (one torchrun whose
 group changes size).
 
 A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
@@ -67,13 +67,11 @@ class Record(engine.Callback):
             file.write(json.dumps({"step": view.optimizer_steps, "ids": self.ids}) + "\n")
         if self.rank == 0 and view.optimizer_steps == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.pause_at is not None and view.optimizer_steps >= self.pause_at:
-            if self.rank == 0 and view.optimizer_steps == self.pause_at:
-                (self.path.parent / "paused").write_text("")
-                deadline = time.monotonic() + 200
-                while not (self.path.parent / "go").exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            time.sleep(1.0)  # slow from here on: the second agent joins before the run ends
+        if self.rank == 0 and view.optimizer_steps == self.pause_at:
+            (self.path.parent / "paused").write_text("")
+            deadline = time.monotonic() + 200
+            while not (self.path.parent / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def loader(batch: int) -> DataLoader:

@@ -250,6 +250,10 @@ def test_a_second_torchrun_agent_joining_mid_run_continues_on_the_larger_world(
     try:
         helpers.wait_for(lambda: (job / "out" / "paused").exists(), "the first group's step 3", first)
         second = _agent(job, port, tmp_path / "second.log", hosts_store=False)
+        # The first agent saw the second one waiting and stops its workers (SIGTERM): only now
+        # may the paused group go on, so it cannot finish the run before the second node joins.
+        helpers.wait_for(lambda: "closing signal SIGTERM" in (tmp_path / "first.log").read_text(),
+                         "the first agent to restart its group for the new node", first)
         (job / "out" / "go").write_text("")
         assert first.wait(timeout=helpers.TIMEOUT) == 0, (tmp_path / "first.log").read_text()[-4000:]
         assert second.wait(timeout=helpers.TIMEOUT) == 0, (tmp_path / "second.log").read_text()[-4000:]

@@ -9,6 +9,7 @@
     │   ├── CheckpointNotFound   no (valid) checkpoint where one was asked for
     │   ├── CheckpointCorrupt    a file is torn, truncated, tampered with or hostile
     │   ├── CheckpointIncompatible  the checkpoint does not match the current run
+    │   │   └── WorldSizeChangeRefused  it cannot continue on this number of ranks
     │   ├── CheckpointWriteError a checkpoint could not be written (I/O error, bad state)
     │   ├── WriterConflict       another process is writing checkpoints to the same run dir
     │   └── ReplicaDivergence    the ranks of a distributed run disagree on replicated state
@@ -54,6 +55,12 @@ class CheckpointCorrupt(CheckpointError):
 
 class CheckpointIncompatible(CheckpointError):
     """The checkpoint was written by a run that differs from the current one."""
+
+
+class WorldSizeChangeRefused(CheckpointIncompatible):
+    """A distributed checkpoint cannot be resumed on another number of ranks (carried hidden
+    state, a sampler the engine cannot re-partition, a global batch the new world size does not
+    divide, ...); the message names the reason and what would work (docs/distributed.md)."""
 
 
 class CheckpointWriteError(CheckpointError):

@@ -20,6 +20,7 @@ from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, MonitorRecord, verify_file
 from engine.checkpoint.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, sequence_of
 from engine.checkpoint.rank_files import is_rank_file
+from engine.checkpoint.state_keys import SIGNATURE
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointNotFound
 from progress import Cursor, ProgressSchemaError, ProgressTree, decode_tree
@@ -39,6 +40,8 @@ class CheckpointInfo:
     valid: bool
     error: str | None
     monitor: MonitorRecord | None = None
+    # The run signature the state records (valid entries only): the CLI shows its world size.
+    signature: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -257,7 +260,9 @@ class CheckpointCatalogue:
             sequence = sequence_of(name)
             try:
                 loaded = self.load(name, validate)
-                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor))
+                signature = loaded.state.get(SIGNATURE) if isinstance(loaded.state, dict) else None
+                infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor,
+                                            signature if isinstance(signature, dict) else None))
             except CheckpointError as error:
                 manifest = self._manifest_or_none(name)
                 infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),

@@ -210,13 +210,17 @@ class MetricsLog:
         """``fit`` ends: close the loggers (after the last snapshot flushed them)."""
         self._loggers.close()
 
-    def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float) -> None:
-        """Append a row to resumes.jsonl: this process resumed from ``checkpoint``."""
+    def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float,
+                      world_size_before: int | None = None, world_size: int = 1) -> None:
+        """Append a row to resumes.jsonl: this process resumed from ``checkpoint`` (on another
+        world size than it was written with: ``world_size_before`` -> ``world_size``)."""
         if self._storage is None:
             return
         row: dict[str, object] = {"checkpoint": checkpoint, "step": optimizer_steps, "time": round(wall_time, 3)}
         if cursor is not None:
             row.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
+        if world_size_before is not None:
+            row.update(world_size_before=world_size_before, world_size=world_size)
         self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
     def length_after_flush(self) -> int:

@@ -13,6 +13,7 @@ from engine import faults
 from engine.checkpoint.state_keys import CALLBACKS, HYPERPARAMETERS
 from engine.checkpoint.store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
+from engine.distributed.state_parts import saved_world_size
 from engine.errors import ConfigError
 from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
@@ -56,7 +57,8 @@ def inspect_run(url: str) -> dict[str, Any]:
         "dir": url,
         "checkpoints": [
             {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error,
-             "monitor": None if e.monitor is None else dataclasses.asdict(e.monitor)}
+             "monitor": None if e.monitor is None else dataclasses.asdict(e.monitor),
+             "world_size": None if e.signature is None else saved_world_size(e.signature)}
             for e in entries
         ],
         "latest": None if latest is None else latest.name,
@@ -94,7 +96,8 @@ def run_inspect(url: str, as_json: bool) -> int:
         monitor = entry["monitor"]
         if monitor is not None:
             status += f"  {monitor['name']}={monitor['value']:.6g}" + ("  BEST" if entry["name"] == report["best"] else "")
-        print(f"{entry['name']}  {where:<32}  {status}")
+        ranks = "" if entry["world_size"] is None else f"  world size {entry['world_size']}"
+        print(f"{entry['name']}  {where:<32}  {status}{ranks}")
     print(f"latest: {report['latest']}")
     if report["best"]:
         print(f"best: {report['best']}")

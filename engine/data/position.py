@@ -134,6 +134,7 @@ class EpochData:
     def __init__(self, loader: Iterable[Any], worker_signals: Sequence[int] = ()) -> None:
         if not hasattr(loader, "__iter__"):
             raise DataError(f"the training data must be iterable (a DataLoader or any iterable), got {type(loader).__name__}")
+        self.source: Any = loader  # as given (self.loader may be a private copy that runs workers)
         self.length = _length_or_none(loader)
         if self.length == 0:
             raise DataError("the training data is empty: len(train_data) is 0")
@@ -154,6 +155,12 @@ class EpochData:
         self._epoch_start_rng: RngSnapshot | None = None
         self._epoch_start_generators: list[torch.Tensor] = []
         self._loader_state: Any = None
+
+    def use_loader(self, loader: Iterable[Any]) -> None:
+        """Read from ``loader`` instead, before any epoch opens (a resume on another world size
+        re-partitions the data: engine.distributed.global_order)."""
+        self.close()
+        EpochData.__init__(self, loader, self._worker_signals)
 
     def open_epoch(self, epoch: int) -> Iterator[Any]:
         """An iterator over the epoch's batches from the current position."""

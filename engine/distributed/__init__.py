@@ -9,6 +9,7 @@ One job per module:
   consolidation in one process;
 * :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders, a block
   of the batches for validation loaders;
+* :mod:`~engine.distributed.global_order`: the run's data order, resuming on another world size;
 * :mod:`~engine.distributed.agreement`: losses and stop / checkpoint decisions per boundary;
 * :mod:`~engine.distributed.rank_values`: logged values and seeds exchanged in rank order;
 * :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;

@@ -107,8 +107,9 @@ class GroupCommit:
 
     def _own_part(self, loaded: LoadedCheckpoint) -> LoadedCheckpoint:
         name, rank = loaded.name, self.context.rank
-        state_parts.check_world_size(name, loaded.state[SIGNATURE], self.context.world_size)
-        if rank == 0:
+        if rank == 0 or state_parts.saved_world_size(loaded.state[SIGNATURE]) != self.context.world_size:
+            # Another world size: every rank starts from rank 0's part, and the restore derives
+            # each rank's streams again (engine.distributed.global_order) or refuses.
             return loaded
         tensors_file, header_file = state_parts.rank_files(rank)
         if tensors_file not in loaded.extra_files or header_file not in loaded.extra_files:

@@ -2,8 +2,9 @@
 validation through a :class:`ContiguousBatches` shard.
 
 Training: a DataLoader over a map-style dataset with a plain sampler is rebuilt with a
-``DistributedSampler`` (shuffled when the original shuffled; ``seed`` 0, so every rank
-partitions the same permutation; the engine calls ``set_epoch`` each epoch).
+``DistributedSampler`` (the engine's own, :class:`~engine.distributed.global_order.GlobalOrderSampler`,
+which a resume on another world size re-partitions; shuffled when the original shuffled; ``seed``
+0, so every rank partitions the same permutation; the engine calls ``set_epoch`` each epoch).
 
 Validation: the same kind of loader is rebuilt so that rank r of W reads the r-th of W
 contiguous blocks of the loader's own batches (the first ``batches % W`` ranks one batch more).
@@ -28,6 +29,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.distributed.environment import DistributedContext
+from engine.distributed.global_order import GlobalOrderSampler
 
 
 def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[Any]:
@@ -35,7 +37,7 @@ def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[A
     if not _shardable(data):
         return data
     assert isinstance(data, DataLoader)
-    sampler: DistributedSampler[Any] = DistributedSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
+    sampler = GlobalOrderSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
                                  shuffle=isinstance(data.sampler, RandomSampler), seed=0, drop_last=data.drop_last)
     return _rebuilt(data, batch_size=data.batch_size, sampler=sampler, drop_last=data.drop_last)
 

@@ -84,8 +84,9 @@ class FitRun:
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.device,
                                           self.logger, val_data, self.coordinator.context)
         bind_precision(original_module(module), self.tree.precision)
+        context = self.coordinator.context
         self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config,
-                                        self.coordinator.world_size)
+                                        self.coordinator.world_size, 0 if context is None else context.rank)
         self.storage = storage
         writes_metrics = self.coordinator.is_writer
         self.metrics = MetricsLog(storage if writes_metrics else None, LoggerSet(config.loggers if writes_metrics else ()))
@@ -204,7 +205,8 @@ class FitRun:
             self._elapsed_before = resumed.elapsed_seconds
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
-            self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time())
+            self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time(),
+                                      resumed.world_size_before, self.coordinator.world_size)
             self.rollbacks.publish(self.tree.epoch.anomalies.records)  # a kill may have come before the last write
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.

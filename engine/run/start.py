@@ -37,6 +37,7 @@ class ResumedStart:
     built: BuiltSettings
     end_note: str | None
     elapsed_seconds: float
+    world_size_before: int | None = None  # the checkpoint's world size when this run has another
 
 
 class RunStart:
@@ -66,7 +67,8 @@ class RunStart:
             return None
         restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts)
         self._metrics.resume_at(restored.metrics_bytes, self._parts.tree.step_counter.total)
-        return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds)
+        return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
+                            restored.world_size_before)
 
     def _resume_end(self, end: RunEnd | None) -> str | None:
         """A checkpoint of a finished run: stop at once (nothing more to train) unless a limit

@@ -36,6 +36,7 @@ from engine.config import TrainerConfig
 from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, rebuild_dtensors
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
+from engine.distributed import global_order
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.loops.optim_setup import OptimizerSetup
@@ -49,7 +50,7 @@ LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
 # What two runs must agree on, bit for bit, to be the same run (the signature says how they were
 # set up, elapsed_seconds is wall time and the envelope describes the machine: none is compared).
 # Signature entries that checkpoints of earlier versions lack: compared only when the checkpoint has them.
-NEWER_SIGNATURE_KEYS = frozenset({"batch_size", "optimizer_classes"})
+NEWER_SIGNATURE_KEYS = frozenset({"batch_size", "optimizer_classes", global_order.GLOBAL_BATCH})
 COMPARED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS, LOOPS, RNG, CALLBACKS, METRICS_BYTES)
 
 
@@ -63,6 +64,7 @@ class RunParts:
     callbacks: Sequence[Callback]
     config: TrainerConfig
     world_size: int = 1  # processes of a distributed run (engine.distributed)
+    rank: int = 0  # this process's rank in it
 
     def signature(self) -> dict[str, Any]:
         """What must match between a checkpoint and the run that resumes it."""
@@ -81,7 +83,7 @@ class RunParts:
             "precision": config.precision,
             "validation": self.tree.evaluation is not None,
             # Only a distributed run records it, so single-process checkpoints stay as they were.
-            **({WORLD_SIZE: self.world_size} if self.world_size > 1 else {}),
+            **global_order.order_signature(self.tree.data.source, self.world_size),
             # Only a sharded (FSDP2) run records it: its module and optimizers are saved per rank.
             **({SHARDED: True} if is_sharded_module(module) else {}),
         }
@@ -124,6 +126,8 @@ class RestoredRun:
     # The optimizer / scheduler settings as configure_optimizers built them, before the restore
     # replaced them with the checkpoint's (engine.run.overrides).
     built: BuiltSettings
+    # The world size the checkpoint was written with, when this run has another (else None).
+    world_size_before: int | None = None
 
 
 def capture(parts: RunParts, progress: ProgressTree, metrics_bytes: int, elapsed_seconds: float) -> RunSnapshot:
@@ -223,10 +227,15 @@ def _expect(name: str, key: str, value: Any, kind: type) -> None:
         raise CheckpointCorrupt(f"{name}: {key} must be a {kind.__name__}, got {type(value).__name__}")
 
 
-def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts) -> None:
-    """Refuse a checkpoint written by another setup or for another model, naming the difference."""
+def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts, world_size_changes: bool = False) -> None:
+    """Refuse a checkpoint written by another setup or for another model, naming the difference.
+    ``world_size_changes``: the run resumes it on another world size (already judged possible)."""
     saved, current = state[SIGNATURE], parts.signature()
-    check_world_size(name, saved, parts.world_size)
+    if world_size_changes:
+        current.pop(WORLD_SIZE, None)
+        saved = {key: value for key, value in saved.items() if key != WORLD_SIZE}
+    else:
+        check_world_size(name, saved, parts.world_size)
     differences = [f"{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
                    for key, value in current.items()
                    if saved.get(key) != value and (key in saved or key not in NEWER_SIGNATURE_KEYS)]
@@ -262,7 +271,8 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     if is_sharded(state[SIGNATURE]):
         check_world_size(name, state[SIGNATURE], parts.world_size)  # before any shard is placed
         state = {**state, **{key: rebuild_dtensors(name, state[key], parts.module) for key in (MODULE, OPTIMIZERS, LOOPS)}}
-    check_compatible(name, state, parts)
+    world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank)
+    check_compatible(name, state, parts, world_size_changes=world_size_before is not None)
     built = built_settings(parts.setup)
     try:
         load_module_state(parts.module, state[MODULE])
@@ -279,9 +289,11 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> R
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, ProgressSchemaError) as error:
         raise CheckpointIncompatible(f"{name}: cannot restore this run from it: {type(error).__name__}: {error}") from error
     restore_global_rng(rng)
+    if world_size_before is not None:
+        global_order.reseed_after_change(state[RNG], parts.rank, parts.tree.step_counter.total)
     warn_on_envelope_change(name, state[ENVELOPE], capture_envelope(parts.tree.device))
     return RestoredRun(metrics_bytes=state[METRICS_BYTES], elapsed_seconds=float(state[ELAPSED_SECONDS]),
-                       built=built)
+                       built=built, world_size_before=world_size_before)
 
 
 def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> None:

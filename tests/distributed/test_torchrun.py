@@ -97,15 +97,16 @@ def test_three_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path) -> N
     helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 3)
 
 
-def test_resuming_with_another_world_size_is_refused(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_resuming_hidden_state_carried_across_batches_on_another_world_size_is_refused(
+        reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
     import shutil
     shutil.copytree(reference_two / "run", tmp_path / "job" / "run")
     (tmp_path / "job" / "out").mkdir()
     process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out"),
                           helpers.environment())
     assert process.returncode != 0
-    assert "CheckpointIncompatible" in process.stderr and "world size 2" in process.stderr
-    assert "this run has world size 3" in process.stderr
+    assert "WorldSizeChangeRefused" in process.stderr and "world size 2" in process.stderr
+    assert "this run has world size 3: carry_hidden_across_batches=True" in process.stderr
 
 
 def test_a_single_process_refuses_a_distributed_checkpoint(reference_two: pathlib.Path) -> None:

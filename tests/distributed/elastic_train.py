@@ -1,0 +1,117 @@
+"""A tiny data-parallel run for the world-size-change tests (tests/distributed/test_elastic.py)::
+
+    torchrun --nproc-per-node=W tests/distributed/elastic_train.py RUN_DIR OUT_DIR ATTEMPT [options]
+
+A small MLP without dropout on a shuffled map-style DataLoader of ``SAMPLES`` samples, each
+carrying its id; the per-rank batch is ``--batch`` (the engine inserts its sampler; a resumed run
+keeps the checkpoint's global batch whatever ``--batch`` says). Each rank appends one line per
+optimizer step to ``OUT_DIR/steps-<ATTEMPT>-<rank>.jsonl``: the step number (1-based, over the
+whole run) and the ids of the samples it trained on in that step. ``--kill-at-step N``: rank 0
+SIGKILLs itself once step N is done, before that boundary's checkpoint (so it is redone). The
+final parameters go to ``OUT_DIR/final-<ATTEMPT>.pt`` (rank 0).
+``--pause-at-step N`` (for ``torchrun --nnodes=MIN:MAX``): on 2 ranks only, rank 0 writes
+``OUT_DIR/paused`` after step N and waits for ``OUT_DIR/go`` (the test starts a second agent
+meanwhile). ``ATTEMPT`` ``w`` names the step files by the world size instead (one torchrun whose
+group changes size).
+
+A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)  # tests/ folders must not shadow the real packages
+
+import argparse
+import json
+import pathlib
+import signal
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import engine
+
+SAMPLES, FEATURES = 48, 3
+
+
+class Model(engine.Module):
+    def __init__(self, record: "Record") -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        self.record = record
+
+    def training_step(self, batch: Any) -> Any:
+        x, y, ids = batch
+        self.record.ids = [int(i) for i in ids]
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class Record(engine.Callback):
+    """Writes each step's sample ids; rank 0 SIGKILLs itself after ``kill_at`` steps."""
+
+    def __init__(self, path: pathlib.Path, kill_at: int | None, rank: int, pause_at: int | None = None) -> None:
+        self.path, self.kill_at, self.rank, self.pause_at = path, kill_at, rank, pause_at
+        self.ids: list[int] = []
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"step": view.optimizer_steps, "ids": self.ids}) + "\n")
+        if self.rank == 0 and view.optimizer_steps == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank == 0 and view.optimizer_steps == self.pause_at:
+            (self.path.parent / "paused").write_text("")
+            deadline = time.monotonic() + 200
+            while not (self.path.parent / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def loader(batch: int) -> DataLoader:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(SAMPLES)), batch_size=batch,
+                      shuffle=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("attempt")
+    parser.add_argument("--batch", type=int, default=4, help="per-rank batch size in the script")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--kill-at-step", type=int, default=None)
+    parser.add_argument("--pause-at-step", type=int, default=None)
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", "0"))
+    out = pathlib.Path(args.out_dir)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    attempt = str(world_size) if args.attempt == "w" else args.attempt
+    record = Record(out / f"steps-{attempt}-{rank}.jsonl", args.kill_at_step, rank,
+                    args.pause_at_step if world_size == 2 else None)
+    torch.manual_seed(100)
+    model = Model(record)
+    torch.manual_seed(1000 + rank)
+    config = engine.TrainerConfig(max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", device="cpu",
+                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2))
+    try:
+        engine.Trainer(config, [record]).fit(model, loader(args.batch))
+    except engine.CheckpointIncompatible as error:
+        (out / f"error-{attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+        return 2
+    if rank == 0:
+        torch.save({key: value.detach().clone() for key, value in model.state_dict().items()},
+                   out / f"final-{attempt}.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,11 +48,12 @@ def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int 
     raise AssertionError(f"{name} did not finish within {limit} starts")
 
 
-def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_delay: float, *args: str) -> bool:
-    """Start the scenario, wait until it trains, SIGKILL it after a random delay. Returns
-    False if it finished before the kill."""
+def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_delay: float, *args: str,
+                           script: str = SCRIPT) -> bool:
+    """Start the scenario (of ``script``: tests/scenarios.py unless told), wait until it trains,
+    SIGKILL it after a random delay. Returns False if it finished before the kill."""
     with tempfile.TemporaryFile(mode="w+") as stderr:  # a file, so a chatty child never blocks on a pipe
-        process = forkserver.popen([sys.executable, SCRIPT, name, run_dir, *args], env=environment(None),
+        process = forkserver.popen([sys.executable, script, name, run_dir, *args], env=environment(None),
                                    stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             line = process.stdout.readline()

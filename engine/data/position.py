@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from engine.data.hf_streams import repair_state_loading
 from engine.data.streams import data_name, drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, shut_down_workers
 from engine.errors import DataError
@@ -137,6 +138,7 @@ class EpochData:
         if self.length == 0:
             raise DataError("the training data is empty: len(train_data) is 0")
         self.name = data_name(loader)
+        repair_state_loading(getattr(loader, "dataset", loader))
         # A stream with state in a DataLoader: inside an epoch the StatefulDataLoader's state
         # (each worker's stream state) resumes it. Between epochs only the main process's stream
         # carries over: each epoch's workers start from it, and without workers it is the one

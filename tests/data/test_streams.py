@@ -47,11 +47,7 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     train(kind, reference, keep_last=None)
     names = CheckpointStore(Storage(str(reference))).names()
     assert len(names) > 20
-    # 11, 12: the first epoch's last batch, its end. Hugging Face datasets 5.2 only in the first
-    # epoch: a stream it resumed mid-epoch ends that epoch with a stale shard index in its
-    # state_dict() (the samples are right; docs/data.md)
-    chosen = names[2:-1:5] if kind.startswith("stream") else names[2:11:5]
-    for name in sorted(set(chosen + names[11:13])):
+    for name in sorted(set(names[2:-1:5] + names[11:13])):  # 11, 12: the first epoch's last batch, its end
         resumed = tmp_path / name / "run"
         copy_run_until(str(reference), str(resumed), name)
         result, messages = train(kind, resumed, keep_last=None)
@@ -90,7 +86,7 @@ def test_a_stream_with_state_is_loaded_not_replayed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["stream-2"])
+@pytest.mark.parametrize("kind", ["stream-2", "hf-2"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     """SIGKILL at random instants (workers alive, mid-checkpoint, ...), resume each time: the
     samples each step saw and the final parameters equal the uninterrupted run's."""
@@ -102,7 +98,7 @@ def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     kills = 0
     while kill_at_random_instant(kind, str(run_dir), rng, 1.5, "--sleep", "0.02", script=SCRIPT):
         kills += 1
-    assert kills >= 1
+    assert kills >= 2
     assert_same_run(str(reference), str(run_dir))
     # the parameters themselves, besides the harness's comparison of the final checkpoints
     final = CheckpointStore(Storage(str(run_dir))).latest()

@@ -7,7 +7,8 @@ KIND is ``stream-<workers>`` (an IterableDataset with state_dict(), its workers 
 each rank taking its part with split_dataset_by_node under torchrun). Each step logs which
 samples it saw (``first``, ``last``, ``sum`` of their ids) into metrics.jsonl, so two runs that
 fed the same samples to the same steps have the same metrics file. Prints ``training`` when fit
-starts and, with OUT_DIR set, writes the final parameters to ``OUT_DIR/final-<rank>.pt``.
+starts; ``--out OUT`` writes the final parameters to ``OUT/final-<rank>.pt``; ``STREAM_KILL=
+RANK/FAULTS`` arms engine fault points (SPLITLOOP_FAULTS syntax) on that rank's first try.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def make_data(kind: str, run_dir: str) -> Any:
 
 
 def train(kind: str, run_dir: str, epochs: int = 2, sleep: float = 0.0, resume: str = "auto",
-          keep_last: int | None = 3) -> engine.FitResult:
+          keep_last: int | None = 3, out_dir: str | None = None) -> engine.FitResult:
     torch.manual_seed(0)
     random.seed(0)
     numpy.random.seed(0)
@@ -141,9 +142,9 @@ def train(kind: str, run_dir: str, epochs: int = 2, sleep: float = 0.0, resume: 
     config = engine.TrainerConfig(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last))
     result = engine.Trainer(config, callbacks=[Announce(sleep)]).fit(model, make_data(kind, run_dir), resume=resume)
-    out = os.environ.get("OUT_DIR")
-    if out:
-        torch.save(dict(model.state_dict()), pathlib.Path(out) / f"final-{os.environ.get('RANK', '0')}.pt")
+    if out_dir:
+        final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
+        torch.save(final, pathlib.Path(out_dir) / f"final-{os.environ.get('RANK', '0')}.pt")
     return result
 
 
@@ -154,8 +155,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--out", default=None, help="write the final parameters to OUT/final-<rank>.pt")
     args = parser.parse_args(argv)
-    result = train(args.kind, args.run_dir, args.epochs, args.sleep)
+    kill = os.environ.get("STREAM_KILL", "")  # "RANK/FAULTS": arm that rank's first try (under torchrun)
+    rank, _, faults = kill.partition("/")
+    if faults and rank == os.environ.get("RANK", "0") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.environ["SPLITLOOP_FAULTS"] = faults
+    result = train(args.kind, args.run_dir, args.epochs, args.sleep, out_dir=args.out)
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0
 

@@ -25,7 +25,9 @@ from kill_helpers import kill_at_random_instant
 from resume_helpers import assert_same_run, copy_run_until
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
 import stream_train  # noqa: E402
+import torchrun_helpers  # noqa: E402
 
 SCRIPT = str(pathlib.Path(stream_train.__file__))
 KINDS = ["stream-0", "stream-2", "hf-0", "hf-2"]
@@ -136,3 +138,26 @@ def test_replaying_a_stream_without_state_shows_its_progress():
 def test_replaying_past_the_end_of_a_stream_is_refused():
     with pytest.raises(DataError, match="yields only 3 batches"):
         drop_batches(iter(range(3)), 5, show=False)
+
+
+def torchrun(tmp_path: pathlib.Path, name: str, kind: str, **env: str):
+    """The stream script under a real torchrun with 2 ranks (one restart allowed)."""
+    run_dir, out_dir = tmp_path / name / "run", tmp_path / name / "out"
+    out_dir.mkdir(parents=True)
+    command = torchrun_helpers.torchrun_command(2, run_dir, out_dir, max_restarts=1)
+    command[command.index(torchrun_helpers.SCRIPT):] = [SCRIPT, kind, str(run_dir), "--out", str(out_dir),
+                                                         "--epochs", "1"]
+    process = torchrun_helpers.run(command, torchrun_helpers.environment(**env))
+    assert process.returncode == 0, process.stderr[-3000:]
+    return tmp_path / name, process.stdout
+
+
+@pytest.mark.slow
+def test_hf_streams_split_by_node_resume_each_rank_exactly_under_torchrun(tmp_path):
+    """Two ranks, each streaming its part (split_dataset_by_node); one rank SIGKILLed mid-epoch,
+    the group restarted: each rank's samples per step (metrics) and final parameters equal the
+    uninterrupted run's. (2 DataLoader workers: test_sigkills_at_random_instants_resume_a_stream_exactly.)"""
+    reference, _ = torchrun(tmp_path, "reference", "hf-0")
+    killed, log = torchrun(tmp_path, "killed", "hf-0", STREAM_KILL="1/split_end:4:sigkill")
+    assert log.count("resumed_from=ckpt-") == 2  # both ranks of the restarted group resumed
+    torchrun_helpers.assert_same_result(reference, killed, 2)

@@ -15,6 +15,7 @@ from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import ConfigError
 from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
+from engine.data.mixture import source_positions
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
 from engine.trainer import Trainer
@@ -43,13 +44,19 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def data_position(data: dict[str, Any]) -> dict[str, Any]:
+    """The latest checkpoint's data position: batches of the epoch consumed and, for a Mixture
+    or several loaders, each source's (items of its current pass, passes begun)."""
+    return {"batches_consumed": data["batches_consumed"], "sources": source_positions(data["loader_state"])}
+
+
 def inspect_run(url: str) -> dict[str, Any]:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint."""
     check_existing_run_dir(url)
     store = CheckpointStore(Storage(url, create=False), create=False)
     entries = store.inspect(run_state.validate)
     latest = next((entry for entry in reversed(entries) if entry.valid), None)
-    result = {
+    result: dict[str, Any] = {
         "dir": url,
         "checkpoints": [
             {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error,
@@ -59,10 +66,12 @@ def inspect_run(url: str) -> dict[str, Any]:
         "latest": None if latest is None else latest.name,
         "best": next(iter(store.best(1)), None),
         "fingerprint": None,
+        "data": None,
     }
     if latest is not None:
         state = store.load(latest.name, run_state.validate).state
         result["fingerprint"] = fingerprint(state[run_state.MODULE], state[run_state.OPTIMIZERS])
+        result["data"] = data_position(state[run_state.LOOPS]["data"])
     return result
 
 

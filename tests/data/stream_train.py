@@ -3,8 +3,9 @@
     python tests/data/stream_train.py KIND RUN_DIR [--sleep SECONDS] [--epochs N]
 
 KIND is ``stream-<workers>`` (an IterableDataset with state_dict(), its workers sharding it),
-``hf-<workers>`` (Hugging Face ``datasets`` streaming local JSONL shards, shuffled and mapped,
-each rank taking its part with split_dataset_by_node under torchrun). Each step logs which
+``hf-<workers>`` (Hugging Face ``datasets`` streaming local JSONL shards, mapped, each rank
+taking its part with split_dataset_by_node under torchrun), ``mixture-<on_exhausted>`` (an
+engine.data.Mixture of a stream with state and a list). Each step logs which
 samples it saw (``first``, ``last``, ``sum`` of their ids) into metrics.jsonl, so two runs that
 fed the same samples to the same steps have the same metrics file. Prints ``training`` when fit
 starts; ``--out OUT`` writes the final parameters to ``OUT/final-<rank>.pt``; ``STREAM_KILL=
@@ -31,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import engine
+import engine.data
 
 SAMPLES, BATCH, SHARDS = 48, 4, 4
 
@@ -127,8 +129,23 @@ class Announce(engine.Callback):
         time.sleep(self.sleep)
 
 
+def list_batches(count: int, first_id: int) -> list[dict[str, torch.Tensor]]:
+    """A source without state: a list of batches (resumed by index)."""
+    ids = torch.arange(first_id, first_id + count * BATCH)
+    return [{"id": chunk, "x": (chunk % 3).float().reshape(-1, 1)} for chunk in ids.split(BATCH)]
+
+
+def make_mixture(on_exhausted: str) -> engine.data.Mixture:
+    """A stream with state in a DataLoader with 2 workers, and a list, mixed 2:1."""
+    sources = {"stream": DataLoader(CountingStream(32), batch_size=BATCH, num_workers=2),
+               "list": list_batches(5, 1000)}
+    return engine.data.Mixture(sources, weights=[2.0, 1.0], seed=5, on_exhausted=on_exhausted)
+
+
 def make_data(kind: str, run_dir: str) -> Any:
     name, workers = kind.rsplit("-", 1)
+    if name == "mixture":
+        return make_mixture(workers)
     dataset = CountingStream() if name == "stream" else hf_stream(pathlib.Path(run_dir).parent / "shards")
     return DataLoader(dataset, batch_size=BATCH, num_workers=int(workers))
 

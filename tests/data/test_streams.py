@@ -5,6 +5,7 @@ with a progress bar; a state the checkpoint cannot hold is refused naming the da
 from __future__ import annotations
 
 import io
+import json
 import os
 import pathlib
 import random
@@ -16,7 +17,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import engine
+import engine.data
 import forkserver
+from engine.cli.main import main
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.data.streams import drop_batches
@@ -30,7 +33,7 @@ import stream_train  # noqa: E402
 import torchrun_helpers  # noqa: E402
 
 SCRIPT = str(pathlib.Path(stream_train.__file__))
-KINDS = ["stream-0", "stream-2", "hf-0", "hf-2"]
+KINDS = ["stream-0", "stream-2", "hf-0", "hf-2", "mixture-stop", "mixture-cycle", "mixture-drop"]
 
 
 def train(kind: str, run_dir: pathlib.Path, **options):
@@ -88,7 +91,7 @@ def test_a_stream_with_state_is_loaded_not_replayed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["stream-2", "hf-2"])
+@pytest.mark.parametrize("kind", ["stream-2", "hf-2", "mixture-cycle"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     """SIGKILL at random instants (workers alive, mid-checkpoint, ...), resume each time: the
     samples each step saw and the final parameters equal the uninterrupted run's."""
@@ -161,3 +164,44 @@ def test_hf_streams_split_by_node_resume_each_rank_exactly_under_torchrun(tmp_pa
     killed, log = torchrun(tmp_path, "killed", "hf-0", STREAM_KILL="1/split_end:4:sigkill")
     assert log.count("resumed_from=ckpt-") == 2  # both ranks of the restarted group resumed
     torchrun_helpers.assert_same_result(reference, killed, 2)
+
+
+def test_inspect_json_shows_each_source_position_of_a_mixture(tmp_path, capsys):
+    """After a Mixture run, ``inspect --json`` gives each source's position in the last epoch:
+    as many items as the steps of that epoch that saw the source's samples (metrics.jsonl)."""
+    run_dir = tmp_path / "run"
+    train("mixture-stop", run_dir, keep_last=None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_epoch = [row for row in rows if row.get("stage") == "train" and row.get("epoch") == 1 and "metrics" in row]
+    from_list = sum(row["metrics"]["first"] >= 1000 for row in last_epoch)
+    capsys.readouterr()  # what training printed
+    assert main(["inspect", str(run_dir), "--json"]) == 0
+    sources = json.loads(capsys.readouterr().out)["data"]["sources"]
+    assert sources["list"]["drawn"] == from_list
+    assert sources["stream"]["drawn"] == len(last_epoch) - from_list
+    assert sources["list"]["passes"] == sources["stream"]["passes"] == 1
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(weights=[1.0]), "weights has 1 entries for 2 sources"),
+    (dict(weights=[1.0, -1.0]), "non-negative"),
+    (dict(weights=[0, 0]), "not all 0"),
+    (dict(weights=[1, 1], on_exhausted="wrap"), "on_exhausted must be one of"),
+    (dict(weights=[1, 1], seed=1.5), "seed must be an int"),
+])
+def test_a_mixture_refuses_bad_settings_naming_them(arguments, message):
+    with pytest.raises(engine.ConfigError, match=message):
+        engine.data.Mixture({"a": [1], "b": [2]}, **arguments)
+
+
+def test_which_source_a_position_comes_from_depends_only_on_seed_and_position():
+    """Two mixtures of the same seed choose alike whatever their sources hold; the shares
+    follow the weights; another seed chooses otherwise."""
+    def picks(seed, sources):
+        mixture = engine.data.Mixture(sources, weights=[3.0, 1.0], seed=seed, on_exhausted="cycle")
+        return [item[0] for item, _ in zip(mixture, range(400))]
+
+    first = picks(1, {"a": [("a", i) for i in range(1000)], "b": [("b", i) for i in range(1000)]})
+    assert picks(1, {"a": [("a", None)] * 1000, "b": [("b", None)] * 1000}) == first
+    assert 250 < first.count("a") < 350
+    assert picks(2, {"a": [("a", i) for i in range(1000)], "b": [("b", i) for i in range(1000)]}) != first

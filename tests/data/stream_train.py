@@ -5,7 +5,8 @@
 KIND is ``stream-<workers>`` (an IterableDataset with state_dict(), its workers sharding it),
 ``hf-<workers>`` (Hugging Face ``datasets`` streaming local JSONL shards, mapped, each rank
 taking its part with split_dataset_by_node under torchrun), ``mixture-<on_exhausted>`` (an
-engine.data.Mixture of a stream with state and a list). Each step logs which
+engine.data.Mixture of a stream with state and a list), ``combined-<mode>`` (the same two as
+several training loaders, ``fit(module, {...}, mode=...)``). Each step logs which
 samples it saw (``first``, ``last``, ``sum`` of their ids) into metrics.jsonl, so two runs that
 fed the same samples to the same steps have the same metrics file. Prints ``training`` when fit
 starts; ``--out OUT`` writes the final parameters to ``OUT/final-<rank>.pt``; ``STREAM_KILL=
@@ -107,6 +108,8 @@ class Model(engine.Module):
         self.dropout = torch.nn.Dropout(0.2)
 
     def training_step(self, batch: Any) -> Any:
+        parts = [batch] if "id" in batch else [batch[name] for name in sorted(batch)]  # several loaders: a dict each
+        batch = {key: torch.cat([part[key].reshape(-1) for part in parts]) for key in ("id", "x")}
         ids = batch["id"].reshape(-1).to(torch.float64)
         self.log("first", float(ids[0]))
         self.log("last", float(ids[-1]))
@@ -143,9 +146,11 @@ def make_mixture(on_exhausted: str) -> engine.data.Mixture:
 
 
 def make_data(kind: str, run_dir: str) -> Any:
-    name, workers = kind.rsplit("-", 1)
+    name, workers = kind.split("-", 1)
     if name == "mixture":
         return make_mixture(workers)
+    if name == "combined":  # fit(module, {name: loader}, mode=...)
+        return {"stream": DataLoader(CountingStream(24), batch_size=BATCH, num_workers=2), "list": list_batches(4, 1000)}
     dataset = CountingStream() if name == "stream" else hf_stream(pathlib.Path(run_dir).parent / "shards")
     return DataLoader(dataset, batch_size=BATCH, num_workers=int(workers))
 
@@ -158,7 +163,8 @@ def train(kind: str, run_dir: str, epochs: int = 2, sleep: float = 0.0, resume: 
     model = Model()
     config = engine.TrainerConfig(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last))
-    result = engine.Trainer(config, callbacks=[Announce(sleep)]).fit(model, make_data(kind, run_dir), resume=resume)
+    mode = {"mode": kind.split("-", 1)[1]} if kind.startswith("combined") else {}
+    result = engine.Trainer(config, callbacks=[Announce(sleep)]).fit(model, make_data(kind, run_dir), resume=resume, **mode)
     if out_dir:
         final = {f"param.{key}": value.detach().clone() for key, value in model.state_dict().items()}
         torch.save(final, pathlib.Path(out_dir) / f"final-{os.environ.get('RANK', '0')}.pt")

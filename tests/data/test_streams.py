@@ -22,6 +22,7 @@ import forkserver
 from engine.cli.main import main
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
+from engine.data.combined import combine_loaders
 from engine.data.streams import drop_batches
 from engine.errors import DataError
 from kill_helpers import kill_at_random_instant
@@ -210,3 +211,37 @@ def test_which_source_a_position_comes_from_depends_only_on_seed_and_position():
     assert picks(1, {"a": [("a", None)] * 1000, "b": [("b", None)] * 1000}) == first
     assert 250 < first.count("a") < 350
     assert picks(2, {"a": [("a", i) for i in range(1000)], "b": [("b", i) for i in range(1000)]}) != first
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("max_size_cycle", [{"a": 1, "b": 10}, {"a": 2, "b": 20}, {"a": 3, "b": 10}]),
+    ("min_size", [{"a": 1, "b": 10}, {"a": 2, "b": 20}]),
+    ("sequential", [{"a": 1}, {"a": 2}, {"a": 3}, {"b": 10}, {"b": 20}]),
+])
+def test_several_loaders_combine_as_lightning_modes_do(mode, expected):
+    combined = combine_loaders({"a": [1, 2, 3], "b": [10, 20]}, mode)
+    assert list(combined) == expected
+    assert list(combined) == expected  # the next epoch the same
+
+
+def test_mode_without_a_dict_of_loaders_or_an_unknown_mode_is_refused():
+    with pytest.raises(engine.ConfigError, match="applies to a dict of training loaders"):
+        engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(
+            stream_train.Model(), stream_train.list_batches(2, 0), mode="min_size")
+    with pytest.raises(engine.ConfigError, match="mode must be one of"):
+        combine_loaders({"a": [1]}, "max_size")
+
+
+@pytest.mark.parametrize("on_exhausted", ["stop", "cycle", "drop"])
+def test_a_mixture_ends_its_epoch_as_on_exhausted_says(on_exhausted):
+    """stop: at the first source that runs out; cycle: once each ran out (the short one
+    repeats); drop: when all ran out, each item seen once."""
+    short, long = [("s", i) for i in range(3)], [("l", i) for i in range(12)]
+    items = list(engine.data.Mixture({"s": short, "l": long}, weights=[1, 1], seed=3, on_exhausted=on_exhausted))
+    from_short, from_long = [i for i in items if i[0] == "s"], [i for i in items if i[0] == "l"]
+    if on_exhausted == "stop":
+        assert from_short == short and from_long == long[:len(from_long)] and len(from_long) < len(long)
+    elif on_exhausted == "cycle":
+        assert from_long == long and len(from_short) > len(short) and from_short[:3] == short
+    else:
+        assert from_short == short and from_long == long

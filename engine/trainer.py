@@ -12,6 +12,7 @@ import torch
 from engine import faults
 from engine.callbacks import Callback
 from engine.config import TrainerConfig
+from engine.data.combined import combine_loaders
 from engine.data.checks import check_batch_source, check_reiterable, check_val_data
 from engine.distributed.preemption_marker import committed_preemption, preempted_exit_status
 from engine.errors import ConfigError
@@ -59,19 +60,23 @@ class Trainer:
         self.callbacks = list(callbacks)
 
     def fit(self, module: torch.nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None,
-            resume: str = "auto", **unknown: NoReturn) -> FitResult:
+            resume: str = "auto", mode: str | None = None, **unknown: NoReturn) -> FitResult:
         """Train ``module`` on ``train_data`` until a stop condition holds.
 
         Args:
             module: an :class:`engine.Module` (or any nn.Module with ``training_step`` and
                 ``configure_optimizers``).
-            train_data: a ``torch.utils.data.DataLoader`` or any re-iterable of batches.
+            train_data: a ``torch.utils.data.DataLoader`` or any re-iterable of batches; or a dict
+                of named training loaders, each batch then a dict of one batch per loader
+                (``engine.data.combined.CombinedLoaders``, docs/data.md).
             val_data: optional validation batches (re-iterable), run by the module's
                 ``validation_step`` at epoch ends and/or every ``val_every_n_steps`` steps
                 (see :class:`engine.TrainerConfig`); isolated from training's random streams.
             resume: ``"auto"`` resumes from the newest valid checkpoint in ``run_dir`` when
                 there is one and starts fresh otherwise; ``"latest"`` requires one;
                 ``"off"`` starts fresh; ``"ckpt-NNNNNNNNNN"`` names a checkpoint.
+            mode: with a dict of training loaders, how they combine: ``"max_size_cycle"``
+                (the default), ``"min_size"`` or ``"sequential"`` (Lightning's CombinedLoader modes).
             unknown: takes nothing: any other keyword (Lightning's ``ckpt_path``, a misspelt
                 ``resum``) raises ConfigError naming what to use; type checkers flag it too.
 
@@ -87,6 +92,7 @@ class Trainer:
         check_val_data(val_data, self.config.val_at_epoch_end, self.config.val_every_n_steps)
         faults.arm_from_environment()
         check_module(module)
+        train_data = combine_loaders(train_data, mode)
         check_batch_source(train_data)
         check_reiterable(train_data, self.config.max_epochs)
         storage = None

@@ -123,6 +123,12 @@ def encode_state(tree: Any) -> EncodedState:
     return EncodedState(header, tensors, layout)
 
 
+def check_storable(tree: Any, name: str) -> None:
+    """Raise CheckpointWriteError when ``tree`` holds a value :func:`encode_state` cannot store;
+    the message names the value's place from ``name`` on (``name.key[0]``)."""
+    _to_plain(tree, (name,), [], 0)
+
+
 def _align(offset: int) -> int:
     return (offset + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 

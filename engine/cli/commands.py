@@ -17,6 +17,7 @@ from engine.distributed.state_parts import saved_world_size
 from engine.errors import ConfigError
 from engine.checkpoint.fingerprint import fingerprint
 from engine.checkpoint.storage import Storage
+from engine.data.mixture import source_positions
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
 from engine.run.rollback import anomaly_row
@@ -46,6 +47,12 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def data_position(data: dict[str, Any]) -> dict[str, Any]:
+    """The latest checkpoint's data position: batches of the epoch consumed and, for a Mixture
+    or several loaders, each source's (items of its current pass, passes begun)."""
+    return {"batches_consumed": data["batches_consumed"], "sources": source_positions(data["loader_state"])}
+
+
 def inspect_run(url: str) -> dict[str, Any]:
     """The data ``inspect`` prints: every checkpoint, the latest valid one, its fingerprint, and
     the rollbacks past anomalies its progress records (engine.run.rollback)."""
@@ -65,6 +72,7 @@ def inspect_run(url: str) -> dict[str, Any]:
         "best": next(iter(store.best(1)), None),
         "fingerprint": None,
         "anomalies": [],
+        "data": None,
     }
     if latest is not None:
         loaded = store.load(latest.name, run_state.validate)
@@ -73,6 +81,7 @@ def inspect_run(url: str) -> dict[str, Any]:
         result["hyperparameters"] = _hyperparameters(state[CALLBACKS])
         result["anomalies"] = [anomaly_row(anomaly) | {"description": anomaly.describe()}
                                for anomaly in loaded.progress.anomalies]
+        result["data"] = data_position(state[run_state.LOOPS]["data"])
     return result
 
 

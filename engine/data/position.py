@@ -4,9 +4,10 @@ Resuming inside an epoch replays the epoch's opening under the random state it h
 shuffling sampler draws the same permutation), then moves past the batches already consumed:
 
 * ``DataLoader`` over a map-style dataset: the batch sampler is advanced, no sample is loaded;
-* a loader with ``state_dict()``/``load_state_dict()`` (torchdata's StatefulDataLoader): its
-  saved state is loaded;
-* any other iterable: batches are drawn and dropped (one warning says so).
+* a loader with ``state_dict()``/``load_state_dict()`` (torchdata's StatefulDataLoader), or a
+  DataLoader over an IterableDataset with them (iterated through a StatefulDataLoader, see
+  :mod:`engine.data.streams`): its saved state is loaded;
+* any other iterable: batches are drawn and dropped, with a progress bar (one warning says so).
 
 The batch in flight at a checkpoint is stored in the checkpoint itself, so the interrupted
 batch is re-split exactly as it was, whatever the loader does. A DataLoader with worker
@@ -23,6 +24,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from engine.data.hf_streams import repair_state_loading
+from engine.data.streams import data_name, drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, shut_down_workers
 from engine.errors import DataError
 from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
@@ -80,10 +83,6 @@ def _is_map_style_loader(loader: Any) -> bool:
     return isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset)
 
 
-def _is_stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-
-
 def _open_skipping_loader(loader: DataLoader[Any], skip: int) -> Iterator[Any]:
     """Iterate a copy of ``loader`` whose (batch) sampler skips ``skip`` batches without
     loading them. DataLoader forbids re-assigning its sampler after construction, so the copy
@@ -117,8 +116,9 @@ def _generators_of(loader: Any) -> list[torch.Generator]:
 
 def _samplers_with_epoch(loader: Any) -> list[Any]:
     found: list[Any] = []
+    # A stream's own set_epoch too (Hugging Face's IterableDataset reshuffles by it).
     for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                    getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+                    getattr(getattr(loader, "batch_sampler", None), "sampler", None), getattr(loader, "dataset", None)):
         if callable(getattr(sampler, "set_epoch", None)) and not any(sampler is s for s in found):
             found.append(sampler)
     return found
@@ -138,7 +138,16 @@ class EpochData:
         self.length = _length_or_none(loader)
         if self.length == 0:
             raise DataError("the training data is empty: len(train_data) is 0")
-        self._stateful = _is_stateful(loader)
+        self.name = data_name(loader)
+        repair_state_loading(getattr(loader, "dataset", loader))
+        # A stream with state in a DataLoader: inside an epoch the StatefulDataLoader's state
+        # (each worker's stream state) resumes it. Between epochs only the main process's stream
+        # carries over: each epoch's workers start from it, and without workers it is the one
+        # iterated. Loading the loader's state there would skip the DataLoader's seed draw.
+        self._stream = getattr(loader, "dataset", None) if over_stream_with_state(loader) else None
+        self._stream_carries_over = self._stream is not None and not has_workers(loader)
+        loader = with_saved_position(loader)
+        self._stateful = has_state(loader)
         self._map_style = _is_map_style_loader(loader) and not self._stateful
         self._generators = _generators_of(loader)
         self._epoch_samplers = _samplers_with_epoch(loader)
@@ -236,15 +245,14 @@ class EpochData:
             return _open_skipping_loader(self.loader, skip)
         if not self._warned_fast_forward:
             warnings.warn(
-                f"resuming {type(self.loader).__name__} by drawing and dropping {skip} batches: it is "
-                "neither a DataLoader over a map-style dataset nor a loader with state_dict()",
+                f"resuming {self.name} by drawing and dropping {skip:,} batches (it costs as long as reading "
+                "them): it is neither a DataLoader over a map-style dataset nor a loader or IterableDataset with "
+                "state_dict() (docs/data.md)",
                 stacklevel=2,
             )
             self._warned_fast_forward = True
         iterator = iter(self.loader)
-        for dropped in range(skip):
-            if next(iterator, _NO_BATCH) is _NO_BATCH:
-                raise DataError(f"cannot resume at batch {skip} of the epoch: the data yields only {dropped} batches")
+        drop_batches(iterator, skip)
         return iterator
 
     def next_batch(self, iterator: Iterator[Any]) -> Any:
@@ -272,6 +280,7 @@ class EpochData:
             "epoch_start_generators": list(self._epoch_start_generators),
             "epoch_start_rng": None if self._epoch_start_rng is None else self._epoch_start_rng.to_state(),
             "loader_state": self.loader.state_dict() if self._stateful else None,
+            "stream_state": self._stream.state_dict() if self._stream_carries_over else None,  # type: ignore[union-attr]
         }
         return state
 
@@ -289,8 +298,12 @@ class EpochData:
         rng = state["epoch_start_rng"]
         self._epoch_start_rng = None if rng is None else RngSnapshot.from_state(rng)
         self._loader_state = state["loader_state"]
-        if self._stateful and self.batches_consumed == 0 and self._loader_state is not None:
+        if self.batches_consumed > 0 or self._loader_state is None:
+            return
+        if self._stream is None:
             self.loader.load_state_dict(self._loader_state)
+        elif self._stream_carries_over:
+            self._stream.load_state_dict(state["stream_state"])
 
 
 def _length_or_none(loader: Any) -> int | None:

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.callbacks import Callback
+from engine.checkpoint.codec import check_storable
 from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
                                          RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
@@ -37,7 +38,7 @@ from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, rebuild_dtensors
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.distributed import global_order
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible
+from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.loops.optim_setup import OptimizerSetup
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
@@ -141,9 +142,11 @@ def capture_volatile(parts: RunParts, metrics_bytes: int, elapsed_seconds: float
     optimizers as they are later, :func:`complete` makes the checkpoint of this instant
     (engine.run.exception_save). Tensors are the live ones."""
     callback_states = {key: callback.state_dict() for key, callback in parts.callbacks_by_key().items()}
+    loops = parts.tree.loop_states()
+    _check_loader_state([loops["data"]["loader_state"], loops["data"]["stream_state"]], parts.tree.data.name)
     return {
         SCHEDULERS: [schedule.scheduler.state_dict() for schedule in parts.setup.schedules],
-        LOOPS: parts.tree.loop_states(),
+        LOOPS: loops,
         RNG: capture_global_rng().to_state(),
         CALLBACKS: {key: value for key, value in callback_states.items() if value},
         METRICS_BYTES: metrics_bytes,
@@ -167,6 +170,17 @@ def complete(parts: RunParts, volatile: dict[str, Any], progress: ProgressTree) 
         ENVELOPE: capture_envelope(parts.tree.device),
     }
     return RunSnapshot(state, encode_tree(progress), progress)
+
+
+def _check_loader_state(loader_state: Any, data_name: str) -> None:
+    """Refuse, naming the training data, a ``state_dict()`` the pickle-free codec cannot store
+    (before the checkpoint write, where the error would name only a path in the tree)."""
+    try:
+        check_storable(loader_state, "state_dict()")
+    except CheckpointWriteError as error:
+        raise DataError(f"the state_dict() of the training data {data_name} cannot go into a checkpoint: {error}; a checkpoint holds only tensors, numbers, "
+                        "strings, bytes, None and lists/tuples/dicts of them (no pickle): make its state_dict() "
+                        "return those") from error
 
 
 def validate(name: str, state: Any) -> None:

@@ -52,7 +52,7 @@ def test_checkpoint_without_the_newer_signature_entries_still_resumes(tmp_path):
     def older_signature(parts):
         signature = original(parts)
         for key in run_state.NEWER_SIGNATURE_KEYS:
-            signature.pop(key)
+            signature.pop(key, None)  # some are recorded only by some runs (global_batch: distributed)
         return signature
 
     with pytest.MonkeyPatch.context() as patch:

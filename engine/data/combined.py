@@ -31,6 +31,11 @@ class CombinedLoaders:
         self._stage, self._finished, self._continuing = 0, True, False
         self._ran_out: set[str] = set()
 
+    def close_sources(self) -> None:
+        """Stop the worker processes of every source's pass in progress (the run's end)."""
+        for source in self._sources:
+            source.close()
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if not self._continuing:
             self._stage, self._finished, self._ran_out = 0, False, set()

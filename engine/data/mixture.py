@@ -55,6 +55,11 @@ class Mixture:
         self._live = list(range(len(self._sources)))
         self._ran_out: set[int] = set()
 
+    def close_sources(self) -> None:
+        """Stop the worker processes of every source's pass in progress (the run's end)."""
+        for source in self._sources:
+            source.close()
+
     def __iter__(self) -> Iterator[Any]:
         if not self._continuing:
             self._begin_epoch()

@@ -229,6 +229,9 @@ class EpochData:
         for iterator in self._worker_iterators:
             shut_down_workers(iterator)
         self._worker_iterators = []
+        close_sources = getattr(self.source, "close_sources", None)  # engine.data.Mixture, several loaders
+        if callable(close_sources):
+            close_sources()
 
     def _signals_to_block(self) -> tuple[int, ...]:
         # Only while worker processes may be started: blocking costs two system calls.

@@ -43,12 +43,22 @@ class Source:
     def begin_epoch(self) -> None:
         """Forget the previous epoch's pass: the next item begins a new pass."""
         self._settle_loaded_state()
-        self._iterator, self.drawn, self.passes, self.exhausted, self._resume_at = None, 0, 0, False, None
+        self.close()
+        self.drawn, self.passes, self.exhausted, self._resume_at = 0, 0, False, None
 
     def restart(self) -> None:
         """Begin a new pass (a cycled source that ran out)."""
         self._settle_loaded_state()
-        self._iterator, self.drawn, self.exhausted, self._resume_at = None, 0, False, None
+        self.close()
+        self.drawn, self.exhausted, self._resume_at = 0, False, None
+
+    def close(self) -> None:
+        """Stop the worker processes of the pass in progress (a pass left before its end, as
+        ``min_size`` leaves the longer loaders, keeps them prefetching until it is collected,
+        and a process exiting with them alive waits for them)."""
+        if self._iterator is not None:
+            shut_down_workers(self._iterator)
+            self._iterator = None
 
     def next_item(self) -> Any:
         """The source's next item, or EXHAUSTED at the end of its pass."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import os
 import pathlib
 import random
@@ -63,7 +64,10 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     assert len(names) > 6
     epochs_done = [store.load(name).progress.records["fit.epochs"].total.completed for name in names]
     first_epoch_end = epochs_done.index(1)
-    chosen = names[:-1] if len(names) < 15 else names[1:-1:4] + names[first_epoch_end - 1:first_epoch_end + 1]
+    # A few mid-epoch checkpoints spread over the run (each resume trains to the end), and the
+    # first epoch's last batch and its end.
+    spread = names[1:-1:max(1, len(names) // 3)]
+    chosen = spread + names[first_epoch_end - 1:first_epoch_end + 1]
     for name in sorted(set(chosen)):  # with the first epoch's last batch and its end
         resumed = tmp_path / name / "run"
         copy_run_until(str(reference), str(resumed), name)
@@ -254,3 +258,26 @@ def test_a_mixture_ends_its_epoch_as_on_exhausted_says(on_exhausted):
         assert from_long == long and len(from_short) > len(short) and from_short[:3] == short
     else:
         assert from_short == short and from_long == long
+
+
+@pytest.mark.parametrize("kind", ["combined", "mixture"])
+def test_closing_the_run_data_stops_the_workers_of_a_source_left_mid_pass(kind):
+    # min_size (and a mixture's end) leave the longer source's pass mid-way: its workers kept
+    # prefetching until the source was collected, and a process exiting with them waited for them.
+    from engine.data.position import EXHAUSTED, EpochData
+
+    stream = DataLoader(stream_train.CountingStream(24), batch_size=stream_train.BATCH, num_workers=2)
+    listed = [torch.zeros(1)] * 2
+    if kind == "combined":
+        data = combine_loaders({"stream": stream, "list": listed}, "min_size")
+    else:
+        data = engine.data.Mixture({"stream": stream, "list": listed}, weights=[1.0, 1.0], seed=0, on_exhausted="stop")
+    before = set(multiprocessing.active_children())
+    epoch = EpochData(data)
+    iterator = epoch.open_epoch(0)
+    while epoch.next_batch(iterator) is not EXHAUSTED:
+        epoch.batch_done()
+    workers = set(multiprocessing.active_children()) - before
+    assert workers, "the stream's workers did not start"
+    epoch.close()
+    assert not [worker for worker in workers if worker.is_alive()]

@@ -12,6 +12,20 @@ from torch.utils.data import DataLoader, TensorDataset
 FEATURES, TIME, VOCAB = 12, 16, 10
 
 
+class LinearOnly(pl.LightningModule):
+    """The smallest module the adapter runs: one linear layer, training_step and an SGD."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
 class LitAutoEncoder(pl.LightningModule):
     """Lightning's front-page autoencoder, on 12 features."""
 

@@ -14,20 +14,12 @@ from torch import nn
 import engine
 import engine.lightning
 from engine.lightning._refusals import UNSUPPORTED_HOOKS
-from lit_modules import FEATURES, vectors
+from lit_modules import FEATURES, LinearOnly, vectors
 from torch.utils.data import DataLoader
 
 
-class Plain(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = nn.Linear(FEATURES, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+class Plain(LinearOnly):
+    """A module the adapter runs; the refusal cases each add one feature to it."""
 
 
 def loader():

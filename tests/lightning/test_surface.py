@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 import engine
 import engine.lightning
 from engine.cli.commands import inspect_run, run_inspect
-from lit_modules import FEATURES, vectors
+from lit_modules import FEATURES, LinearOnly, vectors
 
 HOOKS = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_train_batch_end",
          "on_validation_epoch_start", "on_validation_epoch_end", "on_train_epoch_end", "on_train_end", "on_fit_end")
@@ -198,16 +198,8 @@ def test_a_datamodule_is_prepared_set_up_and_its_state_checkpointed(tmp_path):
     assert again.calls == ["prepare_data", "setup fit", "load_state_dict 1", "teardown fit"]
 
 
-class NoValidationStep(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = nn.Linear(FEATURES, 1)
-
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+class NoValidationStep(LinearOnly):
+    """One linear layer, no validation_step."""
 
 
 def test_validation_data_without_validation_step_is_not_used_with_a_warning_as_in_lightning(tmp_path):

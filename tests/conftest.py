@@ -33,6 +33,21 @@ def pytest_collection_modifyitems(config, items):
         from cpu_features import bf16_lstm_unavailable
 
         _skip_marked(items, "cpu_bf16_lstm", bf16_lstm_unavailable())
+    _heaviest_files_first(items)
+
+
+def _heaviest_files_first(items):
+    """Hand the torchrun files out first, then the other files with subprocess tests: with
+    ``pytest -n 2`` a minute-long test that starts last keeps one core busy while the other
+    idles. Files stay whole (a module fixture is set up once per worker)."""
+    def weight(item):
+        path = item.path.as_posix()
+        if "/tests/distributed/" in path:
+            return 0
+        return 1 if path in slow_files else 2
+
+    slow_files = {item.path.as_posix() for item in items if item.get_closest_marker("slow")}
+    items.sort(key=weight)
 
 
 def _skip_marked(items, marker, reason):

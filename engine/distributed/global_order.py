@@ -189,17 +189,42 @@ def _engine_ordered(loader: Any, world_size: int) -> Any:
     return shard_loader(loader, DistributedContext(0, 1, 0, torch.device("cpu"), None, 0))
 
 
+def is_anchor(state: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint of state tree ``state`` can be resumed on another world size as
+    far as its position goes: the run's data order is global (``global_batch`` recorded), no
+    hidden state is carried across batches, and it was taken at a batch boundary with no
+    gradient-accumulation window open. The newest such checkpoint is the one a resume on another
+    world size falls back to, and the one retention keeps (the manifest's ``anchor``)."""
+    saved = state[SIGNATURE]
+    return isinstance(saved.get(GLOBAL_BATCH), int) and not saved.get("carry_hidden_across_batches") and \
+        not _inside_a_batch(state[LOOPS])
+
+
+def _inside_a_batch(loops: Mapping[str, Any]) -> bool:
+    """Whether per-rank work is in flight: a batch with splits left to run (at its last split's
+    boundary the batch is not ended yet, but nothing of it is left), or an open accumulation
+    window (gradients accumulated, not yet stepped)."""
+    split = loops.get("split") or {}
+    batch_in_flight = bool(loops["data"].get("has_pending_batch")) and not split.get("batch_finished", False)
+    return batch_in_flight or any(loops["flow"].get("pending_backward", ()))
+
+
+def needs_an_anchor(state: Mapping[str, Any], world_size: int) -> bool:
+    """Whether a resume on ``world_size`` ranks cannot continue from this checkpoint where it
+    stands (another world size, inside a batch) but could from an anchor of the same run."""
+    return saved_world_size(state[SIGNATURE]) != world_size and _inside_a_batch(state[LOOPS])
+
+
 def _refusal_inside_a_batch(name: str, state: Mapping[str, Any], before: int,
                             world_size: int) -> WorldSizeChangeRefused | None:
-    loops = state[LOOPS]
-    inside = bool(loops["data"].get("has_pending_batch")) or any(loops["flow"].get("pending_backward", ()))
-    if not inside:
+    if not _inside_a_batch(state[LOOPS]):
         return None
     return WorldSizeChangeRefused(
         f"{name} was written with world size {before} and this run has world size {world_size}: it was taken "
         "inside a batch or an open gradient-accumulation window, whose per-rank part (the batch in flight, "
         "hidden state, accumulated gradients) belongs to the old ranks; resume from a checkpoint at a batch "
-        f"boundary where no accumulation window is open (resume='<name>'), or with {before} process(es)")
+        "boundary where no accumulation window is open (resume='auto' takes the newest one by itself; "
+        f"`python -m engine inspect` marks them), or with {before} process(es)")
 
 
 def reseed_after_change(checkpoint_rng: Mapping[str, Any], rank: int, step: int) -> None:

@@ -28,7 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 from engine.checkpoint.state_keys import LOOPS, SIGNATURE
 from engine.data.position import EpochData
 from engine.distributed.state_parts import WORLD_SIZE, saved_world_size
-from engine.errors import WorldSizeChangeRefused
+from engine.errors import CheckpointIncompatible, WorldSizeChangeRefused
 
 GLOBAL_BATCH = "global_batch"
 
@@ -171,6 +171,8 @@ def adapt_data(name: str, state: Mapping[str, Any], data: EpochData, module: tor
             _refusal_inside_a_batch(name, state, before, world_size)
         if reason is not None:
             raise reason
+    elif before == 1 and not isinstance(global_batch, int) and ordered_by_engine(loader):
+        raise _refusal_of_a_new_order(name)
     if isinstance(global_batch, int):
         if ordered_by_engine(loader):
             assert isinstance(loader, DataLoader)  # ordered_by_engine
@@ -184,9 +186,8 @@ def _engine_ordered(loader: Any, world_size: int) -> Any:
     (with more ranks the engine inserted its sampler already)."""
     if world_size != 1 or ordered_by_engine(loader):
         return loader
-    from engine.distributed.environment import DistributedContext
-    from engine.distributed.sampler import shard_loader
-    return shard_loader(loader, DistributedContext(0, 1, 0, torch.device("cpu"), None, 0))
+    from engine.distributed.sampler import order_alone  # it imports this module
+    return order_alone(loader)
 
 
 def is_anchor(state: Mapping[str, Any]) -> bool:
@@ -213,6 +214,15 @@ def needs_an_anchor(state: Mapping[str, Any], world_size: int) -> bool:
     """Whether a resume on ``world_size`` ranks cannot continue from this checkpoint where it
     stands (another world size, inside a batch) but could from an anchor of the same run."""
     return saved_world_size(state[SIGNATURE]) != world_size and _inside_a_batch(state[LOOPS])
+
+
+def _refusal_of_a_new_order(name: str) -> CheckpointIncompatible:
+    return CheckpointIncompatible(
+        f"{name} was written by a single process that read its DataLoader in the loader's own order (its signature "
+        "records no global_batch), and this run orders the data the way every world size shares "
+        "(TrainerConfig.elastic=True, or torchrun): the order would change mid-run; resume with elastic=False "
+        "(distributed_sampler=False under torchrun), or start a new run directory from its weights "
+        "(engine.load_weights)")
 
 
 def _refusal_inside_a_batch(name: str, state: Mapping[str, Any], before: int,

@@ -67,7 +67,7 @@ class FitRun:
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
         # A torchrun worker joins its process group here.
-        self.coordinator = join_coordinator(self.device)
+        self.coordinator = join_coordinator(self.device, config.elastic)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         configure_model = getattr(original_module(module), "configure_model", None)
         if callable(configure_model):

@@ -107,8 +107,8 @@ class RunStart:
             f"(world size {before}), was taken inside a batch or an open gradient-accumulation window, whose "
             f"per-rank part cannot move to another world size; resuming from {anchor.name}, the newest checkpoint "
             f"at a batch boundary, and redoing {redone} split(s) of step work; the newer checkpoint(s) "
-            f"{describe_names(skipped)} are left behind ({self._fate_of_abandoned()}; resume one by name with "
-            f"{before} process(es) to return to it)", stacklevel=6)
+            f"{describe_names(skipped)} are left behind: resume one by name with {before} process(es) to return to "
+            f"it; they are {self._fate_of_abandoned()}", stacklevel=6)
         return AnchorResume(fallback.newest, skipped, redone)
 
     def _resume_end(self, end: RunEnd | None) -> str | None:

@@ -3,8 +3,8 @@
 Checkpoints a resume from an older one ``abandoned`` (engine.checkpoint.abandoned) are deleted
 at the first commit after it, and not counted either. The newest *anchor* that verifies (a
 checkpoint a resume on another world size can start from: its manifest's ``anchor``, written
-by runs whose data order is global) is kept too, even when older than the last ``keep_last``,
-and not counted in them: so a run that checkpoints inside batches (TBPTT, accumulation
+by runs whose data order is global) is kept too when it is older than the last ``keep_last``,
+beyond them: so a run that checkpoints inside batches (TBPTT, accumulation
 windows) can always change its world size."""
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def retired_by_policy(entries: list[tuple[str, Manifest | None]], keep_last: int
         if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
             doomed.append(name)
             continue
-        if manifest is None or name in protected or name == anchor:
+        if manifest is None or name in protected:
             continue
         if len(kept) < keep_last:
             if verifies(name):
                 kept.append(name)
-        elif generation is None or manifest.writer_generation <= generation:
+        elif name != anchor and (generation is None or manifest.writer_generation <= generation):
             doomed.append(name)
     if len(kept) < keep_last:
         return []

@@ -318,6 +318,28 @@ def test_the_split_loop_marks_the_boundary_of_a_batchs_last_split_finished() -> 
     assert loop.state_dict()["batch_finished"] is False
 
 
+@pytest.mark.parametrize("tbptt, accumulate, anchors", [
+    (True, 1, [(batch, 2) for batch in range(6)]),  # the last of each batch's 3 splits
+    (False, 2, [(batch, 0) for batch in (1, 3, 5)]),  # where each accumulation window closes
+])
+def test_checkpoints_record_which_are_anchors(tmp_path: pathlib.Path, tbptt: bool, accumulate: int,
+                                              anchors: list[tuple[int, int]]) -> None:
+    import elastic_train
+    import engine
+
+    record = elastic_train.Record(tmp_path / "steps.jsonl", None, 0)
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), progress_bar="off", device="cpu",
+                                  accumulate_grad=accumulate, elastic=True,
+                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None,
+                                                                     at_epoch_end=False))
+    model = elastic_train.SequenceModel(record) if tbptt else elastic_train.Model(record)
+    engine.Trainer(config, [record]).fit(model, elastic_train.loader(8, tbptt))
+    checkpoints = inspect_run(str(tmp_path / "run"))["checkpoints"]  # every split's, and the run's last
+    cursors = {(entry["cursor"]["batch"], entry["cursor"]["split"]): entry["anchor"] for entry in checkpoints}
+    assert len(cursors) == (18 if tbptt else 6)
+    assert sorted(cursor for cursor, anchor in cursors.items() if anchor) == anchors
+
+
 # ---- TBPTT: SIGKILLed inside a batch, resumed on another world size -------------------------
 
 TBPTT = ("--tbptt", "--epochs", "1")  # 6 batches of G=8, 3 splits (optimizer steps) each
@@ -338,6 +360,8 @@ def tbptt_killed(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     job = tmp_path_factory.mktemp("tbptt") / "killed"
     process = _torchrun(2, job, 0, *TBPTT, "--kill-at-step", "9")
     assert process.returncode == 1, process.stderr[-4000:]
+    last = (job / "out" / "steps-0-0.jsonl").read_text().splitlines()[-1]
+    assert json.loads(last)["step"] == 9 and not (job / "out" / "final-0.pt").exists()
     return job
 
 

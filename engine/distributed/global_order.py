@@ -13,6 +13,9 @@ run resumed with ``W'`` ranks keeps ``G``: each rank's batch becomes ``G / W'``
 (:func:`regroup`), the position (batches consumed) is the same number of global batches, and
 the per-rank random streams are derived again from the checkpoint (:func:`rank_seed`).
 What cannot continue on another world size is refused up front (:func:`refusal`), one line each.
+A checkpoint taken inside a batch or an open accumulation window cannot move either; the
+checkpoints that can are *anchors* (:func:`is_anchor`, recorded in each manifest), which
+``resume="auto"`` falls back to and retention keeps (docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -299,6 +299,13 @@ class TrainerConfig:
         distributed_sampler: under torchrun, give each rank its shard of a map-style
             DataLoader through an inserted ``DistributedSampler`` (a loader that has one is
             kept); False leaves the data as given. See docs/distributed.md.
+        elastic: let a run started on one process grow to several later: it orders a
+            map-style DataLoader the way a torchrun job does (the engine's sampler with one
+            replica: each step takes the samples a W-rank run of the same data takes) and its
+            checkpoints record the global batch. Off, a single process keeps its loader's own
+            order. Runs under torchrun always order their data so (``WORLD_SIZE=1`` included);
+            ``distributed_sampler=False`` turns that off and cannot be combined with it.
+            See docs/distributed.md.
         loggers: ``engine.loggers`` objects (``TensorBoard``, ``CSV``, or a ``Logger`` subclass)
             that receive every row of metrics.jsonl on rank 0, kept in agreement with it across
             resumes. See docs/loggers.md.
@@ -327,6 +334,7 @@ class TrainerConfig:
     val_at_epoch_end: bool = True
     distributed_sampler: bool = True
     loggers: Sequence[Logger] = ()
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -360,6 +368,10 @@ class TrainerConfig:
         _positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
         _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
         _bool(owner, "distributed_sampler", self.distributed_sampler)
+        _bool(owner, "elastic", self.elastic)
+        if self.elastic and not self.distributed_sampler:
+            raise ConfigError(f"{owner}.elastic: True needs the engine's sampler, which distributed_sampler=False "
+                              "turns off; set one of them")
         _bool(owner, "exit_on_preemption", self.exit_on_preemption)
         _loggers(owner, self.loggers)
         _bool(owner, "save_on_exception", self.save_on_exception)

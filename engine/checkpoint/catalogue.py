@@ -42,6 +42,8 @@ class CheckpointInfo:
     monitor: MonitorRecord | None = None
     # The run signature the state records (valid entries only): the CLI shows its world size.
     signature: dict[str, Any] | None = None
+    # Resumable on another world size (the manifest's ``anchor``).
+    anchor: bool = False
 
 
 @dataclasses.dataclass
@@ -262,7 +264,8 @@ class CheckpointCatalogue:
                 loaded = self.load(name, validate)
                 signature = loaded.state.get(SIGNATURE) if isinstance(loaded.state, dict) else None
                 infos.append(CheckpointInfo(name, sequence, loaded.manifest.cursor, True, None, loaded.manifest.monitor,
-                                            signature if isinstance(signature, dict) else None))
+                                            signature if isinstance(signature, dict) else None,
+                                            loaded.manifest.anchor))
             except CheckpointError as error:
                 manifest = self._manifest_or_none(name)
                 infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),

@@ -8,8 +8,9 @@ The run calls either the same way and never asks which it holds.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
+from engine.checkpoint.resume_choice import AnchorFallback
 from engine.checkpoint.store import LoadedCheckpoint, StateValidator
 from engine.errors import CheckpointNotFound
 from engine.checkpoint.metrics_log import MetricsLog
@@ -28,6 +29,11 @@ class Snapshot(Protocol):
 
     @property
     def metrics_bytes(self) -> int: ...
+
+    @property
+    def anchor(self) -> bool:
+        """Whether the checkpoint can be resumed on another world size (the manifest's ``anchor``)."""
+        ...
 
 
 class Checkpointing(Protocol):
@@ -48,8 +54,14 @@ class Checkpointing(Protocol):
     def acquire(self) -> None:
         """Take the writer lease; before :meth:`select`."""
 
-    def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
-        """The checkpoint to resume from (``resume`` as in ``Trainer.fit``); None: start fresh."""
+    @property
+    def anchor_fallback(self) -> AnchorFallback | None:
+        """Set by :meth:`select` (on the process that chose) when "auto" went back to an anchor."""
+
+    def select(self, resume: str, validate: StateValidator,
+               needs_an_anchor: Callable[[LoadedCheckpoint], bool] | None = None) -> LoadedCheckpoint | None:
+        """The checkpoint to resume from (``resume`` as in ``Trainer.fit``); None: start fresh.
+        ``needs_an_anchor``: see RunCheckpointer.select."""
 
     def abandon_newer_than(self, name: str) -> list[str]:
         """Record the checkpoints newer than ``name`` as abandoned; their names."""
@@ -91,6 +103,7 @@ class NoCheckpoints:
     last_name: str | None = None
     checkpoint_interval: int | None = None
     auto_interval: int | None = None
+    anchor_fallback: AnchorFallback | None = None
 
     def __init__(self, metrics: MetricsLog) -> None:
         self._metrics = metrics
@@ -98,7 +111,8 @@ class NoCheckpoints:
     def acquire(self) -> None:
         pass
 
-    def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
+    def select(self, resume: str, validate: StateValidator,
+               needs_an_anchor: Callable[[LoadedCheckpoint], bool] | None = None) -> LoadedCheckpoint | None:
         """Only a fresh start: resuming needs checkpoints."""
         if resume not in ("auto", "off"):
             raise CheckpointNotFound(f"resume={resume!r} needs TrainerConfig.run_dir and a checkpoint policy")

@@ -60,6 +60,8 @@ class CommitRequest:
     fence: Callable[[], None] | None = None
     # The monitored metric's value this checkpoint records (best checkpoints).
     monitor: MonitorRecord | None = None
+    # Resumable on another world size (the manifest's ``anchor``).
+    anchor: bool = False
     # The staging directory under checkpoints/ that several ranks share (None: this process's
     # own, see engine.checkpoint.staged).
     staging: str | None = None

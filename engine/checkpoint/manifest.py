@@ -63,6 +63,9 @@ class Manifest:
     # The identity of the run that wrote it, recorded by a fast tier's checkpoints (a tier is
     # bound to one run: engine.checkpoint.tiers); None elsewhere.
     run: str | None = None
+    # Resumable on another world size (engine.distributed.global_order.is_anchor); retention
+    # keeps the newest such checkpoint (engine.checkpoint.retention).
+    anchor: bool = False
 
     def to_json(self) -> bytes:
         data = {
@@ -78,6 +81,8 @@ class Manifest:
             data["monitor"] = dataclasses.asdict(self.monitor)
         if self.run is not None:
             data["run"] = self.run
+        if self.anchor:
+            data["anchor"] = True
         # Compact: with an indent, json falls back from its C encoder to Python (~0.2 ms a commit).
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
@@ -105,13 +110,14 @@ class Manifest:
             files = {check_name(name): _file_record(record) for name, record in data["files"].items()}
             monitor = _monitor_record(data["monitor"]) if "monitor" in data else None
             run = _run_identity(data["run"]) if "run" in data else None
+            anchor = _anchor(data["anchor"]) if "anchor" in data else False
             return cls(_count(data, "sequence"), cursor, files, _timestamp(data["created_unix"]),
-                       _count(data, "writer_generation"), monitor, run)
+                       _count(data, "writer_generation"), monitor, run, anchor)
         except (ValueError, TypeError, AttributeError, RecursionError) as error:
             raise CheckpointCorrupt(f"{MANIFEST_FILE} is malformed: {error}") from error
 
 
-_OPTIONAL_KEYS = frozenset({"monitor", "run"})
+_OPTIONAL_KEYS = frozenset({"monitor", "run", "anchor"})
 MAX_RUN_IDENTITY = 64
 
 
@@ -119,6 +125,12 @@ def _run_identity(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_RUN_IDENTITY:
         raise ValueError(f"'run' must be a string of 1 to {MAX_RUN_IDENTITY} characters, got {value!r:.80}")
     return value
+
+
+def _anchor(value: Any) -> bool:
+    if value is not True:
+        raise ValueError(f"'anchor' must be true when present, got {value!r:.80}")
+    return True
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

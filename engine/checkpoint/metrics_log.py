@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from typing import Callable
+from typing import Callable, Mapping
 
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointWriteError, WriterConflict
@@ -211,9 +211,11 @@ class MetricsLog:
         self._loggers.close()
 
     def record_resume(self, checkpoint: str, cursor: Cursor | None, optimizer_steps: int, wall_time: float,
-                      world_size_before: int | None = None, world_size: int = 1) -> None:
+                      world_size_before: int | None = None, world_size: int = 1,
+                      notes: Mapping[str, object] | None = None) -> None:
         """Append a row to resumes.jsonl: this process resumed from ``checkpoint`` (on another
-        world size than it was written with: ``world_size_before`` -> ``world_size``)."""
+        world size than it was written with: ``world_size_before`` -> ``world_size``), with
+        ``notes`` (how the checkpoint was chosen) added to the row."""
         if self._storage is None:
             return
         row: dict[str, object] = {"checkpoint": checkpoint, "step": optimizer_steps, "time": round(wall_time, 3)}
@@ -221,6 +223,7 @@ class MetricsLog:
             row.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
         if world_size_before is not None:
             row.update(world_size_before=world_size_before, world_size=world_size)
+        row.update(notes or {})
         self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
     def length_after_flush(self) -> int:

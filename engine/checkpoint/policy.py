@@ -28,7 +28,8 @@ from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
-from engine.checkpoint.resume_choice import choose_checkpoint, newer_than, record_abandoned
+from engine.checkpoint.resume_choice import (AUTOMATIC, AnchorFallback, choose_checkpoint, fall_back_to_anchor,
+                                             newer_than, record_abandoned)
 from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
 from engine.config import CheckpointConfig
@@ -56,6 +57,8 @@ class RunCheckpointer:
         self._fresh_monitor: MonitorRecord | None = None
         self._cadence: Cadence = choose_cadence(policy)
         self._resumed_name: str | None = None
+        # Set by select() on rank 0 when "auto" went back to an anchor (another world size).
+        self.anchor_fallback: AnchorFallback | None = None
         self._tiering: Tiering = choose_tiering(policy, storage, self.store, distributed=group is not None)
 
     @property
@@ -78,12 +81,16 @@ class RunCheckpointer:
         fence), across the tiers."""
         return self._tiering.takeover_sequence(self.store.newest_committed_sequence(), self._lease)
 
-    def select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
+    def select(self, resume: str, validate: StateValidator,
+               needs_an_anchor: Callable[[LoadedCheckpoint], bool] | None = None) -> LoadedCheckpoint | None:
         """The checkpoint to resume from (``resume`` as in ``Trainer.fit``), or None to start
         fresh. "auto"/"latest" take the newest that verifies and whose state passes
         ``validate``; a run dir whose every checkpoint is invalid is refused, never restarted
-        silently."""
-        loaded = self._side.select(functools.partial(self._select, resume, validate), self.store, validate)
+        silently. When ``needs_an_anchor`` says the newest cannot be resumed where it stands
+        (another world size, inside a batch), they take the newest anchor instead and record
+        the fallback in :attr:`anchor_fallback` (engine.checkpoint.resume_choice)."""
+        choose = functools.partial(self._select, resume, validate, needs_an_anchor)
+        loaded = self._side.select(choose, self.store, validate)
         self._resumed_name = None if loaded is None else loaded.name
         return loaded
 
@@ -93,8 +100,14 @@ class RunCheckpointer:
         the same one and take their own part), or None."""
         return self._side.select(choose, self.store, validate)
 
-    def _select(self, resume: str, validate: StateValidator) -> LoadedCheckpoint | None:
-        return choose_checkpoint(resume, validate, self._tiering.stores(), self._storage)
+    def _select(self, resume: str, validate: StateValidator,
+                needs_an_anchor: Callable[[LoadedCheckpoint], bool] | None) -> LoadedCheckpoint | None:
+        stores = self._tiering.stores()
+        loaded = choose_checkpoint(resume, validate, stores, self._storage)
+        if loaded is None or needs_an_anchor is None or resume not in AUTOMATIC:
+            return loaded
+        loaded, self.anchor_fallback = fall_back_to_anchor(loaded, stores, validate, self._storage, needs_an_anchor)
+        return loaded
 
     def abandon_newer_than(self, name: str) -> list[str]:
         """Resuming by name from ``name``: record the checkpoints newer than it as abandoned
@@ -193,6 +206,7 @@ class RunCheckpointer:
                                         metrics_bytes=snapshot.metrics_bytes,
                                         durable=self._tiering.durable_due(mark[0], force) or monitor is not None,
                                         monitor=monitor,
+                                        anchor=snapshot.anchor,
                                         digest=digest)
             written = self._writer.submit(pending, force=force)
         except WriterConflict:

@@ -6,13 +6,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from typing import Callable, Collection
 
 from engine.checkpoint.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
 from engine.checkpoint.tiers import latest_across, load_named, stores_newest_first
-from engine.errors import CheckpointCorrupt, CheckpointNotFound
+from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from progress import ProgressTree
+
+AUTOMATIC = ("auto", "latest")
+"""The ``resume`` values that let the engine choose the checkpoint."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorFallback:
+    """A resume on another world size went back from the newest checkpoint ``newest``, taken
+    inside a batch, to the newest anchor (see :func:`newest_anchor_before`)."""
+
+    newest: str
+    newest_progress: ProgressTree
 
 
 def choose_checkpoint(resume: str, validate: StateValidator, stores: list[CheckpointStore],
@@ -36,6 +51,41 @@ def choose_checkpoint(resume: str, validate: StateValidator, stores: list[Checkp
         )
     if resume == "latest":
         raise CheckpointNotFound(f"resume='latest' but {storage.url} holds no checkpoint")
+    return None
+
+
+def fall_back_to_anchor(loaded: LoadedCheckpoint, stores: list[CheckpointStore], validate: StateValidator,
+                        storage: Storage, needs_an_anchor: Callable[[LoadedCheckpoint], bool]
+                        ) -> tuple[LoadedCheckpoint, AnchorFallback | None]:
+    """``loaded`` (the "auto"/"latest" choice), or, when ``needs_an_anchor(loaded)`` (a resume on
+    another world size that cannot start inside a batch), the newest anchor older than it with
+    the fallback made; ``loaded`` again when there is no anchor (its restore then refuses it,
+    saying why)."""
+    if not needs_an_anchor(loaded):
+        return loaded, None
+    anchor = newest_anchor_before(loaded.name, stores, validate, read_abandoned(storage))
+    if anchor is None:
+        return loaded, None
+    return anchor, AnchorFallback(loaded.name, loaded.progress)
+
+
+def newest_anchor_before(name: str, stores: list[CheckpointStore], validate: StateValidator,
+                         skip: Collection[str] = ()) -> LoadedCheckpoint | None:
+    """The newest checkpoint older than ``name`` (in resume order) whose manifest marks it an
+    anchor (resumable on another world size) and that loads and passes ``validate``, leaving
+    out ``skip``; one that fails is reported and the next older one tried. Only manifests are
+    read to find the candidates."""
+    entries = stores_newest_first(stores)
+    names = [entry for _, entry in entries]
+    manifests = [dict(store.newest_first()) for store in stores]
+    for store, candidate in entries[names.index(name) + 1 if name in names else 0:]:
+        manifest = manifests[stores.index(store)].get(candidate)
+        if candidate in skip or manifest is None or not manifest.anchor:
+            continue
+        try:
+            return store.load(candidate, validate)
+        except CheckpointError as error:
+            warnings.warn(f"skipping checkpoint {candidate} in {store.storage.url}: {error}", stacklevel=3)
     return None
 
 

@@ -1,7 +1,11 @@
 """Which checkpoints to keep after a commit: the newest ``keep_last`` that verify, plus the
 ``keep_best`` best by the monitored metric (never deleted, and not counted in ``keep_last``).
 Checkpoints a resume from an older one ``abandoned`` (engine.checkpoint.abandoned) are deleted
-at the first commit after it, and not counted either."""
+at the first commit after it, and not counted either. The newest *anchor* that verifies (a
+checkpoint a resume on another world size can start from: its manifest's ``anchor``, written
+by runs whose data order is global) is kept too when it is older than the last ``keep_last``,
+beyond them: so a run that checkpoints inside batches (TBPTT, accumulation
+windows) can always change its world size."""
 
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def retired_by_policy(entries: list[tuple[str, Manifest | None]], keep_last: int
     their manifests, newest first): see there."""
     kept: list[str] = []
     doomed: list[str] = []
+    anchor = newest_anchor(entries, abandoned, verifies)
     for name, manifest in entries:
         if manifest is not None and name in abandoned and (generation is None or manifest.writer_generation < generation):
             doomed.append(name)
@@ -47,10 +52,20 @@ def retired_by_policy(entries: list[tuple[str, Manifest | None]], keep_last: int
         if len(kept) < keep_last:
             if verifies(name):
                 kept.append(name)
-        elif generation is None or manifest.writer_generation <= generation:
+        elif name != anchor and (generation is None or manifest.writer_generation <= generation):
             doomed.append(name)
     if len(kept) < keep_last:
         return []
     oldest_kept = min(sequence_of(name) for name in kept)
     unreadable = [name for name, manifest in entries if manifest is None and sequence_of(name) < oldest_kept]
     return doomed + unreadable
+
+
+def newest_anchor(entries: list[tuple[str, Manifest | None]], abandoned: Collection[str],
+                  verifies: Callable[[str], bool]) -> str | None:
+    """The newest of ``entries`` (newest first) whose manifest marks it an anchor and that
+    verifies, leaving out ``abandoned`` ones; None when there is none."""
+    for name, manifest in entries:
+        if manifest is not None and manifest.anchor and name not in abandoned and verifies(name):
+            return name
+    return None

@@ -143,7 +143,7 @@ class StagedCheckpoint:
         records = {**self._records, **other_files}
         faults.reach("checkpoint_before_manifest")
         manifest = Manifest(self.sequence, request.cursor, records, time.time(), request.generation,
-                            request.monitor, store.run)
+                            request.monitor, store.run, request.anchor)
         local = self._local
         if local is None:
             if request.fence is not None:

@@ -69,7 +69,8 @@ class CheckpointStore(CheckpointCatalogue):
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
         files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
         request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
-                                also_sync=also_sync, fence=fence, monitor=manifest.monitor)
+                                also_sync=also_sync, fence=fence, monitor=manifest.monitor,
+                                anchor=manifest.anchor)
         return self.stage(request).commit()
 
     def remember_committed(self, name: str, manifest: Manifest) -> None:

@@ -46,6 +46,8 @@ class PendingCheckpoint:
     durable: bool = True
     # The monitored metric's fresh value this checkpoint is taken for (best checkpoints).
     monitor: MonitorRecord | None = None
+    # Resumable on another world size (the manifest's ``anchor``).
+    anchor: bool = False
     # A distributed run's digest of its replicated state (compared across ranks at commit).
     digest: dict[str, int] | None = None
 
@@ -147,7 +149,8 @@ class _WriterBase:
         return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
                              self.lease.generation if self.lease is not None else 0,
                              on_data_written=lambda: self.release(pending),
-                             fence=self.lease.verify if self.lease is not None else None, monitor=pending.monitor)
+                             fence=self.lease.verify if self.lease is not None else None, monitor=pending.monitor,
+                             anchor=pending.anchor)
 
     def _commit_as_writer(self, pending: PendingCheckpoint, request: CommitRequest) -> str:
         """Fence, publish the metrics lines, write and commit, apply retention; the name."""

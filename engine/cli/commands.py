@@ -65,7 +65,7 @@ def inspect_run(url: str) -> dict[str, Any]:
         "checkpoints": [
             {"name": e.name, "cursor": None if e.cursor is None else e.cursor.to_dict(), "valid": e.valid, "error": e.error,
              "monitor": None if e.monitor is None else dataclasses.asdict(e.monitor),
-             "world_size": None if e.signature is None else saved_world_size(e.signature)}
+             "world_size": None if e.signature is None else saved_world_size(e.signature), "anchor": e.anchor}
             for e in entries
         ],
         "latest": None if latest is None else latest.name,
@@ -106,7 +106,8 @@ def run_inspect(url: str, as_json: bool) -> int:
         if monitor is not None:
             status += f"  {monitor['name']}={monitor['value']:.6g}" + ("  BEST" if entry["name"] == report["best"] else "")
         ranks = "" if entry["world_size"] is None else f"  world size {entry['world_size']}"
-        print(f"{entry['name']}  {where:<32}  {status}{ranks}")
+        anchor = "  anchor" if entry["anchor"] else ""
+        print(f"{entry['name']}  {where:<32}  {status}{ranks}{anchor}")
     print(f"latest: {report['latest']}")
     if report["best"]:
         print(f"best: {report['best']}")

@@ -20,11 +20,11 @@ One job per module:
 
 from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
 from engine.distributed.commit import GroupCommit
-from engine.distributed.environment import DistributedContext, join
+from engine.distributed.environment import DistributedContext, join, launched_by_torchrun
 from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
 from engine.distributed.rank_values import RankExchange
-from engine.distributed.sampler import shard_loader, shard_validation_loader
+from engine.distributed.sampler import order_alone, shard_loader, shard_validation_loader
 
 __all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "join",
-           "mean_losses", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
+           "launched_by_torchrun", "mean_losses", "order_alone", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
            "write_preemption_marker"]

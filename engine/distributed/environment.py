@@ -48,6 +48,11 @@ class DistributedContext:
         return torch.tensor(values, dtype=torch.float64, device=self.device)
 
 
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun (its elastic agent) started this process, whatever its world size."""
+    return "TORCHELASTIC_RUN_ID" in (os.environ if environ is None else environ)
+
+
 def requested_world_size(environ: Mapping[str, str] | None = None) -> int:
     """``WORLD_SIZE`` from the environment (1 when unset), validated."""
     environ = os.environ if environ is None else environ

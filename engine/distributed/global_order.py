@@ -13,6 +13,9 @@ run resumed with ``W'`` ranks keeps ``G``: each rank's batch becomes ``G / W'``
 (:func:`regroup`), the position (batches consumed) is the same number of global batches, and
 the per-rank random streams are derived again from the checkpoint (:func:`rank_seed`).
 What cannot continue on another world size is refused up front (:func:`refusal`), one line each.
+A checkpoint taken inside a batch or an open accumulation window cannot move either; the
+checkpoints that can are *anchors* (:func:`is_anchor`, recorded in each manifest), which
+``resume="auto"`` falls back to and retention keeps (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 from engine.checkpoint.state_keys import LOOPS, SIGNATURE
 from engine.data.position import EpochData
 from engine.distributed.state_parts import WORLD_SIZE, saved_world_size
-from engine.errors import WorldSizeChangeRefused
+from engine.errors import CheckpointIncompatible, WorldSizeChangeRefused
 
 GLOBAL_BATCH = "global_batch"
 
@@ -171,6 +174,8 @@ def adapt_data(name: str, state: Mapping[str, Any], data: EpochData, module: tor
             _refusal_inside_a_batch(name, state, before, world_size)
         if reason is not None:
             raise reason
+    elif before == 1 and not isinstance(global_batch, int) and ordered_by_engine(loader):
+        raise _refusal_of_a_new_order(name)
     if isinstance(global_batch, int):
         if ordered_by_engine(loader):
             assert isinstance(loader, DataLoader)  # ordered_by_engine
@@ -184,22 +189,55 @@ def _engine_ordered(loader: Any, world_size: int) -> Any:
     (with more ranks the engine inserted its sampler already)."""
     if world_size != 1 or ordered_by_engine(loader):
         return loader
-    from engine.distributed.environment import DistributedContext
-    from engine.distributed.sampler import shard_loader
-    return shard_loader(loader, DistributedContext(0, 1, 0, torch.device("cpu"), None, 0))
+    from engine.distributed.sampler import order_alone  # it imports this module
+    return order_alone(loader)
+
+
+def is_anchor(state: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint of state tree ``state`` can be resumed on another world size as
+    far as its position goes: the run's data order is global (``global_batch`` recorded), no
+    hidden state is carried across batches, and it was taken at a batch boundary with no
+    gradient-accumulation window open. The newest such checkpoint is the one a resume on another
+    world size falls back to, and the one retention keeps (the manifest's ``anchor``)."""
+    saved = state[SIGNATURE]
+    return isinstance(saved.get(GLOBAL_BATCH), int) and not saved.get("carry_hidden_across_batches") and \
+        not _inside_a_batch(state[LOOPS])
+
+
+def _inside_a_batch(loops: Mapping[str, Any]) -> bool:
+    """Whether per-rank work is in flight: a batch with splits left to run (at its last split's
+    boundary the batch is not ended yet, but nothing of it is left), or an open accumulation
+    window (gradients accumulated, not yet stepped)."""
+    split = loops.get("split") or {}
+    batch_in_flight = bool(loops["data"].get("has_pending_batch")) and not split.get("batch_finished", False)
+    return batch_in_flight or any(loops["flow"].get("pending_backward", ()))
+
+
+def needs_an_anchor(state: Mapping[str, Any], world_size: int) -> bool:
+    """Whether a resume on ``world_size`` ranks cannot continue from this checkpoint where it
+    stands (another world size, inside a batch) but could from an anchor of the same run."""
+    return saved_world_size(state[SIGNATURE]) != world_size and _inside_a_batch(state[LOOPS])
+
+
+def _refusal_of_a_new_order(name: str) -> CheckpointIncompatible:
+    return CheckpointIncompatible(
+        f"{name} was written by a single process that read its DataLoader in the loader's own order (its signature "
+        "records no global_batch), and this run orders the data the way every world size shares "
+        "(TrainerConfig.elastic=True, or torchrun): the order would change mid-run; resume with elastic=False "
+        "(distributed_sampler=False under torchrun), or start a new run directory from its weights "
+        "(engine.load_weights)")
 
 
 def _refusal_inside_a_batch(name: str, state: Mapping[str, Any], before: int,
                             world_size: int) -> WorldSizeChangeRefused | None:
-    loops = state[LOOPS]
-    inside = bool(loops["data"].get("has_pending_batch")) or any(loops["flow"].get("pending_backward", ()))
-    if not inside:
+    if not _inside_a_batch(state[LOOPS]):
         return None
     return WorldSizeChangeRefused(
         f"{name} was written with world size {before} and this run has world size {world_size}: it was taken "
         "inside a batch or an open gradient-accumulation window, whose per-rank part (the batch in flight, "
         "hidden state, accumulated gradients) belongs to the old ranks; resume from a checkpoint at a batch "
-        f"boundary where no accumulation window is open (resume='<name>'), or with {before} process(es)")
+        "boundary where no accumulation window is open (resume='auto' takes the newest one by itself; "
+        f"`python -m engine inspect` marks them), or with {before} process(es)")
 
 
 def reseed_after_change(checkpoint_rng: Mapping[str, Any], rank: int, step: int) -> None:

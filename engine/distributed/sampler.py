@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterable, Iterator, Sized
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -40,6 +41,13 @@ def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[A
     sampler = GlobalOrderSampler(data.dataset, num_replicas=context.world_size, rank=context.rank,
                                  shuffle=isinstance(data.sampler, RandomSampler), seed=0, drop_last=data.drop_last)
     return _rebuilt(data, batch_size=data.batch_size, sampler=sampler, drop_last=data.drop_last)
+
+
+def order_alone(data: Iterable[Any]) -> Iterable[Any]:
+    """``data`` ordered by the engine for a process that trains alone (the sampler with one
+    replica: the order every world size of the run shares, docs/distributed.md) when it is a
+    map-style DataLoader; else ``data`` as it is."""
+    return shard_loader(data, DistributedContext(0, 1, 0, torch.device("cpu"), None, 0))
 
 
 def shard_validation_loader(data: Iterable[Any], context: DistributedContext, one_sequence: bool = False) -> Iterable[Any]:

@@ -35,6 +35,9 @@ class SplitLoop:
     ) -> None:
         self.progress = Progress()
         self.hidden: Hidden = None
+        # Every split of the batch in flight is done (its last split's boundary, before the
+        # epoch loop ends the batch): nothing of the batch is left to run.
+        self.batch_finished = False
         self._splitter = splitter
         self._split_length = split_length
         self._carry = carry_hidden_across_batches
@@ -62,10 +65,12 @@ class SplitLoop:
             self.hidden = detach_hidden(hidden)
             progress.increment_processed()
             progress.increment_completed()
+            self.batch_finished = index == last
             self._boundary(index, losses)
             if self._stop.requested:
                 return None
         progress.reset_current()
+        self.batch_finished = False
         if not self._carry:
             self.hidden = None
         return losses
@@ -73,6 +78,7 @@ class SplitLoop:
     def skip_batch(self) -> None:
         """The batch is skipped (a rollback past an anomaly): what remains of it is not run."""
         self.progress.reset_current()
+        self.batch_finished = False
         if not self._carry:
             self.hidden = None
 
@@ -81,10 +87,12 @@ class SplitLoop:
         self._runner.end_epoch()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"hidden": self.hidden}
+        return {"hidden": self.hidden, "batch_finished": self.batch_finished}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hidden = state["hidden"]
+        # Checkpoints of earlier versions lack it: taken as inside the batch.
+        self.batch_finished = bool(state.get("batch_finished", False))
 
 
 def _note_split(error: Exception, position: Position, splits: int, split: Any, hidden: Hidden) -> None:

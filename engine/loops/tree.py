@@ -135,6 +135,12 @@ class LoopTree:
             self.evaluation.close()
 
 
+def units_completed_in(progress: ProgressTree) -> int:
+    """:meth:`LoopTree.units_completed` as a progress tree (a checkpoint's) records it."""
+    record = progress.records.get("split.splits") or progress.records["epoch.batches"]
+    return record.total.completed
+
+
 def tbptt_split_length(module: torch.nn.Module) -> int | None:
     """The module's split length, validated."""
     length = getattr(module, "tbptt_split_length", None)

@@ -15,6 +15,7 @@ import torch
 
 from engine import distributed
 from engine.distributed.environment import DistributedContext
+from engine.errors import ConfigError
 from engine.loops.context import StopState
 
 
@@ -49,17 +50,32 @@ class Coordinator(Protocol):
 
 
 class SingleProcess:
-    """This process trains alone: every decision is its own."""
+    """This process trains alone: every decision is its own. With ``global_order`` (asked by
+    ``TrainerConfig.elastic``, or torchrun with ``WORLD_SIZE=1``) it orders its data the way a
+    torchrun job does, so that the run can grow to several processes later; ``elastic``: the
+    user asked for it, so data the engine cannot order is refused."""
 
     context: DistributedContext | None = None
     world_size = 1
     is_writer = True
 
+    def __init__(self, global_order: bool = False, elastic: bool = False) -> None:
+        self._global_order = global_order or elastic
+        self._elastic = elastic
+
     def commit_group(self) -> distributed.GroupCommit | None:
         return None
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
-        return data
+        if not (self._global_order and distributed_sampler):
+            return data
+        ordered = distributed.order_alone(data)
+        if self._elastic and ordered is data:
+            raise ConfigError(f"TrainerConfig.elastic=True: the training data, a {type(data).__name__}, is not a "
+                              "DataLoader over a map-style dataset with a plain (shuffled or sequential) sampler, so "
+                              "the engine cannot order it the way every world size shares; pass such a DataLoader "
+                              "or set elastic=False (docs/distributed.md)")
+        return ordered
 
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         return losses, []
@@ -110,7 +126,10 @@ class Group:
         return agreed.checkpoint
 
 
-def join_coordinator(device: torch.device) -> Coordinator:
-    """Join the torchrun job this process was started in, if any (engine.distributed.join)."""
+def join_coordinator(device: torch.device, elastic: bool = False) -> Coordinator:
+    """Join the torchrun job this process was started in, if any (engine.distributed.join).
+    ``elastic``: TrainerConfig.elastic (see :class:`SingleProcess`)."""
     context = distributed.join(device)
-    return SingleProcess() if context is None else Group(context)
+    if context is None:
+        return SingleProcess(global_order=distributed.launched_by_torchrun(), elastic=elastic)
+    return Group(context)

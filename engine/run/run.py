@@ -67,7 +67,7 @@ class FitRun:
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
         # A torchrun worker joins its process group here.
-        self.coordinator = join_coordinator(self.device)
+        self.coordinator = join_coordinator(self.device, config.elastic)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         configure_model = getattr(original_module(module), "configure_model", None)
         if callable(configure_model):
@@ -206,7 +206,8 @@ class FitRun:
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time(),
-                                      resumed.world_size_before, self.coordinator.world_size)
+                                      resumed.world_size_before, self.coordinator.world_size,
+                                      None if resumed.fallback is None else resumed.fallback.record())
             self.rollbacks.publish(self.tree.epoch.anomalies.records)  # a kill may have come before the last write
             self._update_status()
             # A resumed run re-evaluates the split-boundary predicates before doing any work.

@@ -13,10 +13,15 @@ import warnings
 from typing import TYPE_CHECKING
 
 from engine.checkpoint.abandoned import describe_names
+from engine.checkpoint.resume_choice import AnchorFallback
+from engine.checkpoint.state_keys import SIGNATURE
 from engine.checkpoint.store import LoadedCheckpoint
 from engine.config import TrainerConfig
+from engine.distributed import global_order
+from engine.distributed.state_parts import saved_world_size
 from engine.loops.context import StopState
 from engine.loops.optim_setup import OptimizerSetup
+from engine.loops.tree import units_completed_in
 from engine.run import state as run_state
 from engine.run.display import Display
 from engine.checkpoint.metrics_log import MetricsLog
@@ -38,6 +43,22 @@ class ResumedStart:
     end_note: str | None
     elapsed_seconds: float
     world_size_before: int | None = None  # the checkpoint's world size when this run has another
+    fallback: AnchorResume | None = None  # "auto" went back to an anchor (another world size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorResume:
+    """resume="auto" on another world size went back from ``newest``, taken inside a batch, to
+    the newest anchor: the newer checkpoints ``skipped`` (oldest first) are left behind and
+    ``splits_redone`` units of step work are trained again."""
+
+    newest: str
+    skipped: list[str]
+    splits_redone: int
+
+    def record(self) -> dict[str, object]:
+        """What resumes.jsonl records about it."""
+        return {"fell_back_from": self.newest, "skipped": self.skipped, "splits_redone": self.splits_redone}
 
 
 class RunStart:
@@ -59,16 +80,36 @@ class RunStart:
         checkpoints.acquire()
         if resume == "off":
             self._warn_fresh_over_checkpoints()
-        loaded = checkpoints.select(resume, run_state.validate)
+        loaded = checkpoints.select(resume, run_state.validate, self._needs_an_anchor)
         if loaded is not None and resume.startswith("ckpt-"):
             self._abandon_newer(loaded.name)
         if loaded is None:
             self._start_fresh()
             return None
+        fallback = checkpoints.anchor_fallback
         restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts)
+        anchor_resume = None if fallback is None else self._fall_back(fallback, loaded)
         self._metrics.resume_at(restored.metrics_bytes, self._parts.tree.step_counter.total)
         return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
-                            restored.world_size_before)
+                            restored.world_size_before, anchor_resume)
+
+    def _needs_an_anchor(self, loaded: LoadedCheckpoint) -> bool:
+        return global_order.needs_an_anchor(loaded.state, self._parts.world_size)
+
+    def _fall_back(self, fallback: AnchorFallback, anchor: LoadedCheckpoint) -> AnchorResume:
+        """resume="auto" went back to ``anchor`` (restored): the newer checkpoints are
+        abandoned (kept until this run's first commit), and one log line says so."""
+        skipped = self._checkpoints.abandon_newer_than(anchor.name)
+        redone = units_completed_in(fallback.newest_progress) - units_completed_in(anchor.progress)
+        before = saved_world_size(anchor.state[SIGNATURE])
+        warnings.warn(
+            f"splitloop: resuming on {self._parts.world_size} process(es): the newest checkpoint, {fallback.newest} "
+            f"(world size {before}), was taken inside a batch or an open gradient-accumulation window, whose "
+            f"per-rank part cannot move to another world size; resuming from {anchor.name}, the newest checkpoint "
+            f"at a batch boundary, and redoing {redone} split(s) of step work; the newer checkpoint(s) "
+            f"{describe_names(skipped)} are left behind: resume one by name with {before} process(es) to return to "
+            f"it; they are {self._fate_of_abandoned()}", stacklevel=6)
+        return AnchorResume(fallback.newest, skipped, redone)
 
     def _resume_end(self, end: RunEnd | None) -> str | None:
         """A checkpoint of a finished run: stop at once (nothing more to train) unless a limit
@@ -89,14 +130,17 @@ class RunStart:
         newer = self._checkpoints.abandon_newer_than(name)
         if not newer:
             return
-        assert self._config.checkpoint is not None  # only a run with checkpoints resumes
-        keep_last = self._config.checkpoint.keep_last
-        fate = ("kept (keep_last=None)" if keep_last is None else
-                "kept until this run commits its first checkpoint, then deleted by retention (to keep them, stop "
-                "now and copy them elsewhere)")
         warnings.warn(f"resume={name!r}: {self._config.run_dir} holds {len(newer)} newer checkpoint(s), "
                       f"{describe_names(newer)}, of the history this run branches off; resume='auto' no longer "
-                      f"returns to them; they are {fate}", stacklevel=6)
+                      f"returns to them; they are {self._fate_of_abandoned()}", stacklevel=6)
+
+    def _fate_of_abandoned(self) -> str:
+        """What becomes of the checkpoints a resume from an older one abandons."""
+        assert self._config.checkpoint is not None  # only a run with checkpoints resumes
+        if self._config.checkpoint.keep_last is None:
+            return "kept (keep_last=None)"
+        return ("kept until this run commits its first checkpoint, then deleted by retention (to keep them, stop "
+                "now and copy them elsewhere)")
 
     def _warn_fresh_over_checkpoints(self) -> None:
         """resume="off" in a run dir that holds checkpoints: say that retention will delete them."""

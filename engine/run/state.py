@@ -117,6 +117,12 @@ class RunSnapshot:
         the lines it counts are appended (the metrics log sealed them when it was captured)."""
         return int(self.state[METRICS_BYTES])
 
+    @property
+    def anchor(self) -> bool:
+        """Whether the checkpoint can be resumed on another world size (its manifest says so,
+        for retention and the resume choice: engine.distributed.global_order.is_anchor)."""
+        return global_order.is_anchor(self.state)
+
 
 @dataclasses.dataclass
 class RestoredRun:

@@ -14,6 +14,12 @@ final parameters go to ``OUT_DIR/final-<ATTEMPT>.pt`` (rank 0).
 meanwhile). ``ATTEMPT`` ``w`` names the step files by the world size instead (one torchrun whose
 group changes size).
 
+``--tbptt``: a small RNN trained with TBPTT on sequences of ``TIME`` steps cut into splits of
+``SPLIT`` (so several optimizer steps per batch, each split one step; a checkpoint after every
+split, most of them inside a batch). ``--elastic``: ``TrainerConfig(elastic=True)`` (a single
+process that orders its data the global way). ``--resume NAME``: ``fit(resume=NAME)``. Without
+torchrun the script runs as one plain process.
+
 A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
 """
 
@@ -38,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import engine
 
 SAMPLES, FEATURES = 48, 3
+TIME, SPLIT = 6, 2
 
 
 class Model(engine.Module):
@@ -74,8 +81,33 @@ class Record(engine.Callback):
                 time.sleep(0.05)
 
 
-def loader(batch: int) -> DataLoader:
+class SequenceModel(engine.Module):
+    """A one-layer RNN trained with TBPTT; each sample's id runs along its time steps."""
+
+    tbptt_split_length = SPLIT
+
+    def __init__(self, record: "Record") -> None:
+        super().__init__()
+        self.rnn = torch.nn.RNN(FEATURES, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+        self.record = record
+
+    def training_step(self, batch: Any, hidden: Any = None) -> Any:
+        x, y, ids = batch
+        self.record.ids = [int(i) for i in ids[:, 0]]
+        out, hidden = self.rnn(x, hidden)
+        return torch.nn.functional.mse_loss(self.head(out), y), hidden
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def loader(batch: int, tbptt: bool = False) -> DataLoader:
     generator = torch.Generator().manual_seed(7)
+    if tbptt:
+        x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
+        ids = torch.arange(SAMPLES).unsqueeze(1).expand(SAMPLES, TIME).contiguous()
+        return DataLoader(TensorDataset(x, x.sum(dim=2, keepdim=True).sin(), ids), batch_size=batch, shuffle=True)
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
     return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(SAMPLES)), batch_size=batch,
                       shuffle=True)
@@ -90,6 +122,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--pause-at-step", type=int, default=None)
+    parser.add_argument("--tbptt", action="store_true")
+    parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--resume", default="auto")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     out = pathlib.Path(args.out_dir)
@@ -98,12 +133,13 @@ def main() -> int:
     record = Record(out / f"steps-{attempt}-{rank}.jsonl", args.kill_at_step, rank,
                     args.pause_at_step if world_size == 2 else None)
     torch.manual_seed(100)
-    model = Model(record)
+    model = SequenceModel(record) if args.tbptt else Model(record)
     torch.manual_seed(1000 + rank)
     config = engine.TrainerConfig(max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", device="cpu",
-                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2))
+                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2),
+                                  elastic=args.elastic)
     try:
-        engine.Trainer(config, [record]).fit(model, loader(args.batch))
+        engine.Trainer(config, [record]).fit(model, loader(args.batch, args.tbptt), resume=args.resume)
     except engine.CheckpointIncompatible as error:
         (out / f"error-{attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
         return 2

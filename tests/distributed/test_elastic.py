@@ -204,8 +204,12 @@ def test_sigkilled_run_resumed_on_4_then_1_then_2_ranks_trains_every_step_on_the
     # Parameters: the same samples meet the same step, but DDP averages W per-rank mean
     # gradients in another order (and another reduction tree) for each W, so float rounding
     # differs: this is the one comparison where closeness, not equality, is the guarantee.
-    reference = torch.load(reference_run / "out" / "final-0.pt", weights_only=True)
-    final = torch.load(job / "out" / "final-3.pt", weights_only=True)
+    _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / "final-3.pt")
+
+
+def _assert_close_parameters(reference_path: pathlib.Path, final_path: pathlib.Path) -> None:
+    reference = torch.load(reference_path, weights_only=True)
+    final = torch.load(final_path, weights_only=True)
     for key, value in reference.items():
         scale = value.abs().max().clamp_min(1e-12)
         assert ((final[key] - value).abs().max() / scale).item() <= 1e-5, key
@@ -264,3 +268,228 @@ def test_a_second_torchrun_agent_joining_mid_run_continues_on_the_larger_world(
     assert _samples_per_step(job / "out") == _samples_per_step(reference_run / "out")
     resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
     assert [(row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 4)]
+
+
+# ---- anchors: the checkpoints a world-size change can start from --------------------------
+
+def _state(pending: bool = False, finished: bool = False, window: bool = False, **signature: object) -> dict:
+    return {"signature": {"world_size": 2, "global_batch": 8, "carry_hidden_across_batches": False, **signature},
+            "loops": {"data": {"has_pending_batch": pending}, "flow": {"pending_backward": [window]},
+                      "split": {"hidden": None, "batch_finished": finished}}}
+
+
+def test_only_a_batch_boundary_with_no_open_window_in_a_global_order_is_an_anchor() -> None:
+    assert global_order.is_anchor(_state())
+    assert global_order.is_anchor(_state(pending=True, finished=True))  # TBPTT: the batch's last split
+    assert not global_order.is_anchor(_state(pending=True))  # splits of the batch left
+    assert not global_order.is_anchor(_state(window=True))  # gradients accumulated, not stepped
+    assert not global_order.is_anchor(_state(global_batch=None))  # the engine does not own the order
+    assert not global_order.is_anchor(_state(carry_hidden_across_batches=True))
+    assert global_order.needs_an_anchor(_state(pending=True), 4) and not global_order.needs_an_anchor(_state(pending=True), 2)
+
+
+def test_a_checkpoint_at_the_last_split_of_a_batch_resumes_on_another_world_size() -> None:
+    class Data:
+        source = _engine_loader()
+
+        def use_loader(self, loader: DataLoader) -> None:
+            self.source = loader
+
+    data = Data()
+    assert global_order.adapt_data("ckpt", _state(pending=True, finished=True), data,  # type: ignore[arg-type]
+                                   torch.nn.Linear(2, 1), 4, 0) == 2
+    assert global_order.order_signature(data.source, 4) == {"world_size": 4, "global_batch": 8}
+
+
+def test_the_split_loop_marks_the_boundary_of_a_batchs_last_split_finished() -> None:
+    from engine.loops.context import Position, StopState
+    from engine.loops.split import SplitLoop
+
+    class Runner:
+        def run_split(self, split: torch.Tensor, hidden: object, last: bool) -> tuple[list[torch.Tensor], object]:
+            return [split.sum()], hidden
+
+    seen: list[bool] = []
+    loop = SplitLoop(lambda batch, length: list(batch.split(length, dim=1)), 2, False, Runner(),  # type: ignore[arg-type]
+                     Position(), StopState(), lambda index, losses: seen.append(loop.state_dict()["batch_finished"]))
+    loop.run_batch(torch.zeros(1, 6), 0)
+    assert seen == [False, False, True] and loop.state_dict()["batch_finished"] is False
+    loop.load_state_dict({"hidden": None})  # a checkpoint of an earlier version: inside the batch
+    assert loop.state_dict()["batch_finished"] is False
+
+
+@pytest.mark.parametrize("tbptt, accumulate, anchors", [
+    (True, 1, [(batch, 2) for batch in range(6)]),  # the last of each batch's 3 splits
+    (False, 2, [(batch, 0) for batch in (1, 3, 5)]),  # where each accumulation window closes
+])
+def test_checkpoints_record_which_are_anchors(tmp_path: pathlib.Path, tbptt: bool, accumulate: int,
+                                              anchors: list[tuple[int, int]]) -> None:
+    import elastic_train
+    import engine
+
+    record = elastic_train.Record(tmp_path / "steps.jsonl", None, 0)
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), progress_bar="off", device="cpu",
+                                  accumulate_grad=accumulate, elastic=True,
+                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None,
+                                                                     at_epoch_end=False))
+    model = elastic_train.SequenceModel(record) if tbptt else elastic_train.Model(record)
+    engine.Trainer(config, [record]).fit(model, elastic_train.loader(8, tbptt))
+    checkpoints = inspect_run(str(tmp_path / "run"))["checkpoints"]  # every split's, and the run's last
+    cursors = {(entry["cursor"]["batch"], entry["cursor"]["split"]): entry["anchor"] for entry in checkpoints}
+    assert len(cursors) == (18 if tbptt else 6)
+    assert sorted(cursor for cursor, anchor in cursors.items() if anchor) == anchors
+
+
+# ---- TBPTT: SIGKILLed inside a batch, resumed on another world size -------------------------
+
+TBPTT = ("--tbptt", "--epochs", "1")  # 6 batches of G=8, 3 splits (optimizer steps) each
+
+
+@pytest.fixture(scope="module")
+def tbptt_reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    job = tmp_path_factory.mktemp("tbptt") / "reference"
+    process = _torchrun(2, job, 0, *TBPTT)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return job
+
+
+@pytest.fixture(scope="module")
+def tbptt_killed(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """2 ranks SIGKILLed after step 9 (the last split of batch 2), before its checkpoint: the
+    newest checkpoints, steps 7 and 8, are inside batch 2; step 6 ended batch 1."""
+    job = tmp_path_factory.mktemp("tbptt") / "killed"
+    process = _torchrun(2, job, 0, *TBPTT, "--kill-at-step", "9")
+    assert process.returncode == 1, process.stderr[-4000:]
+    last = (job / "out" / "steps-0-0.jsonl").read_text().splitlines()[-1]
+    assert json.loads(last)["step"] == 9 and not (job / "out" / "final-0.pt").exists()
+    return job
+
+
+def _copy_job(job: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    copy = tmp_path / "job"
+    shutil.copytree(job, copy)
+    return copy
+
+
+def test_retention_kept_the_anchor_older_than_the_last_two_checkpoints(tbptt_killed: pathlib.Path) -> None:
+    checkpoints = inspect_run(str(tbptt_killed / "run"))["checkpoints"]
+    assert [(entry["cursor"]["split"], entry["anchor"]) for entry in checkpoints] == \
+        [(2, True), (0, False), (1, False)]  # keep_last=2, and the anchor of step 6
+
+
+def _resume_from_the_anchor(ranks: int, tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path,
+                            tmp_path: pathlib.Path) -> None:
+    job = _copy_job(tbptt_killed, tmp_path)
+    newest = inspect_run(str(job / "run"))["latest"]
+    process = _torchrun(ranks, job, 1, *TBPTT)
+    assert process.returncode == 0, process.stderr[-4000:]
+    assert f"the newest checkpoint, {newest} (world size 2), was taken inside a batch" in process.stderr
+    assert "and redoing 2 split(s)" in process.stderr
+    row = json.loads((job / "run" / "resumes.jsonl").read_text().splitlines()[-1])
+    assert (row["step"], row["world_size_before"], row["world_size"]) == (6, 2, ranks)
+    assert (row["fell_back_from"], row["splits_redone"], len(row["skipped"])) == (newest, 2, 2)
+    expected = _samples_per_step(tbptt_reference / "out")
+    assert len(expected) == 18 and _samples_per_step(job / "out") == expected
+    _assert_close_parameters(tbptt_reference / "out" / "final-0.pt", job / "out" / "final-1.pt")
+
+
+def test_a_tbptt_run_killed_inside_a_batch_resumes_on_4_ranks_from_the_anchor(
+        tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    _resume_from_the_anchor(4, tbptt_reference, tbptt_killed, tmp_path)
+
+
+@pytest.mark.exhaustive  # the same fallback, shrinking
+def test_a_tbptt_run_killed_inside_a_batch_resumes_on_1_rank_from_the_anchor(
+        tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    _resume_from_the_anchor(1, tbptt_reference, tbptt_killed, tmp_path)
+
+
+def test_resuming_a_checkpoint_inside_a_batch_by_name_on_another_world_size_is_refused(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    job = _copy_job(tbptt_killed, tmp_path)
+    newest = inspect_run(str(job / "run"))["latest"]
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT, "--resume", newest],
+                          helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith(f"WorldSizeChangeRefused: {newest} was written with world size 2 and this run has "
+                            "world size 1: it was taken inside a batch") and "\n" not in error
+    assert not list((job / "out").glob("steps-1-*"))  # nothing trained
+    assert inspect_run(str(job / "run"))["latest"] == newest  # nothing left behind or deleted
+
+
+# ---- a single process that can grow: TrainerConfig(elastic=True) ---------------------------
+
+def test_an_elastic_single_process_trains_each_step_on_the_global_batch_and_records_it(tmp_path: pathlib.Path) -> None:
+    import elastic_train
+    import engine
+
+    record = elastic_train.Record(tmp_path / "steps-0-0.jsonl", None, 0)
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), progress_bar="off", device="cpu",
+                                  elastic=True)
+    engine.Trainer(config, [record]).fit(elastic_train.Model(record), elastic_train.loader(8))
+    # The scheme, written independently of the sampler: global batch k is [8k, 8k+8) of randperm(48, seed 0).
+    permutation = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+    assert _samples_per_step(tmp_path) == {k + 1: sorted(permutation[8 * k:8 * k + 8]) for k in range(6)}
+    from engine.checkpoint.storage import Storage
+    from engine.checkpoint.store import CheckpointStore
+    store = CheckpointStore(Storage(str(tmp_path / "run")), create=False)
+    signature = store.load(inspect_run(str(tmp_path / "run"))["latest"]).state["signature"]
+    assert (signature["world_size"], signature["global_batch"]) == (1, 8)
+
+
+def test_turning_elastic_on_over_a_checkpoint_in_the_loaders_own_order_is_refused(tmp_path: pathlib.Path) -> None:
+    import elastic_train
+    import engine
+
+    record = elastic_train.Record(tmp_path / "steps.jsonl", None, 0)
+    config = engine.TrainerConfig(max_steps=2, run_dir=str(tmp_path / "run"), progress_bar="off", device="cpu")
+    engine.Trainer(config, [record]).fit(elastic_train.Model(record), elastic_train.loader(8))
+    config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path / "run"), progress_bar="off", device="cpu",
+                                  elastic=True)
+    with pytest.raises(engine.CheckpointIncompatible, match=r"^ckpt-\d+ was written by a single process that read its "
+                                                           r"DataLoader in the loader's own order .*[^\n]$"):
+        engine.Trainer(config, [record]).fit(elastic_train.Model(record), elastic_train.loader(8))
+
+
+def test_elastic_needs_data_and_a_sampler_the_engine_can_order() -> None:
+    import engine
+    from misuse_helpers import Plain
+
+    with pytest.raises(engine.ConfigError, match=r"TrainerConfig.elastic: True needs the engine's sampler"):
+        engine.TrainerConfig(elastic=True, distributed_sampler=False)
+    with pytest.raises(engine.ConfigError, match=r"TrainerConfig.elastic"):
+        engine.TrainerConfig(elastic=1)  # type: ignore[arg-type]
+    config = engine.TrainerConfig(progress_bar="off", device="cpu", elastic=True)
+    with pytest.raises(engine.ConfigError, match=r"TrainerConfig.elastic=True: the training data, a list, is not a "
+                                                 r"DataLoader over a map-style dataset"):
+        engine.Trainer(config).fit(Plain(), [torch.zeros(2, 3)])
+
+
+def test_a_process_torchrun_started_alone_orders_its_data_the_global_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.run.coordinator import join_coordinator
+
+    data = DataLoader(TensorDataset(torch.arange(24)), batch_size=8, shuffle=True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert join_coordinator(torch.device("cpu")).shard(data, True) is data  # plain python: unchanged
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    alone = join_coordinator(torch.device("cpu"))
+    assert global_order.order_signature(alone.shard(data, True), 1) == {"world_size": 1, "global_batch": 8}
+    assert alone.shard(data, False) is data  # distributed_sampler=False: the loader's own order
+
+
+def test_a_single_elastic_process_sigkilled_and_grown_to_2_ranks_trains_the_2_rank_runs_steps(
+        reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    job = tmp_path / "grown"
+    (job / "out").mkdir(parents=True)
+    alone = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "0", "--elastic", "--batch", "8",
+                         "--kill-at-step", "3"], helpers.environment())
+    assert alone.returncode == -9, alone.stderr[-4000:]
+    process = _torchrun(2, job, 1, "--batch", "8")  # the same script: the global batch stays 8, 4 per rank
+    assert process.returncode == 0, process.stderr[-4000:]
+    assert _samples_per_step(job / "out") == _samples_per_step(reference_run / "out")
+    resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 1, 2)]
+    _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / "final-1.pt")

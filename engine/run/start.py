@@ -65,7 +65,7 @@ class RunStart:
         if loaded is None:
             self._start_fresh()
             return None
-        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts)
+        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts, loaded.extra_files)
         self._metrics.resume_at(restored.metrics_bytes, self._parts.tree.step_counter.total)
         return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
                             restored.world_size_before)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.codec import decode_state, encode_state
-from engine.checkpoint.shards import TensorShard, assemble
+from engine.checkpoint.shards import SavedPieces, TensorShard, assemble
 from engine.errors import CheckpointCorrupt
 
 
@@ -76,3 +76,40 @@ def test_a_malformed_shard_is_refused_as_corrupt(payload: object, message: str) 
     header, data = _header_with_shard(payload)
     with pytest.raises(CheckpointCorrupt, match=message):
         decode_state(header, data)
+
+
+def _chunks(length: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, size) of each rank's rows under Shard(0) (torch.chunk's split: ceil-sized
+    chunks, the last ones shorter or empty), written out independently of the code under test."""
+    size = -(-length // parts)
+    return [(min(rank * size, length), max(0, min(size, length - rank * size))) for rank in range(parts)]
+
+
+def test_saved_pieces_give_each_new_rank_its_block_from_the_overlapping_old_shards() -> None:
+    # 7 rows saved by 2 ranks (4 + 3) and read back by 3 ranks (3 + 3 + 1): the middle rank's
+    # block straddles both old shards.
+    full = torch.randn(7, 5)
+    pieces = SavedPieces("w", tuple(TensorShard(full[offset:offset + size], (7, 5), (offset, 0), (2,), ("shard:0",))
+                                    for offset, size in _chunks(7, 2)))
+    for offset, size in _chunks(7, 3):
+        assert torch.equal(pieces.region((offset, 0), (size, 5)), full[offset:offset + size])
+    assert torch.equal(pieces.whole(), full)
+
+
+def test_saved_pieces_reshard_along_another_dim_and_from_replicated_copies() -> None:
+    full = torch.arange(6 * 7, dtype=torch.float64).reshape(6, 7)
+    # A 2-D mesh (2, 2) with (Replicate, Shard(1)): each column block is saved twice.
+    shards = [TensorShard(full[:, offset:offset + size], (6, 7), (0, offset), (2, 2), ("replicate", "shard:1"))
+              for _ in range(2) for offset, size in _chunks(7, 2)]
+    pieces = SavedPieces("w", tuple(shards))
+    for offset, size in _chunks(7, 4):
+        assert torch.equal(pieces.region((0, offset), (6, size)), full[:, offset:offset + size])
+    assert pieces.region((0, 7), (6, 0)).shape == (6, 0)  # an empty block (more ranks than columns)
+
+
+def test_saved_pieces_refuse_a_block_they_do_not_cover() -> None:
+    full = torch.randn(7, 3)
+    pieces = SavedPieces("ckpt: module.w", (TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",)),))
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards do not cover the global shape "
+                                                r"\(7, 3\) in the block at offsets \[3, 0\] of shape \[3, 3\]$"):
+        pieces.region((3, 0), (3, 3))

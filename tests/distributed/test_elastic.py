@@ -126,15 +126,6 @@ def test_a_sampler_the_engine_cannot_repartition_is_refused() -> None:
     assert "the engine did not order its training data" in _refusal(4, _engine_loader(), {"world_size": 2})
 
 
-def test_a_sharded_model_is_refused() -> None:
-    class DTensor(torch.nn.Parameter):  # stands for torch.distributed.tensor.DTensor (matched by type name)
-        pass
-
-    sharded = torch.nn.Linear(2, 1)
-    sharded.weight = DTensor(torch.zeros(1, 2))
-    assert "the model is sharded (FSDP/DTensor)" in _refusal(4, _engine_loader(), module=sharded)
-
-
 def test_data_that_would_be_padded_on_the_new_world_size_is_refused() -> None:
     assert "the 20 samples do not split evenly over 2 and 8 ranks" in _refusal(8, _engine_loader(20))
     assert global_order.refusal("ckpt", {"world_size": 2, "global_batch": 8}, 8, _engine_loader(20, drop_last=True),

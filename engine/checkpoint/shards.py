@@ -82,6 +82,9 @@ def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
         raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} do not match its mesh shape {mesh_shape}")
     if len(offsets) != len(global_shape) or local.dim() != len(global_shape):
         raise CheckpointCorrupt(f"a sharded tensor's offsets {offsets} do not match its global shape {global_shape}")
+    if any(name != REPLICATE and int(name[len(SHARD_PREFIX):]) >= len(global_shape) for name in names):
+        raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} name a dimension its global shape "
+                                f"{global_shape} does not have")
     if any(offset + size > whole for offset, size, whole in zip(offsets, local.shape, global_shape)):
         raise CheckpointCorrupt(f"a shard of shape {tuple(local.shape)} at offsets {offsets} lies outside the "
                                 f"global shape {global_shape}")

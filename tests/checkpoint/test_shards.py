@@ -42,6 +42,13 @@ def test_a_dtensor_is_written_as_its_shard_and_placement(one_rank_group: None) -
     assert torch.equal(decoded["plain"], torch.ones(2))
 
 
+def test_a_shard_read_back_is_written_again_as_it_was() -> None:
+    shard = TensorShard(torch.randn(3, 5), (7, 5), (4, 0), (2,), ("shard:0",))
+    again = _decode(encode_state({"weight": shard}))["weight"]
+    assert isinstance(again, TensorShard) and torch.equal(again.local, shard.local)
+    assert again.placement() == shard.placement()
+
+
 def test_assemble_places_every_shard_at_its_offsets() -> None:
     full = torch.randn(7, 3)
     shards = [TensorShard(full[4:], (7, 3), (4, 0), (2,), ("shard:0",)),
@@ -69,6 +76,8 @@ def _header_with_shard(payload: object, tensors: int = 1) -> tuple[bytes, bytear
     ([5, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:0"]}], "refers to tensor 5"),
     ([0, {"global_shape": [4], "offsets": [3], "mesh_shape": [2], "placements": ["shard:0"]}], "lies outside"),
     ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["partial"]}], "placements"),
+    ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:1"]}],
+     "name a dimension its global shape \\(4,\\) does not have"),
     ([0, {"global_shape": [4], "offsets": [0]}], "placement is malformed"),
     ("not a list", "not \\[tensor index, placement\\]"),
 ])

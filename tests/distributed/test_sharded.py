@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.codec import encode_state
 from engine.checkpoint.shards import TensorShard
-from engine.distributed.sharded import is_sharded_module, rebuild_dtensors
-from engine.errors import CheckpointIncompatible
+from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
+from engine.distributed.sharded import is_sharded_module, live_shards, rebuild_dtensors
+from engine.errors import CheckpointCorrupt, CheckpointIncompatible
+from engine.run.state import check_module_state
 
 
 @pytest.fixture
@@ -48,3 +51,72 @@ def test_shards_for_a_model_that_is_not_sharded_are_refused() -> None:
     shard = TensorShard(torch.zeros(4, 3), (4, 3), (0, 0), (1,), ("shard:0",))
     with pytest.raises(CheckpointIncompatible, match="this run's model is not sharded"):
         rebuild_dtensors("ckpt", {"weight": shard}, torch.nn.Linear(3, 4))
+
+
+# ---- resharding a checkpoint written by another world size (engine.distributed.reshard) ----------
+
+def _two_rank_checkpoint(weight: torch.Tensor, moment: torch.Tensor, mesh_shape: tuple[int, ...] = (2,),
+                         placements: tuple[str, ...] = ("shard:0",)) -> tuple[dict, dict]:
+    """A sharded checkpoint of a Linear(3, 4) as 2 ranks write it (rows 0-1 and 2-3 of the weight,
+    of its bias and of an Adam moment): rank 0's state tree and rank 1's files."""
+    def part(rows: slice, offset: int) -> dict:
+        def shard(tensor: torch.Tensor) -> TensorShard:
+            return TensorShard(tensor[rows].clone(), tuple(tensor.shape), (offset,) + (0,) * (tensor.dim() - 1),
+                               mesh_shape, placements)
+        return {MODULE: {"weight": shard(weight), "bias": shard(weight[:, 0])},
+                OPTIMIZERS: [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": shard(moment)}},
+                              "param_groups": [{"lr": 0.1, "params": [0, 1]}]}]}
+    encoded = encode_state(part(slice(2, 4), 2))
+    files = {"rank-00001.bin": bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks())),
+             "rank-00001.msgpack": bytearray(encoded.header)}
+    return {SIGNATURE: {"world_size": 2, "sharded": True}, **part(slice(0, 2), 0)}, files
+
+
+def test_a_checkpoint_of_two_ranks_is_resharded_onto_a_one_rank_mesh(sharded_linear: torch.nn.Module) -> None:
+    weight, moment = torch.randn(4, 3), torch.randn(4, 3)
+    state, files = _two_rank_checkpoint(weight, moment)
+    live = live_shards("ckpt", state, sharded_linear, 1, files)
+    assert torch.equal(live[MODULE]["weight"].to_local(), weight)
+    assert torch.equal(live[MODULE]["bias"].to_local(), weight[:, 0])
+    assert tuple(live[MODULE]["weight"].placements) == tuple(sharded_linear.weight.placements)
+    optimizer_state = live[OPTIMIZERS][0]["state"][0]
+    assert torch.equal(optimizer_state["exp_avg"].to_local(), moment)
+    assert torch.equal(optimizer_state["step"], torch.tensor(3.0))  # replicated: rank 0's
+    sharded_linear.load_state_dict(live[MODULE])
+    assert torch.equal(sharded_linear.weight.full_tensor(), weight)
+
+
+def test_a_missing_rank_part_of_the_old_world_is_corrupt(sharded_linear: torch.nn.Module) -> None:
+    state, files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    del files["rank-00001.bin"]
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: the part of rank 1 \(rank-00001.msgpack\) is missing$"):
+        live_shards("ckpt", state, sharded_linear, 1, files)
+
+
+def test_a_model_that_is_not_sharded_is_refused_naming_both_world_sizes() -> None:
+    state, files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(CheckpointIncompatible, match=r"^ckpt holds sharded tensors \(written by 2 rank\(s\), resumed on "
+                                                     r"1\) but this run's model is not sharded: apply fully_shard"):
+        live_shards("ckpt", state, torch.nn.Linear(3, 4), 1, files)
+
+
+def test_what_cannot_be_resharded_is_refused_in_one_line(sharded_linear: torch.nn.Module) -> None:
+    hsdp = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3), (1, 2), ("replicate", "shard:0"))
+    with pytest.raises(CheckpointIncompatible, match=r"^ckpt: module.weight was written on a 2-dimensional device mesh "
+                                                     r"\[1, 2\] .*resharding keeps the number of mesh dimensions"):
+        live_shards("ckpt", *hsdp[:1], sharded_linear, 1, hsdp[1])
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    by_columns = torch.nn.Linear(3, 4)
+    fully_shard(by_columns, mesh=init_device_mesh("cpu", (1,)), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    state, files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(CheckpointIncompatible, match=r"^ckpt: weight was saved with placements \[Shard\(dim=0\)\] and "
+                                                     r"this run shards it as \[Shard\(dim=1\)\]"):
+        live_shards("ckpt", state, by_columns, 1, files)
+    wrong_shape = torch.nn.Linear(3, 5)
+    fully_shard(wrong_shape, mesh=init_device_mesh("cpu", (1,)))
+    live = live_shards("ckpt", state, wrong_shape, 1, files)
+    with pytest.raises(CheckpointIncompatible, match=r"^ckpt: model entry 'weight' is \(4, 3\) .* in the checkpoint, "
+                                                     r"\(5, 3\) .* in the model$"):
+        check_module_state("ckpt", wrong_shape, live[MODULE])

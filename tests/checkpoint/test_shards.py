@@ -122,3 +122,15 @@ def test_saved_pieces_refuse_a_block_they_do_not_cover() -> None:
     with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards do not cover the global shape "
                                                 r"\(7, 3\) in the block at offsets \[3, 0\] of shape \[3, 3\]$"):
         pieces.region((3, 0), (3, 3))
+
+
+def test_the_fingerprint_of_a_sharded_state_covers_the_shards_and_their_placement() -> None:
+    # inspect fingerprints the decoded state of a sharded checkpoint (rank 0's shards).
+    from engine.checkpoint.fingerprint import fingerprint
+    local = torch.randn(4, 3)
+    def of(shard: TensorShard) -> str:
+        return fingerprint({"w": shard}, [{"state": {0: {"exp_avg": shard}}, "param_groups": []}])
+    shard = TensorShard(local, (7, 3), (0, 0), (2,), ("shard:0",))
+    assert of(shard) == of(TensorShard(local.clone(), (7, 3), (0, 0), (2,), ("shard:0",)))
+    assert of(shard) != of(TensorShard(local + 1, (7, 3), (0, 0), (2,), ("shard:0",)))
+    assert of(shard) != of(TensorShard(local, (8, 3), (0, 0), (2,), ("shard:0",)))

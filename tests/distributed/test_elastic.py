@@ -4,10 +4,8 @@ re-partition of the data, and the refusals. The fault-tolerance test runs real t
 
 from __future__ import annotations
 
-import collections
 import json
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -154,16 +152,7 @@ def _torchrun(ranks: int, job: pathlib.Path, attempt: int, *args: str) -> subpro
     return helpers.run(command, helpers.environment())
 
 
-def _samples_per_step(out: pathlib.Path) -> dict[int, list[int]]:
-    """Each optimizer step's sample ids over every rank, as trained by the last process that
-    trained the step (a step redone after a kill replaces the lost one)."""
-    by_step: dict[int, dict[int, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for path in out.glob("steps-*.jsonl"):
-        attempt = int(re.fullmatch(r"steps-(\d+)-\d+\.jsonl", path.name).group(1))
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            by_step[row["step"]][attempt].extend(row["ids"])
-    return {step: sorted(attempts[max(attempts)]) for step, attempts in by_step.items()}
+_samples_per_step = helpers.samples_per_step
 
 
 @pytest.fixture(scope="module")

@@ -126,10 +126,13 @@ def _check_placements(name: str, module_state: Mapping[str, Any], module: torch.
     them another way, or with another kind of placement, such as a strided shard)."""
     for key, parameter in module.named_parameters():
         saved = module_state.get(key)
-        if is_dtensor(parameter) and is_dtensor(saved) and tuple(parameter.placements) != tuple(saved.placements):
+        if not is_dtensor(parameter) or not is_dtensor(saved):
+            continue
+        live_placements, saved_placements = list(getattr(parameter, "placements")), list(getattr(saved, "placements"))
+        if live_placements != saved_placements:
             raise CheckpointIncompatible(
-                f"{name}: {key} was saved with placements {list(saved.placements)} and this run shards it as "
-                f"{list(parameter.placements)}; resharding supports another world size with the same Shard(dim) / "
+                f"{name}: {key} was saved with placements {saved_placements} and this run shards it as "
+                f"{live_placements}; resharding supports another world size with the same Shard(dim) / "
                 "Replicate placements only: shard the model as the run that wrote it did")
 
 

@@ -13,6 +13,7 @@ parts of the old shards that overlap it: the full tensor is never built.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import torch
@@ -135,22 +136,34 @@ class SavedPieces:
     def region(self, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """The block of the global tensor at ``offsets`` of ``shape``, copied from the pieces
         that overlap it (a replicated block is copied once). CheckpointCorrupt when the pieces
-        do not cover it."""
+        do not cover it, or overlap each other inside it."""
         block = torch.empty(tuple(shape), dtype=self.first.local.dtype)
-        covered = torch.zeros(tuple(shape), dtype=torch.bool)
-        seen = set()
-        for piece in self.pieces:
-            where = (piece.offsets, tuple(piece.local.shape))
-            overlap = None if where in seen else _overlap(piece, offsets, shape)
-            seen.add(where)
-            if overlap is not None:
-                inside_block, inside_piece = overlap
-                block[inside_block] = piece.local[inside_piece].to("cpu")
-                covered[inside_block] = True
-        if block.numel() and not bool(covered.all()):
+        filled: list[tuple[slice, ...]] = []
+        for piece in self._distinct_pieces():
+            overlap = _overlap(piece, offsets, shape)
+            if overlap is None:
+                continue
+            inside_block, inside_piece = overlap
+            if any(_boxes_meet(inside_block, other) for other in filled):
+                raise CheckpointCorrupt(f"{self.name}: two saved shards overlap at offsets {list(piece.offsets)}")
+            block[inside_block] = piece.local[inside_piece].to("cpu")
+            filled.append(inside_block)
+        # Disjoint boxes inside the block cover it when their volumes add up to its own.
+        if sum(math.prod(part.stop - part.start for part in box) for box in filled) != block.numel():
             raise CheckpointCorrupt(f"{self.name}: the saved shards do not cover the global shape "
                                     f"{self.first.global_shape} in the block at offsets {list(offsets)} of shape {list(shape)}")
         return block
+
+    def _distinct_pieces(self) -> list[TensorShard]:
+        """The pieces with copies of the same block (a replicated mesh dimension) left out."""
+        distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], TensorShard] = {}
+        for piece in self.pieces:
+            distinct.setdefault((piece.offsets, tuple(piece.local.shape)), piece)
+        return list(distinct.values())
+
+
+def _boxes_meet(first: tuple[slice, ...], second: tuple[slice, ...]) -> bool:
+    return all(max(a.start, b.start) < min(a.stop, b.stop) for a, b in zip(first, second))
 
 
 def _overlap(piece: TensorShard, offsets: Sequence[int],

@@ -134,3 +134,12 @@ def test_the_fingerprint_of_a_sharded_state_covers_the_shards_and_their_placemen
     assert of(shard) == of(TensorShard(local.clone(), (7, 3), (0, 0), (2,), ("shard:0",)))
     assert of(shard) != of(TensorShard(local + 1, (7, 3), (0, 0), (2,), ("shard:0",)))
     assert of(shard) != of(TensorShard(local, (8, 3), (0, 0), (2,), ("shard:0",)))
+
+
+def test_saved_pieces_refuse_shards_that_overlap_each_other() -> None:
+    # Rows 0-3 and 2-6: the volumes add up to more than the block; a gap could hide behind them.
+    full = torch.randn(7, 3)
+    pieces = SavedPieces("w", (TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",)),
+                               TensorShard(full[2:6], (7, 3), (2, 0), (2,), ("shard:0",))))
+    with pytest.raises(CheckpointCorrupt, match=r"^w: two saved shards overlap at offsets \[2, 0\]$"):
+        pieces.whole()

@@ -180,6 +180,9 @@ def main() -> int:
         raise SystemExit("the model was not sharded: Module.configure_model was not called")
     torch.save(final_state(model, model.optimizers()), out / f"final-{rank}.pt")  # type: ignore[arg-type]
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
+    if args.shard_before_fit and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+        dist.destroy_process_group()  # the script made it; left to the interpreter's exit, gloo may abort
     return 0
 
 

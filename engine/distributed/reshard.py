@@ -55,9 +55,11 @@ def _paired(path: str, values: list[Any]) -> Any:
     """One tree from the ranks' trees of the same shape: shards paired into SavedPieces, any
     other leaf taken from rank 0 (replicated)."""
     first = values[0]
+    shards = [isinstance(value, TensorShard) for value in values]
+    if any(shards) and not all(shards):
+        raise CheckpointCorrupt(f"{path} is sharded in rank {shards.index(True)}'s part but not in "
+                                f"rank {shards.index(False)}'s")
     if isinstance(first, TensorShard):
-        if not all(isinstance(value, TensorShard) for value in values):
-            raise CheckpointCorrupt(f"{path} is sharded in rank 0's part but not in every rank's")
         return SavedPieces(path, tuple(values))
     if isinstance(first, dict):
         if not all(isinstance(value, dict) and value.keys() == first.keys() for value in values):

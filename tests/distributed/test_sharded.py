@@ -56,20 +56,23 @@ def test_shards_for_a_model_that_is_not_sharded_are_refused() -> None:
 # ---- resharding a checkpoint written by another world size (engine.distributed.reshard) ----------
 
 def _two_rank_checkpoint(weight: torch.Tensor, moment: torch.Tensor, mesh_shape: tuple[int, ...] = (2,),
-                         placements: tuple[str, ...] = ("shard:0",)) -> tuple[dict, dict]:
-    """A sharded checkpoint of a Linear(3, 4) as 2 ranks write it (rows 0-1 and 2-3 of the weight,
-    of its bias and of an Adam moment): rank 0's state tree and rank 1's files."""
-    def part(rows: slice, offset: int) -> dict:
+                         placements: tuple[str, ...] = ("shard:0",), halves: tuple[int, ...] = (0, 1)) -> tuple[dict, dict]:
+    """A sharded checkpoint of a Linear(3, 4) as ``len(halves)`` ranks write it, rank r holding
+    half ``halves[r]`` of the rows (0-1 or 2-3) of the weight, of its bias and of an Adam moment:
+    rank 0's state tree and the other ranks' files."""
+    def part(half: int) -> dict:
         def shard(tensor: torch.Tensor) -> TensorShard:
-            return TensorShard(tensor[rows].clone(), tuple(tensor.shape), (offset,) + (0,) * (tensor.dim() - 1),
-                               mesh_shape, placements)
+            return TensorShard(tensor[2 * half:2 * half + 2].clone(), tuple(tensor.shape),
+                               (2 * half,) + (0,) * (tensor.dim() - 1), mesh_shape, placements)
         return {MODULE: {"weight": shard(weight), "bias": shard(weight[:, 0])},
                 OPTIMIZERS: [{"state": {0: {"step": torch.tensor(3.0), "exp_avg": shard(moment)}},
                               "param_groups": [{"lr": 0.1, "params": [0, 1]}]}]}
-    encoded = encode_state(part(slice(2, 4), 2))
-    files = {"rank-00001.bin": bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks())),
-             "rank-00001.msgpack": bytearray(encoded.header)}
-    return {SIGNATURE: {"world_size": 2, "sharded": True}, **part(slice(0, 2), 0)}, files
+    files = {}
+    for rank, half in enumerate(halves[1:], start=1):
+        encoded = encode_state(part(half))
+        files[f"rank-{rank:05d}.bin"] = bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks()))
+        files[f"rank-{rank:05d}.msgpack"] = bytearray(encoded.header)
+    return {SIGNATURE: {"world_size": len(halves), "sharded": True}, **part(halves[0])}, files
 
 
 def test_a_checkpoint_of_two_ranks_is_resharded_onto_a_one_rank_mesh(sharded_linear: torch.nn.Module) -> None:
@@ -120,3 +123,34 @@ def test_what_cannot_be_resharded_is_refused_in_one_line(sharded_linear: torch.n
     with pytest.raises(CheckpointIncompatible, match=r"^ckpt: model entry 'weight' is \(4, 3\) .* in the checkpoint, "
                                                      r"\(5, 3\) .* in the model$"):
         check_module_state("ckpt", wrong_shape, live[MODULE])
+
+
+def test_a_2d_mesh_checkpoint_is_resharded_onto_a_2d_mesh_of_another_shape(tmp_path: pathlib.Path) -> None:
+    # HSDP on a (2, 2) mesh (2 replicas of 2 shards: ranks 0 and 2 hold rows 0-1, ranks 1 and 3
+    # rows 2-3) resumed on a (1, 1) mesh: every row comes from one copy.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    weight, moment = torch.randn(4, 3), torch.randn(4, 3)
+    state, files = _two_rank_checkpoint(weight, moment, (2, 2), ("replicate", "shard:0"), halves=(0, 1, 0, 1))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(3, 4)
+        fully_shard(module, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")))
+        live = live_shards("ckpt", state, module, 1, files)
+        assert torch.equal(live[MODULE]["weight"].to_local(), weight)
+        assert torch.equal(live[OPTIMIZERS][0]["state"][0]["exp_avg"].to_local(), moment)
+        module.load_state_dict(live[MODULE])
+        assert torch.equal(module.weight.full_tensor(), weight)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank_parts_of_different_shapes_are_corrupt(sharded_linear: torch.nn.Module) -> None:
+    state, files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    other, other_files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    del state[MODULE]["bias"]  # rank 0's part lacks an entry rank 1's has
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module: the ranks' parts hold different entries$"):
+        live_shards("ckpt", state, sharded_linear, 1, files)
+    other[MODULE]["bias"] = torch.zeros(4)  # sharded in rank 1's part only
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.bias is sharded in rank 1's part but not in rank 0's$"):
+        live_shards("ckpt", other, sharded_linear, 1, other_files)

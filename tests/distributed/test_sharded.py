@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import engine
+
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.shards import TensorShard
 from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
@@ -154,3 +156,38 @@ def test_rank_parts_of_different_shapes_are_corrupt(sharded_linear: torch.nn.Mod
     other[MODULE]["bias"] = torch.zeros(4)  # sharded in rank 1's part only
     with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.bias is sharded in rank 1's part but not in rank 0's$"):
         live_shards("ckpt", other, sharded_linear, 1, other_files)
+
+
+class _Regression(engine.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+
+    def training_step(self, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def _fit_regression(tmp_path: pathlib.Path, shard: bool) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = _Regression()
+    if shard:  # a one-rank mesh in one process, as a run resumed on one rank from a sharded one
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    x = torch.randn(12, 3, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
+    config = engine.TrainerConfig(max_epochs=2, run_dir=str(tmp_path / f"run-{shard}"), progress_bar="off", device="cpu")
+    engine.Trainer(config).fit(model, loader)
+    return {key: getattr(value, "full_tensor", lambda: value)() for key, value in model.state_dict().items()}
+
+
+def test_a_model_sharded_on_a_one_rank_mesh_trains_in_one_process_as_the_unsharded_model(
+        sharded_linear: torch.nn.Module, tmp_path: pathlib.Path) -> None:
+    plain, sharded = _fit_regression(tmp_path, shard=False), _fit_regression(tmp_path, shard=True)
+    assert plain.keys() == sharded.keys()
+    for key in plain:
+        assert torch.equal(plain[key], sharded[key]), key

@@ -67,7 +67,10 @@ class RunStart:
             return None
         restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts, loaded.extra_files)
         self._metrics.resume_at(restored.metrics_bytes, self._parts.tree.step_counter.total)
-        return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
+        # Kept for the start line only: without the checkpoint's bytes (every rank's part, in a
+        # distributed run), which would otherwise stay in memory for the whole fit.
+        kept = dataclasses.replace(loaded, state={}, extra_files={})
+        return ResumedStart(kept, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
                             restored.world_size_before)
 
     def _resume_end(self, end: RunEnd | None) -> str | None:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import torch
+
 from engine.checkpoint.codec import decode_state
 from engine.checkpoint.rank_files import rank_files
 from engine.checkpoint.shards import SavedPieces, TensorShard
@@ -70,4 +72,8 @@ def _paired(path: str, values: list[Any]) -> Any:
             raise CheckpointCorrupt(f"{path}: the ranks' parts hold lists of different lengths")
         paired = [_paired(f"{path}[{index}]", [value[index] for value in values]) for index in range(len(first))]
         return paired if isinstance(first, list) else tuple(paired)
+    if isinstance(first, torch.Tensor):
+        # A decoded tensor is a view of the bytes read, and the optimizer keeps what it loads
+        # (Adam's step): a copy lets every rank part be freed once the restore is done.
+        return first.clone()
     return first

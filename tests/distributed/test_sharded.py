@@ -191,3 +191,13 @@ def test_a_model_sharded_on_a_one_rank_mesh_trains_in_one_process_as_the_unshard
     assert plain.keys() == sharded.keys()
     for key in plain:
         assert torch.equal(plain[key], sharded[key]), key
+
+
+def test_resharded_replicated_values_are_copies_not_views_of_the_bytes_read() -> None:
+    # The optimizer keeps the step tensor it loads: a view would keep rank 0's part in memory.
+    from engine.distributed.reshard import every_ranks_pieces
+    state, files = _two_rank_checkpoint(torch.randn(4, 3), torch.randn(4, 3))
+    step = state[OPTIMIZERS][0]["state"][0]["step"]
+    paired = every_ranks_pieces("ckpt", state, files)
+    copied = paired[OPTIMIZERS][0]["state"][0]["step"]
+    assert torch.equal(copied, step) and copied.untyped_storage().data_ptr() != step.untyped_storage().data_ptr()

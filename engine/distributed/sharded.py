@@ -123,7 +123,7 @@ def _mesh_of(name: str, module: torch.nn.Module, written: str = "") -> Any:
 
 def _check_placements(name: str, module_state: Mapping[str, Any], module: torch.nn.Module) -> None:
     """Refuse resharded parameters whose placements are not the live ones (a run that shards
-    them another way, or with another kind of placement, such as a strided shard)."""
+    them another way, or with another kind of placement)."""
     for key, parameter in module.named_parameters():
         saved = module_state.get(key)
         if not is_dtensor(parameter) or not is_dtensor(saved):

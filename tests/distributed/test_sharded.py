@@ -187,6 +187,7 @@ def _fit_regression(tmp_path: pathlib.Path, shard: bool) -> dict[str, torch.Tens
 
 def test_a_model_sharded_on_a_one_rank_mesh_trains_in_one_process_as_the_unsharded_model(
         sharded_linear: torch.nn.Module, tmp_path: pathlib.Path) -> None:
+    # (sharded_linear for its process group of this one process)
     plain, sharded = _fit_regression(tmp_path, shard=False), _fit_regression(tmp_path, shard=True)
     assert plain.keys() == sharded.keys()
     for key in plain:

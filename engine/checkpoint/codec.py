@@ -34,7 +34,7 @@ from typing import Any
 import msgpack
 import torch
 
-from engine.checkpoint.shards import is_dtensor, shard_from_plain, shard_of
+from engine.checkpoint.shards import TensorShard, is_dtensor, shard_from_plain, shard_of
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
 
 FORMAT = "splitloop.state"
@@ -201,9 +201,10 @@ def _tensor_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Ten
     return msgpack.ExtType(_EXT_TENSOR, payload)
 
 
-def _shard_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
-    """This rank's shard of a DTensor: its local tensor in the table, its placement inline."""
-    shard = shard_of(tensor)
+def _shard_reference(tensor: torch.Tensor | TensorShard, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
+    """This rank's shard of a DTensor (or a shard read back, written again as it was): its local
+    tensor in the table, its placement inline."""
+    shard = tensor if isinstance(tensor, TensorShard) else shard_of(tensor)
     index = _add_tensor(shard.local, path, tensors)
     return msgpack.ExtType(_EXT_SHARD, msgpack.packb([index, shard.placement()]))
 
@@ -218,7 +219,7 @@ def _other_to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth:
         return int(value)
     if isinstance(value, float):
         return float(value)
-    if is_dtensor(value):
+    if is_dtensor(value) or isinstance(value, TensorShard):
         return _shard_reference(value, path, tensors)
     if isinstance(value, torch.Tensor):
         return _tensor_reference(value, path, tensors)

@@ -5,7 +5,9 @@ placements (``shard:<dim>`` or ``replicate`` per mesh dimension), the global sha
 offsets of the local tensor inside the global one. Reading gives back a :class:`TensorShard`;
 the distributed package turns it into a live ``DTensor`` again (engine.distributed.sharded), and
 :func:`assemble` builds the full tensor from every rank's shards in one plain process (no
-process group), by offsets alone.
+process group), by offsets alone. On another mesh, :class:`SavedPieces` (every old rank's shard
+of one tensor) gives the block a new rank holds (:meth:`SavedPieces.region`), copying only the
+parts of the old shards that overlap it: the full tensor is never built.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
         raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} do not match its mesh shape {mesh_shape}")
     if len(offsets) != len(global_shape) or local.dim() != len(global_shape):
         raise CheckpointCorrupt(f"a sharded tensor's offsets {offsets} do not match its global shape {global_shape}")
+    if any(name != REPLICATE and int(name[len(SHARD_PREFIX):]) >= len(global_shape) for name in names):
+        raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} name a dimension its global shape "
+                                f"{global_shape} does not have")
     if any(offset + size > whole for offset, size, whole in zip(offsets, local.shape, global_shape)):
         raise CheckpointCorrupt(f"a shard of shape {tuple(local.shape)} at offsets {offsets} lies outside the "
                                 f"global shape {global_shape}")
@@ -101,19 +106,81 @@ def _is_placement(name: object) -> bool:
     return isinstance(name, str) and name.startswith(SHARD_PREFIX) and name[len(SHARD_PREFIX):].isdigit()
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedPieces:
+    """Every old rank's shard of one sharded tensor: what a checkpoint written on one mesh
+    offers a run resharding it onto another (engine.distributed.reshard)."""
+
+    name: str
+    pieces: tuple[TensorShard, ...]
+
+    def __post_init__(self) -> None:
+        first = self.pieces[0]
+        for piece in self.pieces[1:]:
+            if (piece.global_shape, piece.local.dtype, piece.placements, piece.mesh_shape) != \
+                    (first.global_shape, first.local.dtype, first.placements, first.mesh_shape):
+                raise CheckpointCorrupt(
+                    f"{self.name}: the ranks' shards disagree on the global shape, dtype or placement "
+                    f"({piece.global_shape} {piece.local.dtype} {list(piece.placements)} vs "
+                    f"{first.global_shape} {first.local.dtype} {list(first.placements)})")
+
+    @property
+    def first(self) -> TensorShard:
+        """One of the pieces (they agree on global shape, dtype, placements and mesh shape)."""
+        return self.pieces[0]
+
+    def whole(self) -> torch.Tensor:
+        """The full tensor (consolidation in one process)."""
+        return self.region((0,) * len(self.first.global_shape), self.first.global_shape)
+
+    def region(self, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """The block of the global tensor at ``offsets`` of ``shape``, copied from the pieces
+        that overlap it (a replicated block is copied once). CheckpointCorrupt when the pieces
+        do not cover it, or overlap each other inside it."""
+        block = torch.empty(tuple(shape), dtype=self.first.local.dtype)
+        filled: list[tuple[slice, ...]] = []
+        for piece in self._distinct_pieces():
+            overlap = _overlap(piece, offsets, shape)
+            if overlap is None:
+                continue
+            inside_block, inside_piece = overlap
+            if any(_boxes_meet(inside_block, other) for other in filled):
+                raise CheckpointCorrupt(f"{self.name}: two saved shards overlap at offsets {list(piece.offsets)}")
+            block[inside_block] = piece.local[inside_piece].to("cpu")
+            filled.append(inside_block)
+        # Disjoint boxes inside the block cover it when their volumes add up to its own.
+        if sum(math.prod(part.stop - part.start for part in box) for box in filled) != block.numel():
+            raise CheckpointCorrupt(f"{self.name}: the saved shards do not cover the global shape "
+                                    f"{self.first.global_shape} in the block at offsets {list(offsets)} of shape {list(shape)}")
+        return block
+
+    def _distinct_pieces(self) -> list[TensorShard]:
+        """The pieces with copies of the same block (a replicated mesh dimension) left out."""
+        distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], TensorShard] = {}
+        for piece in self.pieces:
+            distinct.setdefault((piece.offsets, tuple(piece.local.shape)), piece)
+        return list(distinct.values())
+
+
+def _boxes_meet(first: tuple[slice, ...], second: tuple[slice, ...]) -> bool:
+    return all(max(a.start, b.start) < min(a.stop, b.stop) for a, b in zip(first, second))
+
+
+def _overlap(piece: TensorShard, offsets: Sequence[int],
+             shape: Sequence[int]) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where ``piece`` and the block at ``offsets`` of ``shape`` meet: (slices into the block,
+    slices into the piece), or None when they do not."""
+    inside_block, inside_piece = [], []
+    for start, size, piece_start, piece_size in zip(offsets, shape, piece.offsets, piece.local.shape):
+        low, high = max(start, piece_start), min(start + size, piece_start + piece_size)
+        if high <= low:
+            return None
+        inside_block.append(slice(low - start, high - start))
+        inside_piece.append(slice(low - piece_start, high - piece_start))
+    return tuple(inside_block), tuple(inside_piece)
+
+
 def assemble(name: str, shards: Sequence[TensorShard]) -> torch.Tensor:
     """The full tensor from every rank's shards of it, placed by their offsets. CheckpointCorrupt
     when the shards disagree on the global shape or do not cover it."""
-    first = shards[0]
-    full = torch.empty(first.global_shape, dtype=first.local.dtype)
-    covered = torch.zeros(first.global_shape, dtype=torch.bool)
-    for shard in shards:
-        if shard.global_shape != first.global_shape or shard.local.dtype != first.local.dtype:
-            raise CheckpointCorrupt(f"{name}: the ranks' shards disagree on the global shape or dtype "
-                                    f"({shard.global_shape} {shard.local.dtype} vs {first.global_shape} {first.local.dtype})")
-        region = tuple(slice(offset, offset + size) for offset, size in zip(shard.offsets, shard.local.shape))
-        full[region] = shard.local.to("cpu")
-        covered[region] = True
-    if math.prod(first.global_shape) and not bool(covered.all()):
-        raise CheckpointCorrupt(f"{name}: the ranks' shards do not cover the global shape {first.global_shape}")
-    return full
+    return SavedPieces(name, tuple(shards)).whole()

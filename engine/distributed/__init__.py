@@ -7,6 +7,8 @@ One job per module:
 * :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
 * :mod:`~engine.distributed.sharded`: FSDP2-sharded models (no DDP), their shards at resume,
   consolidation in one process;
+* :mod:`~engine.distributed.reshard`: every old rank's shards of a checkpoint, for a run on
+  another world size (resharding) and for consolidation;
 * :mod:`~engine.distributed.sampler`: a DistributedSampler for map-style DataLoaders, a block
   of the batches for validation loaders;
 * :mod:`~engine.distributed.global_order`: the run's data order, resuming on another world size;

@@ -109,7 +109,8 @@ class GroupCommit:
         name, rank = loaded.name, self.context.rank
         if rank == 0 or state_parts.saved_world_size(loaded.state[SIGNATURE]) != self.context.world_size:
             # Another world size: every rank starts from rank 0's part, and the restore derives
-            # each rank's streams again (engine.distributed.global_order) or refuses.
+            # each rank's streams again (engine.distributed.global_order) or refuses; a sharded
+            # model is resharded from every rank's part (engine.distributed.reshard).
             return loaded
         tensors_file, header_file = state_parts.rank_files(rank)
         if tensors_file not in loaded.extra_files or header_file not in loaded.extra_files:

@@ -90,10 +90,6 @@ def refusal(name: str, saved: Mapping[str, Any], world_size: int, data: Iterable
             f"{change}: carry_hidden_across_batches=True carries each rank's hidden state from batch to batch, and "
             f"those streams belong to the {before} rank(s); resume with {before} process(es) or start a new run "
             "directory from its weights (engine.load_weights)")
-    if _is_sharded(module):
-        return WorldSizeChangeRefused(
-            f"{change}: the model is sharded (FSDP/DTensor); a world-size change is supported for replicated "
-            f"(DDP) models only; resume with {before} process(es)")
     own = _users_distributed_sampler(data)
     if own is not None:
         return WorldSizeChangeRefused(f"{change}: {own}")
@@ -131,10 +127,6 @@ def _users_distributed_sampler(data: Iterable[Any]) -> str | None:
     return (f"the training DataLoader has a DistributedSampler of its own{padded}: the engine cannot re-partition "
             "it; pass a plain shuffled DataLoader (the engine inserts its own sampler) or resume with the same "
             "number of processes")
-
-
-def _is_sharded(module: torch.nn.Module) -> bool:
-    return any(type(parameter).__name__ == "DTensor" for parameter in module.parameters())
 
 
 def rank_seed(checkpoint_rng: Mapping[str, Any], rank: int, step: int) -> int:

@@ -186,7 +186,8 @@ def build_loops(
     several = automatic and len(setup.optimizers) > 1
     step = training_step_of(module)
     gradient_sync: DataParallelStep | ShardedStep | None = None
-    if distributed is not None and is_sharded_module(original_module(module)):
+    sharded = is_sharded_module(original_module(module))  # also on a one-rank mesh in one process
+    if sharded:
         gradient_sync = ShardedStep(original_module(module), step)  # FSDP2 syncs in its own backward
         step = gradient_sync.step  # each step is the root's forward, so its hooks gather and reduce
     elif distributed is not None:
@@ -228,7 +229,6 @@ def build_loops(
     evaluation = None
     if val_data is not None:
         ranks: Ranks | None = None
-        sharded = distributed is not None and is_sharded_module(original_module(module))
         if distributed is not None and sharded:
             ranks = LockstepRanks(RankExchange(distributed))  # each FSDP2 forward is a collective
         elif distributed is not None:

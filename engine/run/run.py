@@ -184,7 +184,7 @@ class FitRun:
         history = self.tree.epoch.anomalies
         earlier = list(history.records)
         loaded, record = self.rollbacks.plan(anomaly, earlier, self.tree.step_counter.total)
-        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts)
+        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self.parts, loaded.extra_files)
         self.metrics.roll_back_to(restored.metrics_bytes, self.tree.step_counter.total)
         # Every rollback so far, even one the restored checkpoint predates: its batches stay skipped.
         history.load([*earlier, record])

@@ -87,10 +87,13 @@ class RunStart:
             self._start_fresh()
             return None
         fallback = checkpoints.anchor_fallback
-        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts)
+        restored = run_state.restore(loaded.name, loaded.state, loaded.progress, self._parts, loaded.extra_files)
         anchor_resume = None if fallback is None else self._fall_back(fallback, loaded)
         self._metrics.resume_at(restored.metrics_bytes, self._parts.tree.step_counter.total)
-        return ResumedStart(loaded, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
+        # Kept for the start line only: without the checkpoint's bytes (every rank's part, in a
+        # distributed run), which would otherwise stay in memory for the whole fit.
+        kept = dataclasses.replace(loaded, state={}, extra_files={})
+        return ResumedStart(kept, restored.built, self._resume_end(loaded.progress.end), restored.elapsed_seconds,
                             restored.world_size_before, anchor_resume)
 
     def _needs_an_anchor(self, loaded: LoadedCheckpoint) -> bool:

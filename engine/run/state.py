@@ -35,7 +35,7 @@ from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, 
                                          RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
 from engine.checkpoint.shards import TensorShard
-from engine.distributed.sharded import is_sharded_module, rebuild_dtensors
+from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.distributed import global_order
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError
@@ -284,14 +284,16 @@ def check_module_state(name: str, module: torch.nn.Module, saved_module: dict[st
                                          f"checkpoint, {tuple(tensor.shape)} {tensor.dtype} in the model")
 
 
-def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts) -> RestoredRun:
+def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts,
+            rank_parts: Mapping[str, bytearray] | None = None) -> RestoredRun:
     """Put the run back to the checkpoint: validate, check compatibility, then load every part.
-    A failure raises (never a partial restore downgraded to a warning)."""
+    ``rank_parts``: the checkpoint's other ranks' files (LoadedCheckpoint.extra_files), read to
+    reshard a sharded checkpoint written by another world size. A failure raises (never a
+    partial restore downgraded to a warning)."""
     validate(name, state)
-    if is_sharded(state[SIGNATURE]):
-        check_world_size(name, state[SIGNATURE], parts.world_size)  # before any shard is placed
-        state = {**state, **{key: rebuild_dtensors(name, state[key], parts.module) for key in (MODULE, OPTIMIZERS, LOOPS)}}
     world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank)
+    if is_sharded(state[SIGNATURE]):  # after the refusals of a world-size change, before any shard is placed
+        state = live_shards(name, state, parts.module, parts.world_size, rank_parts or {})
     check_compatible(name, state, parts, world_size_changes=world_size_before is not None)
     built = built_settings(parts.setup)
     try:

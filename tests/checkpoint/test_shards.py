@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.codec import decode_state, encode_state
-from engine.checkpoint.shards import TensorShard, assemble
+from engine.checkpoint.shards import SavedPieces, TensorShard, assemble
 from engine.errors import CheckpointCorrupt
 
 
@@ -42,6 +42,13 @@ def test_a_dtensor_is_written_as_its_shard_and_placement(one_rank_group: None) -
     assert torch.equal(decoded["plain"], torch.ones(2))
 
 
+def test_a_shard_read_back_is_written_again_as_it_was() -> None:
+    shard = TensorShard(torch.randn(3, 5), (7, 5), (4, 0), (2,), ("shard:0",))
+    again = _decode(encode_state({"weight": shard}))["weight"]
+    assert isinstance(again, TensorShard) and torch.equal(again.local, shard.local)
+    assert again.placement() == shard.placement()
+
+
 def test_assemble_places_every_shard_at_its_offsets() -> None:
     full = torch.randn(7, 3)
     shards = [TensorShard(full[4:], (7, 3), (4, 0), (2,), ("shard:0",)),
@@ -69,6 +76,8 @@ def _header_with_shard(payload: object, tensors: int = 1) -> tuple[bytes, bytear
     ([5, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:0"]}], "refers to tensor 5"),
     ([0, {"global_shape": [4], "offsets": [3], "mesh_shape": [2], "placements": ["shard:0"]}], "lies outside"),
     ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["partial"]}], "placements"),
+    ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:1"]}],
+     "name a dimension its global shape \\(4,\\) does not have"),
     ([0, {"global_shape": [4], "offsets": [0]}], "placement is malformed"),
     ("not a list", "not \\[tensor index, placement\\]"),
 ])
@@ -76,3 +85,61 @@ def test_a_malformed_shard_is_refused_as_corrupt(payload: object, message: str) 
     header, data = _header_with_shard(payload)
     with pytest.raises(CheckpointCorrupt, match=message):
         decode_state(header, data)
+
+
+def _chunks(length: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, size) of each rank's rows under Shard(0) (torch.chunk's split: ceil-sized
+    chunks, the last ones shorter or empty), written out independently of the code under test."""
+    size = -(-length // parts)
+    return [(min(rank * size, length), max(0, min(size, length - rank * size))) for rank in range(parts)]
+
+
+def test_saved_pieces_give_each_new_rank_its_block_from_the_overlapping_old_shards() -> None:
+    # 7 rows saved by 2 ranks (4 + 3) and read back by 3 ranks (3 + 3 + 1): the middle rank's
+    # block straddles both old shards.
+    full = torch.randn(7, 5)
+    pieces = SavedPieces("w", tuple(TensorShard(full[offset:offset + size], (7, 5), (offset, 0), (2,), ("shard:0",))
+                                    for offset, size in _chunks(7, 2)))
+    for offset, size in _chunks(7, 3):
+        assert torch.equal(pieces.region((offset, 0), (size, 5)), full[offset:offset + size])
+    assert torch.equal(pieces.whole(), full)
+
+
+def test_saved_pieces_reshard_along_another_dim_and_from_replicated_copies() -> None:
+    full = torch.arange(6 * 7, dtype=torch.float64).reshape(6, 7)
+    # A 2-D mesh (2, 2) with (Replicate, Shard(1)): each column block is saved twice.
+    shards = [TensorShard(full[:, offset:offset + size], (6, 7), (0, offset), (2, 2), ("replicate", "shard:1"))
+              for _ in range(2) for offset, size in _chunks(7, 2)]
+    pieces = SavedPieces("w", tuple(shards))
+    for offset, size in _chunks(7, 4):
+        assert torch.equal(pieces.region((0, offset), (6, size)), full[:, offset:offset + size])
+    assert pieces.region((0, 7), (6, 0)).shape == (6, 0)  # an empty block (more ranks than columns)
+
+
+def test_saved_pieces_refuse_a_block_they_do_not_cover() -> None:
+    full = torch.randn(7, 3)
+    pieces = SavedPieces("ckpt: module.w", (TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",)),))
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards do not cover the global shape "
+                                                r"\(7, 3\) in the block at offsets \[3, 0\] of shape \[3, 3\]$"):
+        pieces.region((3, 0), (3, 3))
+
+
+def test_the_fingerprint_of_a_sharded_state_covers_the_shards_and_their_placement() -> None:
+    # inspect fingerprints the decoded state of a sharded checkpoint (rank 0's shards).
+    from engine.checkpoint.fingerprint import fingerprint
+    local = torch.randn(4, 3)
+    def of(shard: TensorShard) -> str:
+        return fingerprint({"w": shard}, [{"state": {0: {"exp_avg": shard}}, "param_groups": []}])
+    shard = TensorShard(local, (7, 3), (0, 0), (2,), ("shard:0",))
+    assert of(shard) == of(TensorShard(local.clone(), (7, 3), (0, 0), (2,), ("shard:0",)))
+    assert of(shard) != of(TensorShard(local + 1, (7, 3), (0, 0), (2,), ("shard:0",)))
+    assert of(shard) != of(TensorShard(local, (8, 3), (0, 0), (2,), ("shard:0",)))
+
+
+def test_saved_pieces_refuse_shards_that_overlap_each_other() -> None:
+    # Rows 0-3 and 2-6: the volumes add up to more than the block; a gap could hide behind them.
+    full = torch.randn(7, 3)
+    pieces = SavedPieces("w", (TensorShard(full[:4], (7, 3), (0, 0), (2,), ("shard:0",)),
+                               TensorShard(full[2:6], (7, 3), (2, 0), (2,), ("shard:0",))))
+    with pytest.raises(CheckpointCorrupt, match=r"^w: two saved shards overlap at offsets \[2, 0\]$"):
+        pieces.whole()

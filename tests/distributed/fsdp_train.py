@@ -9,7 +9,12 @@ An embedding, an LSTM trained with TBPTT (hidden state carried across batches) a
 ends, ``OUT_DIR/final-<rank>.pt``: the full (gathered) parameters ``param.*``, the optimizer state
 gathered ``optim.<index>.<key>`` (Adam's ``step`` and moments), its RNG state and its carried
 hidden state; and its pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts. ``KILLS`` and
-``--slow`` work as in dist_train.py.
+``--slow`` work as in dist_train.py. For the world-size-change tests (test_reshard.py):
+``--whole-batches`` trains without TBPTT (one split per batch, a fresh hidden state each, so
+every checkpoint is at a batch boundary), and ``--record-steps ATTEMPT`` makes
+each sample carry its id and each rank append one line per optimizer step to
+``OUT_DIR/steps-<ATTEMPT>-<rank>.jsonl`` (the step, the ids of the samples trained on), as
+elastic_train.py does.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.pat
     sys.path.pop(0)  # tests/ folders must not shadow the real packages
 
 import argparse
+import json
 import pathlib
 from typing import Any
 
@@ -34,27 +40,30 @@ VAL_SAMPLES = 10
 
 
 class Model(engine.Module):
-    def __init__(self, shard_in_configure_model: bool = True) -> None:
+    def __init__(self, shard_in_configure_model: bool = True, tbptt: bool = True) -> None:
         super().__init__()
-        self.tbptt_split_length = SPLIT
-        self.carry_hidden_across_batches = True
+        self.tbptt_split_length = SPLIT if tbptt else None
+        self.carry_hidden_across_batches = tbptt
         self.embedding = torch.nn.Embedding(VOCAB, 8)
         self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
         self.head = torch.nn.Linear(8, VOCAB)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.shard_in_configure_model = shard_in_configure_model
         self.last_hidden: Any = None
+        self.last_ids: list[int] = []
 
     def configure_model(self) -> None:
         if self.shard_in_configure_model:
             shard(self)
 
     def training_step(self, batch: Any, hidden: Any = None) -> Any:
-        tokens, targets = batch
+        tokens, targets, *ids = batch
+        self.last_ids = [int(i) for i in ids[0][:, 0]] if ids else []
         out, hidden = self.rnn(self.embedding(tokens), hidden)
         self.last_hidden = hidden
         logits = self.head(out)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)), hidden
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        return (loss, hidden) if self.tbptt_split_length else loss
 
     def validation_step(self, batch: Any, hidden: Any = None) -> Any:
         tokens, targets = batch
@@ -108,6 +117,17 @@ class Sleep(engine.Callback):
         time.sleep(self.seconds)
 
 
+class RecordSteps(engine.Callback):
+    """Appends each optimizer step's sample ids (as elastic_train.py's Record does)."""
+
+    def __init__(self, model: Model, path: pathlib.Path) -> None:
+        self.model, self.path = model, path
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps({"step": view.optimizer_steps, "ids": self.model.last_ids}) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -118,6 +138,8 @@ def main() -> int:
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--clip", type=float, default=0.5, help="gradient_clip_val (norm)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed")
+    parser.add_argument("--whole-batches", action="store_true", help="no TBPTT: one split per batch")
+    parser.add_argument("--record-steps", default=None, help="ATTEMPT: record each step's sample ids")
     parser.add_argument("--shard-before-fit", action="store_true", help="fully_shard before fit, not in configure_model")
     parser.add_argument("--validate", action="store_true",
                         help=f"validate at each epoch end on {VAL_SAMPLES} samples ({VAL_SAMPLES // BATCH} batches: "
@@ -131,7 +153,7 @@ def main() -> int:
         if (int(kill_restart), int(kill_rank)) == (restart, rank):
             os.environ["SPLITLOOP_FAULTS"] = faults
     torch.manual_seed(100)  # the same full initial parameters on every rank, before sharding
-    model = Model(shard_in_configure_model=not args.shard_before_fit)
+    model = Model(shard_in_configure_model=not args.shard_before_fit, tbptt=not args.whole_batches)
     if args.shard_before_fit and "WORLD_SIZE" in os.environ:
         import torch.distributed as dist
         dist.init_process_group("gloo")
@@ -139,8 +161,11 @@ def main() -> int:
     torch.manual_seed(1000 + rank)
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (SAMPLES, TIME + 1), generator=generator)
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH, shuffle=True)
+    ids = [torch.arange(SAMPLES)[:, None].expand(SAMPLES, TIME)] if args.record_steps is not None else []
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:], *ids), batch_size=BATCH, shuffle=True)
     callbacks: list[engine.Callback] = [Sleep(args.slow, out / f"splits-{rank}")] if args.slow else []
+    if args.record_steps is not None:
+        callbacks.append(RecordSteps(model, out / f"steps-{args.record_steps}-{rank}.jsonl"))
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate,
         device="cpu", gradient_clip_val=args.clip,
@@ -155,6 +180,9 @@ def main() -> int:
         raise SystemExit("the model was not sharded: Module.configure_model was not called")
     torch.save(final_state(model, model.optimizers()), out / f"final-{rank}.pt")  # type: ignore[arg-type]
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
+    if args.shard_before_fit and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+        dist.destroy_process_group()  # the script made it; left to the interpreter's exit, gloo may abort
     return 0
 
 

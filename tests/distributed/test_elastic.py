@@ -4,10 +4,8 @@ re-partition of the data, and the refusals. The fault-tolerance test runs real t
 
 from __future__ import annotations
 
-import collections
 import json
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -126,15 +124,6 @@ def test_a_sampler_the_engine_cannot_repartition_is_refused() -> None:
     assert "the engine did not order its training data" in _refusal(4, _engine_loader(), {"world_size": 2})
 
 
-def test_a_sharded_model_is_refused() -> None:
-    class DTensor(torch.nn.Parameter):  # stands for torch.distributed.tensor.DTensor (matched by type name)
-        pass
-
-    sharded = torch.nn.Linear(2, 1)
-    sharded.weight = DTensor(torch.zeros(1, 2))
-    assert "the model is sharded (FSDP/DTensor)" in _refusal(4, _engine_loader(), module=sharded)
-
-
 def test_data_that_would_be_padded_on_the_new_world_size_is_refused() -> None:
     assert "the 20 samples do not split evenly over 2 and 8 ranks" in _refusal(8, _engine_loader(20))
     assert global_order.refusal("ckpt", {"world_size": 2, "global_batch": 8}, 8, _engine_loader(20, drop_last=True),
@@ -163,16 +152,7 @@ def _torchrun(ranks: int, job: pathlib.Path, attempt: int, *args: str) -> subpro
     return helpers.run(command, helpers.environment())
 
 
-def _samples_per_step(out: pathlib.Path) -> dict[int, list[int]]:
-    """Each optimizer step's sample ids over every rank, as trained by the last process that
-    trained the step (a step redone after a kill replaces the lost one)."""
-    by_step: dict[int, dict[int, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for path in out.glob("steps-*.jsonl"):
-        attempt = int(re.fullmatch(r"steps-(\d+)-\d+\.jsonl", path.name).group(1))
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            by_step[row["step"]][attempt].extend(row["ids"])
-    return {step: sorted(attempts[max(attempts)]) for step, attempts in by_step.items()}
+_samples_per_step = helpers.samples_per_step
 
 
 @pytest.fixture(scope="module")

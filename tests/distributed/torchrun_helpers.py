@@ -3,8 +3,11 @@ torchrun and read what it leaves."""
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -112,6 +115,19 @@ def assert_same_result(reference: pathlib.Path, other: pathlib.Path, ranks: int)
         for key in expected:
             assert torch.equal(expected[key], got[key]), f"rank {rank}: {key} differs"
     assert (reference / "run" / "metrics.jsonl").read_bytes() == (other / "run" / "metrics.jsonl").read_bytes()
+
+
+def samples_per_step(out: pathlib.Path) -> dict[int, list[int]]:
+    """Each optimizer step's sample ids over every rank, from the ``steps-<ATTEMPT>-<rank>.jsonl``
+    files elastic_train.py and fsdp_train.py --record-steps write, as trained by the last attempt
+    that trained the step (a step redone after a kill replaces the lost one)."""
+    by_step: dict[int, dict[int, list[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for path in out.glob("steps-*.jsonl"):
+        attempt = int(re.fullmatch(r"steps-(\d+)-\d+\.jsonl", path.name).group(1))  # type: ignore[union-attr]
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step[row["step"]][attempt].extend(row["ids"])
+    return {step: sorted(attempts[max(attempts)]) for step, attempts in by_step.items()}
 
 
 def wait_for(predicate, what: str, process: subprocess.Popen, limit: float = TIMEOUT) -> None:

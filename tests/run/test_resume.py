@@ -116,3 +116,29 @@ def test_namedtuple_hidden_state_and_batches_round_trip():
     assert type(decoded["hidden"]).__name__ == "State" and decoded["hidden"]._fields == ("h", "c")
     assert torch.equal(decoded["hidden"].h, torch.ones(2)) and torch.equal(decoded["hidden"].c, torch.zeros(3))
     assert type(decoded["plain"]) is tuple
+
+
+class _LoadedCheckpointsAlive(engine.Callback):
+    """Counts, at the first split after the resume, the LoadedCheckpoints still holding a state
+    tree or rank files (the checkpoint's bytes)."""
+
+    def __init__(self):
+        self.holding = None
+
+    def on_split_end(self, view):
+        import gc
+        from engine.checkpoint.catalogue import LoadedCheckpoint
+        if self.holding is None:
+            gc.collect()
+            self.holding = sum(1 for item in gc.get_objects()
+                               if isinstance(item, LoadedCheckpoint) and (item.state or item.extra_files))
+
+
+def test_a_resumed_run_does_not_keep_the_checkpoint_it_restored_in_memory(tmp_path):
+    # In a distributed run every rank reads every rank's part (a resharding resume needs them):
+    # once restored, none of it may stay alive for the rest of the fit.
+    run_dir = str(tmp_path / "run")
+    train("tbptt", run_dir, epochs=1)
+    alive = _LoadedCheckpointsAlive()
+    result = train("tbptt", run_dir, epochs=2, callbacks=(alive,))
+    assert result.resumed_from is not None and alive.holding == 0

@@ -223,6 +223,20 @@ class MetricsLog:
             row.update(world_size_before=world_size_before, world_size=world_size)
         self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
+    def hand_over(self) -> bytes:
+        """The sealed bytes not yet handed over, counted as written from now on: a writer
+        process (engine.checkpoint.writer_process) writes them, in its own :meth:`receive`."""
+        with self._lock:
+            data = bytes(self._unwritten)
+            self._unwritten.clear()
+            self.committed_bytes += len(data)
+            return data
+
+    def receive(self, data: bytes) -> None:
+        """Sealed bytes handed over by the training process (:meth:`hand_over`)."""
+        with self._lock:
+            self._unwritten += data
+
     def length_after_flush(self) -> int:
         """The file's length once every buffered line is written (what :meth:`snapshot`
         will return, computed without sealing anything)."""

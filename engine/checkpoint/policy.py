@@ -31,8 +31,9 @@ from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateVali
 from engine.checkpoint.resume_choice import choose_checkpoint, newer_than, record_abandoned
 from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
+from engine.checkpoint.writer_process import ProcessWriter
 from engine.config import CheckpointConfig
-from engine.errors import CheckpointWriteError, WriterConflict
+from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
@@ -51,7 +52,8 @@ class RunCheckpointer:
         self._storage = storage
         self._metrics = metrics
         self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds)
-        self._writer: SyncWriter | BackgroundWriter | None = None
+        self._lease.uses_writer_process = policy.writer == "process"
+        self._writer: SyncWriter | BackgroundWriter | ProcessWriter | None = None
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
         self._cadence: Cadence = choose_cadence(policy)
@@ -122,7 +124,13 @@ class RunCheckpointer:
         policy = self.policy
         abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
-        if policy.asynchronous:
+        if policy.writer == "process":
+            if self._group is not None:
+                raise ConfigError("CheckpointConfig.writer='process' is not supported with several processes (torchrun) "
+                                  "yet; use writer='thread' there")
+            self._writer = ProcessWriter(self._storage, self._lease, retention, self._metrics, policy.max_in_flight,
+                                         policy.when_behind)
+        elif policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
                                             policy.max_in_flight, policy.when_behind, self._group, self._metrics)
         else:
@@ -134,7 +142,7 @@ class RunCheckpointer:
         """What tells "auto" whether a split overlapped background checkpoint work: the
         background writer's writes, and the tiers' own work (both compete with training).
         None when nothing runs in the background."""
-        writes = self._writer.wrote_since if isinstance(self._writer, BackgroundWriter) else None
+        writes = self._writer.wrote_since if isinstance(self._writer, (BackgroundWriter, ProcessWriter)) else None
         detectors = [detector for detector in (writes, self._tiering.background_work()) if detector is not None]
         if len(detectors) < 2:
             return detectors[0] if detectors else None
@@ -210,7 +218,7 @@ class RunCheckpointer:
     def flush(self) -> None:
         """Wait until every queued checkpoint is committed (a rollback chooses among them),
         then surface any write error."""
-        if isinstance(self._writer, BackgroundWriter):
+        if isinstance(self._writer, (BackgroundWriter, ProcessWriter)):
             self._writer.flush()
         self.check()
 

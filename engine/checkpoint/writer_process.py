@@ -1,0 +1,316 @@
+"""``CheckpointConfig(asynchronous=True, writer="process")``: checkpoints written by a writer
+process, so that a checkpoint costs the training process one copy of its tensors.
+
+The training process encodes the state's description (engine.checkpoint.codec), copies the
+tensors in bulk into a slot of shared memory (engine.checkpoint.snapshot_arena) and sends the
+writer process a message naming the slot (engine.checkpoint.writer_channel). The writer process
+(engine.checkpoint.writer_main, started with ``subprocess`` as ``python -m``: never forked from
+a process that holds CUDA, never a ``multiprocessing`` spawn that re-imports the user's
+``__main__``) does the rest through the same commit path as the in-process writers.
+
+* **Lease**: the writer process inherits the lease's lock descriptor (``pass_fds``): the flock
+  holds while either process lives, and the writer checks the fence before each commit as
+  today. The lease records that a writer process is in use, so a restart of a killed run waits
+  (bounded, with a line on stderr) for that process to finish its last commit.
+* **Slots**: ``max_in_flight`` slots with ``when_behind="wait"`` (a snapshot waits for a free
+  one); two more with ``"skip"``, where a snapshot not yet taken up is replaced by a newer one
+  ("latest wins") and the training process never waits.
+* **The training process killed**: the writer process sees its stdin close (or its parent
+  change), commits the newest complete snapshot it received, releases the lease and exits.
+* **The writer process dies**: noticed at the next checkpoint (or split boundary check); one
+  line on stderr, and a new writer process is started once, which is handed every snapshot
+  not yet committed whose slot still holds it, and the metrics lines not yet committed. A
+  second death fails the checkpoint (CheckpointWriteError, under ``on_io_error``).
+
+Local run directories only, for now (the writer process rebuilds the storage from its path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from engine import faults
+from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.lease import WriterLease
+from engine.checkpoint.metrics_log import MetricsLog
+from engine.checkpoint.retention import Retention
+from engine.checkpoint.snapshot_arena import SharedSnapshotBuffers, make_arena_directory, remove_arena_directory
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.tiers import TierWriter
+from engine.checkpoint.writer import PendingCheckpoint
+from engine.checkpoint.writer_channel import FrameReader, encode_message, write_all
+from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
+
+# How long the training process waits for the writer process to answer before it checks that
+# the process still lives (a wait itself is unbounded only while the process lives).
+_POLL_SECONDS = 0.2
+_MAX_RESTARTS = 1
+# Descriptors of pipes to writer processes: a forked child (a DataLoader worker) must not keep
+# a writer's stdin open, or the writer would not see the training process die.
+_PIPE_DESCRIPTORS: set[int] = set()
+
+
+@dataclasses.dataclass
+class _Published:
+    """A snapshot sent to the writer process and not yet committed (or failed, or superseded)."""
+
+    message: dict[str, Any]
+    slot: int
+    # False once its slot was released: the slot may hold a newer snapshot by now.
+    slot_holds_it: bool = True
+
+
+class ProcessWriter:
+    """The training process's side of a writer process (see the module docstring); used by
+    engine.checkpoint.policy.RunCheckpointer like the in-process writers."""
+
+    def __init__(self, storage: Storage, lease: WriterLease, retention: Retention, metrics: MetricsLog,
+                 max_in_flight: int, when_behind: str) -> None:
+        if not storage.is_local:
+            raise ConfigError(f"CheckpointConfig.writer='process' needs a local run dir for now, got {storage.url!r}; "
+                              "use writer='thread' there")
+        self._storage = storage
+        self._lease = lease
+        self._retention = retention
+        self._metrics = metrics
+        self._when_behind = when_behind
+        self._arena = make_arena_directory()
+        count = max_in_flight + (2 if when_behind == "skip" else 0)
+        self._slots = [SharedSnapshotBuffers(self._arena, index) for index in range(count)]
+        self._free = list(range(count))
+        self._published: dict[int, _Published] = {}
+        self._next_id = 0
+        self._errors: list[BaseException] = []
+        self._committed_metrics = metrics.committed_bytes  # metrics.jsonl's length at the last commit
+        self._handed = bytearray()  # metrics bytes handed over since then (a new writer needs them)
+        self.last_name: str | None = None
+        self.last_end = -math.inf
+        self.skipped = 0
+        self.tiers: TierWriter | None = None  # a fast tier is refused with a writer process
+        self._carried = b""  # metrics bytes for the next message (after a restart)
+        self._restarts = 0
+        self._closing = False
+        self._start_process(inherit_faults=True)
+
+    # ---- the process ----------------------------------------------------------------------
+    def _start_process(self, inherit_faults: bool) -> None:
+        events_read, events_write = os.pipe()
+        handover = self._lease.handover()
+        retention = self._retention
+        config = {"run_dir": self._storage.root, "lease": handover, "arena": self._arena,
+                  "events_descriptor": events_write, "metrics_bytes": self._committed_metrics,
+                  "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
+                  "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind}
+        environment = dict(os.environ)
+        if not inherit_faults:  # fault injection arms the first writer process only
+            environment.pop(faults.ENVIRONMENT_VARIABLE, None)
+        passed = [events_write] + ([handover["lock_descriptor"]] if handover["lock_descriptor"] is not None else [])
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "engine.checkpoint.writer_main", json.dumps(config)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
+        finally:
+            os.close(events_write)
+        assert self._process.stdin is not None
+        self._input = self._process.stdin.fileno()
+        self._events = events_read
+        os.set_blocking(events_read, False)
+        _PIPE_DESCRIPTORS.update((self._input, self._events))
+        self._reader = FrameReader()
+
+    def _stop_pipes(self) -> None:
+        _PIPE_DESCRIPTORS.difference_update((self._input, self._events))
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.close()
+        except OSError:
+            pass
+        os.close(self._events)
+
+    def _writer_died(self) -> None:
+        """The writer process ended without being asked: restart it once, handing it what it
+        had not committed; a second time, fail."""
+        code = self._process.wait()
+        self._drain_events()
+        self._stop_pipes()
+        print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
+              + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
+              file=sys.stderr, flush=True)
+        if self._restarts >= _MAX_RESTARTS:
+            self._closing = True
+            raise CheckpointWriteError(f"the checkpoint writer process died {self._restarts + 1} times (last exit "
+                                       f"code {code}); earlier checkpoints are intact")
+        self._restarts += 1
+        self._start_process(inherit_faults=False)
+        self._hand_over_again()
+
+    def _hand_over_again(self) -> None:
+        """Send the new writer process the snapshots still in their slots, and the metrics
+        lines handed over since the last commit (with the first message sent)."""
+        carried = bytes(self._handed)
+        held = {published.slot for published in self._published.values() if published.slot_holds_it}
+        self._free = [slot for slot in range(len(self._slots)) if slot not in held]
+        for identifier in sorted(self._published):
+            published = self._published[identifier]
+            if not published.slot_holds_it:
+                del self._published[identifier]  # a newer snapshot, already sent or to come, supersedes it
+                continue
+            published.message["metrics"], carried = carried, b""
+            self._send(published.message)
+        self._carried = carried
+
+    def _alive(self) -> bool:
+        return self._process.poll() is None
+
+    # ---- events -----------------------------------------------------------------------------
+    def _drain_events(self) -> bool:
+        """Apply every event the writer process sent; False at end of file (it exited)."""
+        while True:
+            try:
+                data = os.read(self._events, 1 << 16)
+            except BlockingIOError:
+                return True
+            except OSError as error:
+                if error.errno == errno.EBADF:
+                    return False
+                raise
+            if not data:
+                return False
+            for event in self._reader.feed(data):
+                self._apply(event)
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "released":
+            self._release_slot(event["slot"])
+            return
+        published = self._published.pop(event["id"], None)
+        self.last_end = time.monotonic()
+        if kind == "superseded":
+            self.skipped += 1
+            self._release_slot(event["slot"])
+        elif kind == "committed":
+            self.last_name = event["name"]
+            del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
+            self._committed_metrics = max(self._committed_metrics, event["metrics_bytes"])
+        elif kind == "failed":
+            error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
+            self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
+
+    def _release_slot(self, slot: int) -> None:
+        for published in self._published.values():
+            if published.slot == slot:
+                published.slot_holds_it = False
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def _wait_for_events(self) -> None:
+        """Wait a little for events, then apply them; restart a writer process that died."""
+        select.select([self._events], [], [], _POLL_SECONDS)
+        if not self._drain_events() or not self._alive():
+            self._writer_died()
+
+    # ---- what the checkpointer calls -------------------------------------------------------
+    def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
+        """Copy the snapshot's tensors into a free slot and send it; always True (a snapshot
+        replaced by a newer one is counted in :attr:`skipped` when the writer says so)."""
+        self.check()
+        while not self._free:
+            self._wait_for_events()
+        slot = self._free.pop()
+        buffers = self._slots[slot]
+        encoded = pending.encoded
+        try:
+            buffers.capture(encoded.tensors, encoded.layout)
+            buffers.wait_until_copied()
+        except BaseException:
+            self._free.append(slot)
+            raise
+        self._send_snapshot(pending, encoded, slot, buffers.path, keep=force or pending.monitor is not None)
+        return True
+
+    def _send_snapshot(self, pending: PendingCheckpoint, encoded: EncodedState, slot: int, path: str,
+                       keep: bool) -> None:
+        handed = self._metrics.hand_over()
+        self._handed += handed
+        carried, self._carried = self._carried, b""
+        monitor = pending.monitor
+        message = {"kind": "snapshot", "id": self._next_id, "slot": slot, "path": path, "size": encoded.tensor_bytes,
+                   "header": encoded.header, "progress": pending.progress_bytes,
+                   "cursor": None if pending.cursor is None else pending.cursor.to_dict(),
+                   "metrics": carried + handed, "metrics_bytes": pending.metrics_bytes, "keep": keep,
+                   "monitor": None if monitor is None else [monitor.name, monitor.mode, monitor.value]}
+        self._published[self._next_id] = _Published(message, slot)
+        self._next_id += 1
+        self._send(message)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            write_all(self._input, encode_message(message))
+        except BrokenPipeError:
+            pass  # the writer died: the next check restarts it and hands this snapshot over again
+
+    def wrote_since(self, since: float) -> bool:
+        """Whether a snapshot was in the writer process's hands at any moment after ``since``
+        (its work competes with training for the CPU and the memory bandwidth)."""
+        if self._drain_events() is False:
+            return True
+        return bool(self._published) or self.last_end >= since
+
+    def check(self) -> None:
+        """Apply the writer's events; restart it if it died; raise the first error it reported."""
+        if self._closing:
+            return self._raise_reported()
+        if not self._drain_events() or not self._alive():
+            self._writer_died()
+        self._raise_reported()
+
+    def _raise_reported(self) -> None:
+        if self._errors:
+            raise self._errors.pop(0)
+
+    def flush(self) -> None:
+        """Wait until every snapshot sent is committed (or failed, or superseded)."""
+        self.check()
+        while self._published:
+            self._wait_for_events()
+        self._raise_reported()
+
+    def close(self) -> None:
+        """Let the writer process commit what it holds and exit; wait for it."""
+        try:
+            if not self._closing:
+                self.flush()
+                self._closing = True
+                self._send({"kind": "close"})
+                self._process.wait()
+                self._drain_events()
+                self._stop_pipes()
+        finally:
+            self._closing = True
+            if self._process.poll() is None:  # an error above: do not leave it behind
+                self._process.kill()
+                self._process.wait()
+            remove_arena_directory(self._arena)
+        self._raise_reported()
+
+
+def _close_inherited_pipes() -> None:
+    for descriptor in list(_PIPE_DESCRIPTORS):
+        try:
+            os.close(descriptor)
+        except OSError:
+            pass
+    _PIPE_DESCRIPTORS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_pipes)

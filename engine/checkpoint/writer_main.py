@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine import faults
 from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
@@ -207,6 +208,7 @@ class WriterProcess:
 def main(argv: list[str]) -> int:
     """``argv``: the configuration, one JSON object (engine.checkpoint.writer_process)."""
     torch.set_num_threads(1)  # the writer copies no tensors; leave the cores to training
+    faults.arm_from_environment()  # the fault points of the commit path (tests, engine.testing)
     config = json.loads(argv[0])
     try:
         WriterProcess(config, sys.stdin.fileno()).run()

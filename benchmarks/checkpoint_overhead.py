@@ -250,7 +250,10 @@ def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.Checkpo
         return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, local_tier=local_tier,
                                        durable_every_seconds=60.0)
     if way == "process":
-        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, writer="process")
+        # "Latest wins": training never waits for the writer process (a snapshot not yet taken
+        # up is replaced by a newer one); the run's last checkpoint is always written.
+        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, writer="process",
+                                       when_behind="skip")
     return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=way == "async")
 
 

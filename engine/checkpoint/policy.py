@@ -31,7 +31,7 @@ from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateVali
 from engine.checkpoint.resume_choice import choose_checkpoint, newer_than, record_abandoned
 from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
-from engine.checkpoint.writer_process import ProcessWriter
+from engine.checkpoint.writer_process import LaunchedWriter, ProcessWriter
 from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
@@ -54,6 +54,7 @@ class RunCheckpointer:
         self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds)
         self._lease.uses_writer_process = policy.writer == "process"
         self._writer: SyncWriter | BackgroundWriter | ProcessWriter | None = None
+        self._launched: LaunchedWriter | None = None  # a writer process started at acquire()
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
         self._cadence: Cadence = choose_cadence(policy)
@@ -73,6 +74,8 @@ class RunCheckpointer:
             self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
+            if self.policy.writer == "process" and self._group is None:
+                self._launched = LaunchedWriter.for_storage(self._storage, self._lease)
         self._side.after_acquire(self.store)
 
     def _takeover_sequence(self) -> int:
@@ -128,8 +131,10 @@ class RunCheckpointer:
             if self._group is not None:
                 raise ConfigError("CheckpointConfig.writer='process' is not supported with several processes (torchrun) "
                                   "yet; use writer='thread' there")
-            self._writer = ProcessWriter(self._storage, self._lease, retention, self._metrics, policy.max_in_flight,
-                                         policy.when_behind)
+            assert self._launched is not None, "acquire() before start()"
+            launched, self._launched = self._launched, None
+            self._writer = ProcessWriter(launched, self._storage, self._lease, retention, self._metrics,
+                                         policy.max_in_flight, policy.when_behind)
         elif policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
                                             policy.max_in_flight, policy.when_behind, self._group, self._metrics)
@@ -269,6 +274,9 @@ class RunCheckpointer:
         failed. With ``failing``, their errors are warnings (they must not replace the error on
         its way up); otherwise the first is raised."""
         first: Exception | None = None
+        launched, self._launched = self._launched, None
+        if launched is not None:  # the run ended before its writer process was given anything
+            launched.abandon()
         for release in (self.store.close, self._lease.release, self._tiering.release):
             try:
                 release()

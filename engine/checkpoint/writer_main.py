@@ -17,7 +17,6 @@ newest complete snapshot it received, releases the lease and exits.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import select
 import sys
@@ -84,7 +83,7 @@ class SlotWriter(SyncWriter):
 class Inbox:
     """The snapshots received and not yet taken up, filled by a reader thread."""
 
-    def __init__(self, input_descriptor: int, events: Events, latest_wins: bool) -> None:
+    def __init__(self, input_descriptor: int, reader: FrameReader, events: Events, latest_wins: bool) -> None:
         self._input = input_descriptor
         self._events = events
         self._latest_wins = latest_wins
@@ -93,10 +92,14 @@ class Inbox:
         self.closing = False
         self.orphaned = False
         self._parent = os.getppid()
-        self._reader = FrameReader()
+        self._reader = reader
         self._thread = threading.Thread(target=self._read_until_end, name="splitloop-writer-inbox", daemon=True)
 
-    def start(self) -> None:
+    def start(self, received: list[dict[str, Any]]) -> None:
+        """Start reading (``received``: messages read with the configuration)."""
+        for message in received:
+            if not self._accept(message):
+                return
         self._thread.start()
 
     def _read_until_end(self) -> None:
@@ -141,8 +144,8 @@ class Inbox:
 class WriterProcess:
     """Commits the snapshots of the :class:`Inbox` one at a time."""
 
-    def __init__(self, config: dict[str, Any], input_descriptor: int) -> None:
-        self._events = Events(int(config["events_descriptor"]))
+    def __init__(self, config: dict[str, Any], input_descriptor: int, reader: FrameReader, events: Events) -> None:
+        self._events = events
         storage = Storage(config["run_dir"])
         self._lease = WriterLease.adopt(storage, config["lease"])
         self._arena = str(config["arena"])
@@ -156,10 +159,10 @@ class WriterProcess:
         self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, None, metrics)
         self._metrics = metrics
         self._mappings: dict[int, tuple[str, Any, torch.Tensor]] = {}
-        self._inbox = Inbox(input_descriptor, self._events, latest_wins=config["when_behind"] == "skip")
+        self._inbox = Inbox(input_descriptor, reader, self._events, latest_wins=config["when_behind"] == "skip")
 
-    def run(self) -> None:
-        self._inbox.start()
+    def run(self, received: list[dict[str, Any]]) -> None:
+        self._inbox.start(received)
         while (message := self._inbox.take()) is not None:
             self._metrics.receive(message["metrics"])
             if not self._commit(message):
@@ -205,13 +208,28 @@ class WriterProcess:
         return known[2][:size]
 
 
+def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[str, Any]]:
+    """The messages up to the configuration (first) and any read with it; [] at end of file."""
+    received: list[dict[str, Any]] = []
+    while not received:
+        data = os.read(input_descriptor, 1 << 16)
+        if not data:
+            return []
+        received = reader.feed(data)
+    return received
+
+
 def main(argv: list[str]) -> int:
-    """``argv``: the configuration, one JSON object (engine.checkpoint.writer_process)."""
+    """``argv``: the descriptor of the events pipe (engine.checkpoint.writer_process)."""
     torch.set_num_threads(1)  # the writer copies no tensors; leave the cores to training
     faults.arm_from_environment()  # the fault points of the commit path (tests, engine.testing)
-    config = json.loads(argv[0])
+    events = Events(int(argv[0]))
+    input_descriptor, reader = sys.stdin.fileno(), FrameReader()
+    received = read_configuration(input_descriptor, reader)
+    if not received or received[0].get("kind") != "config":
+        return 0  # the run ended before it wrote anything
     try:
-        WriterProcess(config, sys.stdin.fileno()).run()
+        WriterProcess(received[0], input_descriptor, reader, events).run(received[1:])
     except BaseException:
         traceback.print_exc()
         return 1

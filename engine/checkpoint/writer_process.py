@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import math
 import os
 import select
@@ -73,11 +72,8 @@ class ProcessWriter:
     """The training process's side of a writer process (see the module docstring); used by
     engine.checkpoint.policy.RunCheckpointer like the in-process writers."""
 
-    def __init__(self, storage: Storage, lease: WriterLease, retention: Retention, metrics: MetricsLog,
-                 max_in_flight: int, when_behind: str) -> None:
-        if not storage.is_local:
-            raise ConfigError(f"CheckpointConfig.writer='process' needs a local run dir for now, got {storage.url!r}; "
-                              "use writer='thread' there")
+    def __init__(self, launched: "LaunchedWriter", storage: Storage, lease: WriterLease, retention: Retention,
+                 metrics: MetricsLog, max_in_flight: int, when_behind: str) -> None:
         self._storage = storage
         self._lease = lease
         self._retention = retention
@@ -99,42 +95,22 @@ class ProcessWriter:
         self._carried = b""  # metrics bytes for the next message (after a restart)
         self._restarts = 0
         self._closing = False
-        self._start_process(inherit_faults=True)
+        self._configure(launched)
 
     # ---- the process ----------------------------------------------------------------------
-    def _start_process(self, inherit_faults: bool) -> None:
-        events_read, events_write = os.pipe()
-        handover = self._lease.handover()
-        retention = self._retention
-        config = {"run_dir": self._storage.root, "lease": handover, "arena": self._arena,
-                  "events_descriptor": events_write, "metrics_bytes": self._committed_metrics,
-                  "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
-                  "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind}
-        environment = dict(os.environ)
-        if not inherit_faults:  # fault injection arms the first writer process only
-            environment.pop(faults.ENVIRONMENT_VARIABLE, None)
-        passed = [events_write] + ([handover["lock_descriptor"]] if handover["lock_descriptor"] is not None else [])
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "engine.checkpoint.writer_main", json.dumps(config)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
-        finally:
-            os.close(events_write)
-        assert self._process.stdin is not None
-        self._input = self._process.stdin.fileno()
-        self._events = events_read
-        os.set_blocking(events_read, False)
-        _PIPE_DESCRIPTORS.update((self._input, self._events))
+    def _configure(self, launched: "LaunchedWriter") -> None:
+        """Take ``launched`` as this run's writer process and send it its configuration."""
+        self._launched = launched
+        self._process, self._input, self._events = launched.process, launched.input, launched.events
         self._reader = FrameReader()
+        retention = self._retention
+        self._send({"kind": "config", "run_dir": self._storage.root, "lease": self._lease.handover(),
+                    "arena": self._arena, "metrics_bytes": self._committed_metrics,
+                    "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
+                    "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind})
 
     def _stop_pipes(self) -> None:
-        _PIPE_DESCRIPTORS.difference_update((self._input, self._events))
-        assert self._process.stdin is not None
-        try:
-            self._process.stdin.close()
-        except OSError:
-            pass
-        os.close(self._events)
+        self._launched.close_pipes()
 
     def _writer_died(self) -> None:
         """The writer process ended without being asked: restart it once, handing it what it
@@ -150,7 +126,7 @@ class ProcessWriter:
             raise CheckpointWriteError(f"the checkpoint writer process died {self._restarts + 1} times (last exit "
                                        f"code {code}); earlier checkpoints are intact")
         self._restarts += 1
-        self._start_process(inherit_faults=False)
+        self._configure(LaunchedWriter(self._lease, inherit_faults=False))
         self._hand_over_again()
 
     def _hand_over_again(self) -> None:
@@ -302,6 +278,61 @@ class ProcessWriter:
                 self._process.wait()
             remove_arena_directory(self._arena)
         self._raise_reported()
+
+
+class LaunchedWriter:
+    """A writer process started early (once the lease is taken: its start, mostly importing
+    torch, overlaps the run's own start), waiting for its configuration on stdin. It inherits
+    the lease's lock descriptor and the write end of its events pipe; nothing else."""
+
+    def __init__(self, lease: WriterLease, inherit_faults: bool = True) -> None:
+        descriptor = lease.handover()["lock_descriptor"]
+        events_read, events_write = os.pipe()
+        environment = dict(os.environ)
+        if not inherit_faults:  # fault injection arms the first writer process only
+            environment.pop(faults.ENVIRONMENT_VARIABLE, None)
+        passed = [events_write] + ([descriptor] if descriptor is not None else [])
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
+        except BaseException:
+            os.close(events_read)
+            raise
+        finally:
+            os.close(events_write)
+        assert self.process.stdin is not None
+        self.input = self.process.stdin.fileno()
+        self.events = events_read
+        os.set_blocking(events_read, False)
+        _PIPE_DESCRIPTORS.update((self.input, self.events))
+
+    @classmethod
+    def for_storage(cls, storage: Storage, lease: WriterLease) -> "LaunchedWriter":
+        """Start one for the run dir ``storage`` (ConfigError where a writer process cannot
+        write yet: a run dir that is not on a local filesystem)."""
+        if not storage.is_local:
+            raise ConfigError(f"CheckpointConfig.writer='process' needs a local run dir for now, got {storage.url!r}; "
+                              "use writer='thread' there")
+        return cls(lease)
+
+    def close_pipes(self) -> None:
+        """Close this side's pipes (the process, if still running, then ends: stdin at EOF)."""
+        _PIPE_DESCRIPTORS.difference_update((self.input, self.events))
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            os.close(self.events)
+        except OSError:
+            pass
+
+    def abandon(self) -> None:
+        """The run ends before it wrote anything: let the process go (it exits at EOF)."""
+        self.close_pipes()
+        self.process.wait()
 
 
 def _close_inherited_pipes() -> None:

@@ -8,10 +8,18 @@ bytes as ``tensors.bin``. A structure change (a new optimizer state entry, a laz
 buffer, a shape or dtype change) lays the slot out again in a *new* file (the writer drops its
 mapping of the old one when it first sees the new name), so a mapping never changes size under
 a reader. No Python object crosses the process boundary: only the file's name.
+
+After the tensors' bytes, each slot holds its *generation*: the id of the snapshot it holds,
+written last, under an ``flock`` of the slot's file. The writer process takes a slot up under
+the same lock and commits it only if the generation is the one its message names: with
+``when_behind="skip"`` the training process may take back a slot the writer has not taken up
+yet (the lock is free) and put a newer snapshot there; the writer then finds another generation
+and reports the old snapshot superseded. A reader never sees a torn snapshot.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import shutil
@@ -35,17 +43,53 @@ def remove_arena_directory(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def map_file(path: str, size: int) -> tuple[mmap.mmap | None, torch.Tensor]:
-    """Map ``size`` bytes of ``path`` shared; the mapping and a uint8 tensor over it (an empty
-    tensor and no mapping for 0 bytes: mmap refuses empty files)."""
-    if size == 0:
-        return None, torch.zeros(0, dtype=torch.uint8)
-    descriptor = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        mapping = mmap.mmap(descriptor, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(descriptor)
-    return mapping, torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+_GENERATION_BYTES = 64  # an int64, padded to the alignment of the tensors
+
+
+def generation_offset(tensor_bytes: int) -> int:
+    """Where a slot's generation lies, after ``tensor_bytes`` bytes of tensors."""
+    return (tensor_bytes + _GENERATION_BYTES - 1) // _GENERATION_BYTES * _GENERATION_BYTES
+
+
+class SlotFile:
+    """One slot file mapped shared: its bytes, its generation, and the lock that guards both."""
+
+    def __init__(self, path: str, tensor_bytes: int, create: bool) -> None:
+        self.path = path
+        self.tensor_bytes = tensor_bytes
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._descriptor = os.open(path, flags, 0o600)
+        offset = generation_offset(tensor_bytes)
+        if create:
+            os.ftruncate(self._descriptor, offset + _GENERATION_BYTES)
+        self._mapping = mmap.mmap(self._descriptor, offset + _GENERATION_BYTES, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.flat = whole[:tensor_bytes]
+        self._generation = whole[offset:offset + 8].view(torch.int64)
+
+    def lock(self, wait: bool = True) -> bool:
+        """Take the slot's lock; False when ``wait`` is off and the other process holds it."""
+        try:
+            fcntl.flock(self._descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+
+    @property
+    def generation(self) -> int:
+        return int(self._generation.item())
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._generation.fill_(value)
+
+    def close(self) -> None:
+        """Unmap once no tensor of this process uses the bytes any more (the caller's word)."""
+        os.close(self._descriptor)
 
 
 class SharedSnapshotBuffers(SnapshotBuffers):
@@ -57,24 +101,35 @@ class SharedSnapshotBuffers(SnapshotBuffers):
         self._directory = directory
         self._index = index
         self._layouts = 0
-        self.path = ""
-        self._mapping: mmap.mmap | None = None
+        self.file: SlotFile | None = None
+
+    @property
+    def path(self) -> str:
+        return "" if self.file is None else self.file.path
+
+    def lock(self, wait: bool = True) -> bool:
+        """Take the slot's lock (see the module docstring): before a new snapshot is copied in."""
+        assert self.file is not None or wait
+        return True if self.file is None else self.file.lock(wait)
+
+    def publish(self, generation: int) -> None:
+        """Write the generation of the snapshot just copied in (last), and unlock."""
+        assert self.file is not None
+        self.file.generation = generation
+        self.file.unlock()
 
     def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:
         total = layout[-1][0] + layout[-1][1] if layout else 0
         self._flat = None
         self._views = []
-        old_path = self.path
+        old = self.file
         self._layouts += 1
-        self.path = os.path.join(self._directory, f"slot-{self._index}-{self._layouts}")
-        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(descriptor, total)
-        finally:
-            os.close(descriptor)
-        self._mapping, flat = map_file(self.path, total)
+        self.file = SlotFile(os.path.join(self._directory, f"slot-{self._index}-{self._layouts}"), total, create=True)
+        self.file.lock()  # held until publish(), like the old file's (released with it)
+        flat = self.file.flat
         self._views = [flat[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
                        for tensor, (offset, nbytes) in zip(tensors, layout)]
         self._flat = flat
-        if old_path:
-            os.unlink(old_path)  # a writer that still maps it keeps its pages until it lets go
+        if old is not None:
+            os.unlink(old.path)  # a writer that still maps it keeps its pages until it lets go
+            old.close()

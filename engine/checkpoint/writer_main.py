@@ -32,7 +32,7 @@ from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.retention import Retention
-from engine.checkpoint.snapshot_arena import map_file, remove_arena_directory
+from engine.checkpoint.snapshot_arena import SlotFile, remove_arena_directory
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import PendingCheckpoint, SyncWriter
@@ -68,16 +68,19 @@ class SlotWriter(SyncWriter):
     def __init__(self, events: Events, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._events = events
-        self._slots: dict[int, int] = {}  # id() of a pending checkpoint -> its slot, until released
+        # id() of a pending checkpoint -> (its slot file, locked; the slot; the snapshot's id)
+        self._held: dict[int, tuple[SlotFile, int, int]] = {}
 
-    def hold(self, pending: PendingCheckpoint, slot: int) -> None:
-        """``pending``'s bytes are slot ``slot``'s until :meth:`release`."""
-        self._slots[id(pending)] = slot
+    def hold(self, pending: PendingCheckpoint, slot_file: SlotFile, slot: int, identifier: int) -> None:
+        """``pending``'s bytes are ``slot_file``'s (locked) until :meth:`release`."""
+        self._held[id(pending)] = (slot_file, slot, identifier)
 
     def release(self, pending: PendingCheckpoint) -> None:
-        slot = self._slots.pop(id(pending), None)
-        if slot is not None:
-            self._events.send(kind="released", slot=slot)
+        held = self._held.pop(id(pending), None)
+        if held is not None:
+            slot_file, slot, identifier = held
+            slot_file.unlock()
+            self._events.send(kind="released", slot=slot, id=identifier)
 
 
 class Inbox:
@@ -158,7 +161,7 @@ class WriterProcess:
         self._store = CheckpointStore(storage)
         self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, None, metrics)
         self._metrics = metrics
-        self._mappings: dict[int, tuple[str, Any, torch.Tensor]] = {}
+        self._slot_files: dict[int, SlotFile] = {}
         self._inbox = Inbox(input_descriptor, reader, self._events, latest_wins=config["when_behind"] == "skip")
 
     def run(self, received: list[dict[str, Any]]) -> None:
@@ -174,7 +177,9 @@ class WriterProcess:
 
     def _commit(self, message: dict[str, Any]) -> bool:
         """Commit one snapshot and report it; False when this writer must stop (lease lost)."""
-        pending = self._pending(message)
+        pending = self._take_up(message)
+        if pending is None:
+            return True
         try:
             self._writer.commit(pending)
         except WriterConflict as error:
@@ -189,23 +194,35 @@ class WriterProcess:
             self._writer.release(pending)
         return True
 
-    def _pending(self, message: dict[str, Any]) -> PendingCheckpoint:
-        flat = self._slot_tensor(message["slot"], message["path"], message["size"])
-        encoded = EncodedState(message["header"], [], [(0, message["size"])], flat=flat)
+    def _take_up(self, message: dict[str, Any]) -> PendingCheckpoint | None:
+        """Lock the snapshot's slot and check that it still holds it; the checkpoint to commit
+        (its slot locked until released), or None when a newer snapshot replaced it there."""
+        try:
+            slot_file = self._slot_file(message["slot"], message["path"], message["size"])
+        except FileNotFoundError:  # the slot was taken back and laid out again: a newer one is coming
+            self._events.send(kind="superseded", id=message["id"], slot=message["slot"])
+            return None
+        slot_file.lock()
+        if slot_file.generation != message["id"]:
+            slot_file.unlock()
+            self._events.send(kind="superseded", id=message["id"], slot=message["slot"])
+            return None
+        encoded = EncodedState(message["header"], [], [(0, message["size"])], flat=slot_file.flat)
         cursor = None if message["cursor"] is None else Cursor.from_dict(message["cursor"])
         monitor = None if message["monitor"] is None else MonitorRecord(*message["monitor"])
         pending = PendingCheckpoint(encoded, message["progress"], cursor, metrics_bytes=message["metrics_bytes"],
                                     durable=True, monitor=monitor)
-        self._writer.hold(pending, message["slot"])
+        self._writer.hold(pending, slot_file, message["slot"], message["id"])
         return pending
 
-    def _slot_tensor(self, slot: int, path: str, size: int) -> torch.Tensor:
-        """The slot's bytes, mapped once per layout (a new layout is a new file)."""
-        known = self._mappings.get(slot)
-        if known is None or known[0] != path or known[2].numel() < size:
-            mapping, flat = map_file(path, size)
-            known = self._mappings[slot] = (path, mapping, flat)
-        return known[2][:size]
+    def _slot_file(self, slot: int, path: str, size: int) -> SlotFile:
+        """The slot's file, mapped once per layout (a new layout is a new file)."""
+        known = self._slot_files.get(slot)
+        if known is None or known.path != path:
+            if known is not None:
+                known.close()
+            known = self._slot_files[slot] = SlotFile(path, size, create=False)
+        return known
 
 
 def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[str, Any]]:

@@ -67,6 +67,11 @@ class _Published:
     # False once its slot was released: the slot may hold a newer snapshot by now.
     slot_holds_it: bool = True
 
+    @property
+    def keep(self) -> bool:
+        """Never replaced by a newer snapshot (a forced one, or one recording a monitored value)."""
+        return bool(self.message["keep"])
+
 
 class ProcessWriter:
     """The training process's side of a writer process (see the module docstring); used by
@@ -83,6 +88,7 @@ class ProcessWriter:
         count = max_in_flight + (2 if when_behind == "skip" else 0)
         self._slots = [SharedSnapshotBuffers(self._arena, index) for index in range(count)]
         self._free = list(range(count))
+        self._occupant: dict[int, int] = {}  # slot -> the id of the snapshot copied into it last
         self._published: dict[int, _Published] = {}
         self._next_id = 0
         self._errors: list[BaseException] = []
@@ -167,13 +173,13 @@ class ProcessWriter:
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
         if kind == "released":
-            self._release_slot(event["slot"])
+            self._release_slot(event["slot"], event["id"])
             return
         published = self._published.pop(event["id"], None)
         self.last_end = time.monotonic()
         if kind == "superseded":
             self.skipped += 1
-            self._release_slot(event["slot"])
+            self._release_slot(event["slot"], event["id"])
         elif kind == "committed":
             self.last_name = event["name"]
             del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
@@ -182,7 +188,11 @@ class ProcessWriter:
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
             self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
 
-    def _release_slot(self, slot: int) -> None:
+    def _release_slot(self, slot: int, identifier: int) -> None:
+        """The writer is done with snapshot ``identifier`` in ``slot``: free the slot, unless
+        a newer snapshot took it back already (see :meth:`_take_back_slot`)."""
+        if self._occupant.get(slot) != identifier:
+            return
         for published in self._published.values():
             if published.slot == slot:
                 published.slot_holds_it = False
@@ -200,19 +210,49 @@ class ProcessWriter:
         """Copy the snapshot's tensors into a free slot and send it; always True (a snapshot
         replaced by a newer one is counted in :attr:`skipped` when the writer says so)."""
         self.check()
-        while not self._free:
-            self._wait_for_events()
-        slot = self._free.pop()
+        slot = self._take_slot()
         buffers = self._slots[slot]
         encoded = pending.encoded
+        identifier = self._next_id
+        self._occupant[slot] = identifier
         try:
             buffers.capture(encoded.tensors, encoded.layout)
             buffers.wait_until_copied()
         except BaseException:
+            self._occupant.pop(slot, None)
             self._free.append(slot)
+            buffers.publish(-1)  # holds no snapshot
             raise
+        buffers.publish(identifier)
         self._send_snapshot(pending, encoded, slot, buffers.path, keep=force or pending.monitor is not None)
         return True
+
+    def _take_slot(self) -> int:
+        """A slot to copy the next snapshot into, locked: a free one; with "skip", else one
+        whose snapshot the writer has not taken up (latest wins); else wait for one."""
+        while True:
+            if self._free:
+                slot = self._free.pop()
+                self._slots[slot].lock()
+                return slot
+            if self._when_behind == "skip":
+                taken_back = self._take_back_slot()
+                if taken_back is not None:
+                    return taken_back
+            self._wait_for_events()
+
+    def _take_back_slot(self) -> int | None:
+        """The slot of the oldest replaceable snapshot the writer process has not taken up
+        (its lock is free), locked; the writer will find a newer generation there and report
+        that snapshot superseded. None when every slot is taken up or must be kept."""
+        for identifier in sorted(self._published):
+            published = self._published[identifier]
+            if published.keep or not published.slot_holds_it or self._occupant.get(published.slot) != identifier:
+                continue
+            if self._slots[published.slot].lock(wait=False):
+                published.slot_holds_it = False
+                return published.slot
+        return None
 
     def _send_snapshot(self, pending: PendingCheckpoint, encoded: EncodedState, slot: int, path: str,
                        keep: bool) -> None:

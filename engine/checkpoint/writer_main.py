@@ -86,8 +86,10 @@ class SlotWriter(SyncWriter):
 class Inbox:
     """The snapshots received and not yet taken up, filled by a reader thread."""
 
-    def __init__(self, input_descriptor: int, reader: FrameReader, events: Events, latest_wins: bool) -> None:
+    def __init__(self, input_descriptor: int, reader: FrameReader, events: Events, metrics: MetricsLog,
+                 latest_wins: bool) -> None:
         self._input = input_descriptor
+        self._metrics = metrics
         self._events = events
         self._latest_wins = latest_wins
         self._condition = threading.Condition()
@@ -128,6 +130,8 @@ class Inbox:
                 self.closing = True
                 self._condition.notify_all()
                 return False
+            # In the order sent, whatever becomes of the snapshot: a later one counts its lines.
+            self._metrics.receive(message["metrics"])
             if self._latest_wins:
                 for queued in [queued for queued in self._queue if not queued["keep"]]:
                     self._queue.remove(queued)
@@ -162,12 +166,11 @@ class WriterProcess:
         self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, None, metrics)
         self._metrics = metrics
         self._slot_files: dict[int, SlotFile] = {}
-        self._inbox = Inbox(input_descriptor, reader, self._events, latest_wins=config["when_behind"] == "skip")
+        self._inbox = Inbox(input_descriptor, reader, self._events, metrics, latest_wins=config["when_behind"] == "skip")
 
     def run(self, received: list[dict[str, Any]]) -> None:
         self._inbox.start(received)
         while (message := self._inbox.take()) is not None:
-            self._metrics.receive(message["metrics"])
             if not self._commit(message):
                 break
         self._store.close()

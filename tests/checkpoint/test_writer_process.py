@@ -3,7 +3,9 @@ the in-process writers; a SIGKILLed training process loses nothing the writer re
 SIGKILLed writer process is replaced and the run stays exact; structure changes of the state
 are laid out again."""
 
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -145,3 +147,53 @@ def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path):
 def test_writer_process_settings_are_checked(checkpoint, field):
     with pytest.raises(ConfigError, match=field):
         engine.CheckpointConfig(**checkpoint)
+
+
+def writer_processes():
+    """The pids of this process's writer processes (its children running writer_main)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == os.getpid() and b"engine.checkpoint.writer_main" in command:
+            found.append(int(entry))
+    return found
+
+
+class StopTheWriter(engine.Callback):
+    """SIGSTOPs the writer process after the first split and lets it go after the sixth."""
+
+    def __init__(self):
+        self.splits = 0
+
+    def on_split_end(self, view):
+        self.splits += 1
+        if self.splits in (1, 6):
+            (pid,) = writer_processes()
+            os.kill(pid, signal.SIGSTOP if self.splits == 1 else signal.SIGCONT)
+
+
+def test_latest_wins_replaces_snapshots_the_stopped_writer_has_not_taken_up(tmp_path):
+    """With when_behind="skip" the training process never waits for a writer process that
+    does not keep up (here: stopped for five splits): it takes back the slots of snapshots not
+    taken up and puts newer ones there. Fewer checkpoints, always forward, the last one
+    written, the run exact."""
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train_with_checkpoints("tbptt", reference, epochs=1, keep_last=None)
+    model, loader = build("tbptt")
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, writer="process",
+                                         when_behind="skip")
+    config = engine.TrainerConfig(max_epochs=1, run_dir=process, checkpoint=checkpoint, progress_bar="off")
+    engine.Trainer(config, callbacks=[StopTheWriter()]).fit(model, loader)
+    store = CheckpointStore(Storage(process))
+    cursors = [store.load(name).progress.cursor for name in store.names()]
+    assert len(cursors) < len(CheckpointStore(Storage(reference)).names())
+    assert cursors == sorted(cursors, key=lambda cursor: cursor.as_tuple())
+    assert_same_run(reference, process)

@@ -27,8 +27,10 @@ Local run directories only, for now (the writer process rebuilds the storage fro
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
+import fcntl
 import math
 import os
 import select
@@ -109,6 +111,9 @@ class ProcessWriter:
         self._launched = launched
         self._process, self._input, self._events = launched.process, launched.input, launched.events
         self._reader = FrameReader()
+        self._outbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._unsent = bytearray()  # the part of a message the pipe did not take yet
+        os.set_blocking(self._input, False)
         retention = self._retention
         self._send({"kind": "config", "run_dir": self._storage.root, "lease": self._lease.handover(),
                     "arena": self._arena, "metrics_bytes": self._committed_metrics,
@@ -249,6 +254,9 @@ class ProcessWriter:
             published = self._published[identifier]
             if published.keep or not published.slot_holds_it or self._occupant.get(published.slot) != identifier:
                 continue
+            if self._withdraw_unsent(identifier):
+                self._slots[published.slot].lock()
+                return published.slot
             if self._slots[published.slot].lock(wait=False):
                 published.slot_holds_it = False
                 return published.slot
@@ -270,10 +278,45 @@ class ProcessWriter:
         self._send(message)
 
     def _send(self, message: dict[str, Any]) -> None:
-        try:
-            write_all(self._input, encode_message(message))
-        except BrokenPipeError:
-            pass  # the writer died: the next check restarts it and hands this snapshot over again
+        """Queue ``message`` and send what the pipe takes without blocking: a writer process
+        still starting (importing torch) must not stall training once the pipe is full."""
+        self._outbox.append(message)
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        while True:
+            if not self._unsent:
+                if not self._outbox:
+                    return
+                self._unsent = bytearray(encode_message(self._outbox.popleft()))
+            try:
+                written = os.write(self._input, self._unsent)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:  # the writer died: the next check restarts it and hands it all over
+                self._outbox.clear()
+                self._unsent = bytearray()
+                return
+            del self._unsent[:written]
+
+    def _withdraw_unsent(self, identifier: int) -> bool:
+        """Take back snapshot ``identifier`` if its message is still queued here (never seen by
+        the writer process); its metrics lines go with the next message."""
+        for message in self._outbox:
+            if message.get("id") == identifier and message.get("kind") == "snapshot":
+                self._outbox.remove(message)
+                self._carried = message["metrics"] + self._carried
+                del self._published[identifier]
+                self.skipped += 1
+                return True
+        return False
+
+    def _send_everything(self) -> None:
+        """Block until every queued message is in the pipe (or the writer process is gone)."""
+        self._send_queued()
+        while (self._unsent or self._outbox) and self._alive():
+            select.select([], [self._input], [], _POLL_SECONDS)
+            self._send_queued()
 
     def wrote_since(self, since: float) -> bool:
         """Whether a snapshot was in the writer process's hands at any moment after ``since``
@@ -288,6 +331,7 @@ class ProcessWriter:
             return self._raise_reported()
         if not self._drain_events() or not self._alive():
             self._writer_died()
+        self._send_queued()
         self._raise_reported()
 
     def _raise_reported(self) -> None:
@@ -297,6 +341,7 @@ class ProcessWriter:
     def flush(self) -> None:
         """Wait until every snapshot sent is committed (or failed, or superseded)."""
         self.check()
+        self._send_everything()
         while self._published:
             self._wait_for_events()
         self._raise_reported()
@@ -308,6 +353,7 @@ class ProcessWriter:
                 self.flush()
                 self._closing = True
                 self._send({"kind": "close"})
+                self._send_everything()
                 self._process.wait()
                 self._drain_events()
                 self._stop_pipes()
@@ -343,6 +389,10 @@ class LaunchedWriter:
             os.close(events_write)
         assert self.process.stdin is not None
         self.input = self.process.stdin.fileno()
+        try:  # room for many snapshot messages while the process starts (the system's cap)
+            fcntl.fcntl(self.input, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except OSError:
+            pass
         self.events = events_read
         os.set_blocking(events_read, False)
         _PIPE_DESCRIPTORS.update((self.input, self.events))

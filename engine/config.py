@@ -155,7 +155,7 @@ class CheckpointConfig:
             the training process only copies the state into shared memory; the writer encodes
             nothing, writes, fsyncs and commits under the lease, and still commits the last
             snapshot it received when the training process is killed). See
-            docs/checkpointing.md ("A writer process").
+            docs/guarantees.md ("A writer process").
     """
 
     every_n_splits: int | Literal["auto"] | None = 1

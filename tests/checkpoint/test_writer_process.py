@@ -3,9 +3,14 @@ the in-process writers; a SIGKILLed training process loses nothing the writer re
 SIGKILLed writer process is replaced and the run stays exact; structure changes of the state
 are laid out again."""
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -15,7 +20,8 @@ from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import ConfigError
 from progress import Cursor
-from kill_helpers import run_scenario
+import forkserver
+from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
 from resume_helpers import assert_same_run
 from scenarios import build, train_with_checkpoints
 
@@ -149,24 +155,6 @@ def test_writer_process_settings_are_checked(checkpoint, field):
         engine.CheckpointConfig(**checkpoint)
 
 
-def writer_processes():
-    """The pids of this process's writer processes (its children running writer_main)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == os.getpid() and b"engine.checkpoint.writer_main" in command:
-            found.append(int(entry))
-    return found
-
-
 class StopTheWriter(engine.Callback):
     """SIGSTOPs the writer process after the first split and lets it go after the sixth."""
 
@@ -176,7 +164,7 @@ class StopTheWriter(engine.Callback):
     def on_split_end(self, view):
         self.splits += 1
         if self.splits in (1, 6):
-            (pid,) = writer_processes()
+            (pid,) = children_running_the_writer(os.getpid())
             os.kill(pid, signal.SIGSTOP if self.splits == 1 else signal.SIGCONT)
 
 
@@ -197,3 +185,68 @@ def test_latest_wins_replaces_snapshots_the_stopped_writer_has_not_taken_up(tmp_
     assert len(cursors) < len(CheckpointStore(Storage(reference)).names())
     assert cursors == sorted(cursors, key=lambda cursor: cursor.as_tuple())
     assert_same_run(reference, process)
+
+
+def children_running_the_writer(parent):
+    """The pids of ``parent``'s children that run writer_main."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == parent and b"engine.checkpoint.writer_main" in command:
+            found.append(int(entry))
+    return found
+
+
+def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path):
+    """The training process is SIGKILLed while its writer process is stopped (as if a long
+    commit): the restart finds the lease's lock held, says it waits for that writer, and goes
+    on once the writer, let go, has committed and exited; the run is exact."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    train_with_checkpoints("tbptt", reference)
+    command = [sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process", "--sleep", "0.05"]
+    with tempfile.TemporaryFile(mode="w+") as first_errors, tempfile.TemporaryFile(mode="w+") as errors:
+        first = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=first_errors, text=True)
+        assert first.stdout.readline().startswith("training")
+        writers = wait_for(lambda: children_running_the_writer(first.pid))
+        os.kill(writers[0], signal.SIGSTOP)
+        first.kill()
+        first.wait(TIMEOUT)
+        first.stdout.close()
+        restart = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            def waiting():
+                errors.seek(0)
+                return "waiting up to" in errors.read()
+
+            wait_for(waiting)
+            os.kill(writers[0], signal.SIGCONT)
+            restart.wait(TIMEOUT)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writers[0], signal.SIGCONT)  # never left stopped
+            if restart.poll() is None:
+                restart.kill()
+                restart.wait()
+            restart.stdout.close()
+        errors.seek(0)
+        assert restart.returncode == 0, errors.read()[-3000:]
+    assert_same_run(reference, run_dir)
+
+
+def wait_for(condition, timeout=TIMEOUT):
+    """``condition()``'s first true value, polled until ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{condition.__name__} did not hold within {timeout} s")

@@ -250,3 +250,13 @@ def wait_for(condition, timeout=TIMEOUT):
             return value
         time.sleep(0.05)
     raise AssertionError(f"{condition.__name__} did not hold within {timeout} s")
+
+
+def test_auto_cadence_with_a_writer_process(tmp_path):
+    """every_n_splits="auto" times the training process's splits against the writer process's
+    work in flight; it reaches an interval, and the run trains exactly as without it."""
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train_with_checkpoints("tbptt", reference)
+    result = train_with_checkpoints("tbptt", process, every="auto", writer="process")
+    assert isinstance(result.checkpoint_interval, int) and result.checkpoint_interval >= 1
+    assert_same_run(reference, process)

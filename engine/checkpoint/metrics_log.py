@@ -232,9 +232,14 @@ class MetricsLog:
             self.committed_bytes += len(data)
             return data
 
-    def receive(self, data: bytes) -> None:
-        """Sealed bytes handed over by the training process (:meth:`hand_over`)."""
+    def receive_at(self, base: int, data: bytes) -> None:
+        """Sealed bytes handed over by the training process (:meth:`hand_over`), which start at
+        ``base`` in the file. Where this log's own bytes end elsewhere, the training process
+        rolled back (and cut the file there): start over at ``base``."""
         with self._lock:
+            if base != self.committed_bytes + len(self._unwritten):
+                self._unwritten.clear()
+                self.committed_bytes = base
             self._unwritten += data
 
     def length_after_flush(self) -> int:

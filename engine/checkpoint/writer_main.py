@@ -131,7 +131,7 @@ class Inbox:
                 self._condition.notify_all()
                 return False
             # In the order sent, whatever becomes of the snapshot: a later one counts its lines.
-            self._metrics.receive(message["metrics"])
+            self._metrics.receive_at(message["metrics_base"], message["metrics"])
             if self._latest_wins:
                 for queued in [queued for queued in self._queue if not queued["keep"]]:
                     self._queue.remove(queued)

@@ -146,12 +146,14 @@ class ProcessWriter:
         carried = bytes(self._handed)
         held = {published.slot for published in self._published.values() if published.slot_holds_it}
         self._free = [slot for slot in range(len(self._slots)) if slot not in held]
+        base = self._committed_metrics
         for identifier in sorted(self._published):
             published = self._published[identifier]
             if not published.slot_holds_it:
                 del self._published[identifier]  # a newer snapshot, already sent or to come, supersedes it
                 continue
-            published.message["metrics"], carried = carried, b""
+            published.message["metrics"], published.message["metrics_base"], carried = carried, base, b""
+            base += len(published.message["metrics"])
             self._send(published.message)
         self._carried = carried
 
@@ -188,7 +190,7 @@ class ProcessWriter:
         elif kind == "committed":
             self.last_name = event["name"]
             del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
-            self._committed_metrics = max(self._committed_metrics, event["metrics_bytes"])
+            self._committed_metrics = event["metrics_bytes"]  # lower after a rollback
         elif kind == "failed":
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
             self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
@@ -267,11 +269,15 @@ class ProcessWriter:
         handed = self._metrics.hand_over()
         self._handed += handed
         carried, self._carried = self._carried, b""
+        # Where the lines start in metrics.jsonl: the writer starts over there when it is not
+        # where its own lines end (the run rolled back and cut the file).
+        base = self._metrics.committed_bytes - len(handed) - len(carried)
         monitor = pending.monitor
         message = {"kind": "snapshot", "id": self._next_id, "slot": slot, "path": path, "size": encoded.tensor_bytes,
                    "header": encoded.header, "progress": pending.progress_bytes,
                    "cursor": None if pending.cursor is None else pending.cursor.to_dict(),
-                   "metrics": carried + handed, "metrics_bytes": pending.metrics_bytes, "keep": keep,
+                   "metrics": carried + handed, "metrics_base": base, "metrics_bytes": pending.metrics_bytes,
+                   "keep": keep,
                    "monitor": None if monitor is None else [monitor.name, monitor.mode, monitor.value]}
         self._published[self._next_id] = _Published(message, slot)
         self._next_id += 1

@@ -260,3 +260,15 @@ def test_auto_cadence_with_a_writer_process(tmp_path):
     result = train_with_checkpoints("tbptt", process, every="auto", writer="process")
     assert isinstance(result.checkpoint_interval, int) and result.checkpoint_interval >= 1
     assert_same_run(reference, process)
+
+
+def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
+    """A rollback cuts metrics.jsonl back to the restored checkpoint: the writer process starts
+    its lines over there, and the run (weights, progress, metrics.jsonl) is the writer thread's."""
+    from rollback_scenario import EVERY, train_poisoned
+
+    reference, process = str(tmp_path / "thread"), str(tmp_path / "process")
+    train_poisoned("nan", reference)
+    train_poisoned("nan", process, checkpoint=engine.CheckpointConfig(every_n_splits=EVERY, keep_last=None,
+                                                                      asynchronous=True, writer="process"))
+    assert_same_run(reference, process)

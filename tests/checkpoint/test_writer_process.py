@@ -263,12 +263,17 @@ def test_auto_cadence_with_a_writer_process(tmp_path):
 
 
 def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
-    """A rollback cuts metrics.jsonl back to the restored checkpoint: the writer process starts
-    its lines over there, and the run (weights, progress, metrics.jsonl) is the writer thread's."""
-    from rollback_scenario import EVERY, train_poisoned
+    """A rollback three steps back (past the newest checkpoint) cuts metrics.jsonl back to the
+    restored checkpoint: the writer process starts its lines over there, and the run (weights,
+    progress, metrics.jsonl) is the synchronous writer's."""
+    from rollback_scenario import train_poisoned
 
-    reference, process = str(tmp_path / "thread"), str(tmp_path / "process")
-    train_poisoned("nan", reference)
-    train_poisoned("nan", process, checkpoint=engine.CheckpointConfig(every_n_splits=EVERY, keep_last=None,
-                                                                      asynchronous=True, writer="process"))
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    rollback = engine.Rollback(back=3)
+    with pytest.warns(UserWarning, match="rolled back to"):
+        train_poisoned("nan", reference, anomaly=rollback,
+                       checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+    with pytest.warns(UserWarning, match="rolled back to"):
+        train_poisoned("nan", process, anomaly=rollback, checkpoint=engine.CheckpointConfig(
+            every_n_splits=1, keep_last=None, asynchronous=True, writer="process"))
     assert_same_run(reference, process)

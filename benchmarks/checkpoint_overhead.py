@@ -76,6 +76,7 @@ import collections
 import dataclasses
 import functools
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -95,7 +96,7 @@ from engine.data.rng import capture_global_rng
 # also leaves the second core to the background writer, as a GPU job leaves CPU cores free.
 THREADS = 1
 SEED = 1234
-WAYS = ("none", "sync", "async", "fast", "floor")
+WAYS = ("none", "sync", "async", "process", "fast", "floor")
 FAST_TIER_ROOT = "/dev/shm"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -238,6 +239,8 @@ class RunResult:
     # Process CPU time (every thread, user and system) of the run: less sensitive than wall
     # time to what other processes do on a shared machine.
     cpu_seconds: float = 0.0
+    # CPU time (user and system) of the child processes the run waited for: its writer process.
+    child_cpu_seconds: float = 0.0
 
 
 def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.CheckpointConfig | None:
@@ -246,6 +249,11 @@ def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.Checkpo
     if way == "fast":
         return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, local_tier=local_tier,
                                        durable_every_seconds=60.0)
+    if way == "process":
+        # "Latest wins": training never waits for the writer process (a snapshot not yet taken
+        # up is replaced by a newer one); the run's last checkpoint is always written.
+        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, writer="process",
+                                       when_behind="skip")
     return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=way == "async")
 
 
@@ -292,15 +300,22 @@ def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, tim
         callbacks.append(CopyFloor(model, optimizers))
     os.sync()
     timers.take()
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started, cpu_started, child_started = time.perf_counter(), time.process_time(), children_cpu_seconds()
     engine.Trainer(config, callbacks=callbacks).fit(model, batches, resume="off")
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    child_cpu_seconds = children_cpu_seconds() - child_started
     recorded = timers.take()
     if run_dir is not None:
         shutil.rmtree(run_dir)
     if local_tier is not None:
         shutil.rmtree(local_tier)
-    return RunResult(seconds, clock.per_split_seconds(), recorded, model, cpu_seconds)
+    return RunResult(seconds, clock.per_split_seconds(), recorded, model, cpu_seconds, child_cpu_seconds)
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of the child processes waited for so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def same_parameters(models: list[torch.nn.Module]) -> bool:
@@ -337,6 +352,7 @@ def run_rounds(workload: Workload, repeats: int, work: str, timers: CheckpointTi
         print(f"  round {index + 1}: " + ", ".join(f"{way} {results[way].seconds:.2f} s" for way in WAYS)
               + f"; sync/none {results['sync'].seconds / results['none'].seconds:.3f}, "
               f"async/none {results['async'].seconds / results['none'].seconds:.3f}, "
+              f"process/none {results['process'].seconds / results['none'].seconds:.3f}, "
               f"fast/none {results['fast'].seconds / results['none'].seconds:.3f}, "
               f"floor/none {results['floor'].seconds / results['none'].seconds:.3f}; parameters equal: {equal}")
         finish_round(workload, results, equal)
@@ -368,7 +384,8 @@ def report_runs(workload: Workload, rounds: list[dict[str, RunResult]]) -> dict[
     print(f"{workload.label}: steady state per split none {split['none'] * 1e3:.1f} ms, "
           f"sync {split['sync'] * 1e3:.1f} ms, async {split['async'] * 1e3:.1f} ms; ratio sync/none "
           f"{median_ratio(rounds, 'sync', 'per_split_seconds'):.3f}, async/none "
-          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f}, fast/none "
+          f"{median_ratio(rounds, 'async', 'per_split_seconds'):.3f}, process/none "
+          f"{median_ratio(rounds, 'process', 'per_split_seconds'):.3f}, fast/none "
           f"{median_ratio(rounds, 'fast', 'per_split_seconds'):.3f}, floor/none "
           f"{median_ratio(rounds, 'floor', 'per_split_seconds'):.3f} (end of run left out)")
     print(f"{workload.label}: fast tier (async, every split to {FAST_TIER_ROOT}, durable every 60 s and at the end) "
@@ -392,6 +409,11 @@ def report_checkpoint_breakdown(workload: Workload, rounds: list[dict[str, RunRe
            for way in ("sync", "async", "fast")}
     print(f"{workload.label}: CPU time per checkpoint (process, every thread, minus the run without checkpoints; "
           f"medians per round): sync {cpu['sync']:.1f} ms, async {cpu['async']:.1f} ms, fast tier {cpu['fast']:.1f} ms")
+    process_cpu = statistics.median(r["process"].child_cpu_seconds / checkpoints for r in rounds) * 1e3
+    print(f"{workload.label}: writer process (writer='process'): training thread CPU per checkpoint "
+          f"{ms('process', 'save cpu'):.2f} ms (copy into shared memory {ms('process', 'capture cpu'):.2f} ms, "
+          f"encode {ms('process', 'encode cpu'):.2f} ms), writer process CPU per checkpoint {process_cpu:.2f} ms "
+          f"(its start included)")
     print(f"{workload.label}: training thread CPU per checkpoint (FitRun._save, time.thread_time, medians): "
           f"sync {ms('sync', 'save cpu'):.2f} ms, async {ms('async', 'save cpu'):.2f} ms (copy into buffers "
           f"{ms('async', 'capture cpu'):.2f} ms), fast tier {ms('fast', 'save cpu'):.2f} ms")
@@ -542,6 +564,8 @@ def main() -> None:
     print(f"fast-tier wall-time ratio: {ratios['25M']['fast']:.3f} (floor {ratios['25M']['floor']:.3f}; 25M model; "
           "includes making the run's last checkpoint durable, which fit waits for)")
     print(f"small async every-split overhead ratio: {ratios['small']['async']:.3f} (async every split / no checkpoints, small model)")
+    print(f"small async every-split overhead ratio (writer process): {ratios['small']['process']:.3f} "
+          "(writer='process', every split / no checkpoints, small model)")
     print(f"fast-tier every-split overhead ratio: {ratios['25M']['fast per split']:.3f} "
           f"(floor {ratios['25M']['floor per split']:.3f}; 25M model)")
 

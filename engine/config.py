@@ -150,6 +150,12 @@ class CheckpointConfig:
             count of completed splits crosses a multiple of N.
         durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T
             seconds passed since the last copy.
+        writer: with ``asynchronous``, where checkpoints are written: ``"thread"`` (a background
+            thread of the training process) or ``"process"`` (a writer process the engine starts:
+            the training process only copies the state into shared memory; the writer encodes
+            nothing, writes, fsyncs and commits under the lease, and still commits the last
+            snapshot it received when the training process is killed). See
+            docs/guarantees.md ("A writer process").
     """
 
     every_n_splits: int | Literal["auto"] | None = 1
@@ -172,6 +178,7 @@ class CheckpointConfig:
     durable_every_n_splits: int | None = None
     durable_every_seconds: float | None = None
     max_overhead: float = 0.05
+    writer: Literal["thread", "process"] = "thread"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -211,6 +218,7 @@ class CheckpointConfig:
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
         self._check_combinations()
+        self._check_writer()
         _positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
         _positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
         if self.local_tier is None:
@@ -225,6 +233,16 @@ class CheckpointConfig:
             if self.durable_every_n_splits is None and self.durable_every_seconds is None:
                 raise ConfigError(f"{owner}.local_tier={self.local_tier!r}: say how often checkpoints reach the run dir "
                                   "with durable_every_n_splits and/or durable_every_seconds")
+
+    def _check_writer(self) -> None:
+        owner = "CheckpointConfig"
+        _one_of(owner, "writer", self.writer, ["thread", "process"])
+        if self.writer == "process" and not self.asynchronous:
+            raise ConfigError(f"{owner}.writer='process' writes asynchronously, but asynchronous is False; "
+                              "set asynchronous=True or drop it")
+        if self.writer == "process" and self.local_tier is not None:
+            raise ConfigError(f"{owner}.writer='process' is not supported with local_tier yet "
+                              f"(got local_tier={self.local_tier!r}); use writer='thread' with a fast tier")
 
     def _check_combinations(self) -> None:
         """Refuse a field set to a non-default value that the rest of the policy would ignore."""

@@ -323,7 +323,9 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
     tier = extra.pop("tier", None)  # (local tier directory, durable every N splits)
     if tier is not None:
         lease.update(local_tier=tier[0], durable_every_n_splits=tier[1])
-    checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last, asynchronous=asynchronous,
+    writer = extra.pop("writer", "thread")  # "process": a writer process (implies asynchronous)
+    checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last,
+                                         asynchronous=asynchronous or writer == "process", writer=writer,
                                          on_io_error=extra.pop("on_io_error", "raise"), **lease)
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())
@@ -370,6 +372,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--durable-every", type=int, default=4, help="with --local-tier: durable every N splits")
     parser.add_argument("--stop-after-fence", type=int, default=0, help="SIGSTOP after the N-th commit-point fence check")
     parser.add_argument("--seed", type=int, default=None, help="another seed: a different run of the same setup")
+    parser.add_argument("--writer", choices=["thread", "process"], default="thread",
+                        help="'process': checkpoints written by a writer process")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)
@@ -377,6 +381,7 @@ def main(argv: list[str]) -> int:
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
                                     keep_last=args.keep_last or None, lease_expiry=args.lease_expiry, seed=args.seed,
+                                    writer=args.writer,
                                     **({"tier": (args.local_tier, args.durable_every)} if args.local_tier else {}))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0

@@ -32,6 +32,7 @@ import os
 import re
 import secrets
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -43,6 +44,9 @@ from engine.errors import CheckpointWriteError, WriterConflict
 LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
 _LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
+# How long a new writer waits for the writer process of a killed run (engine.checkpoint.
+# writer_process) to commit the last snapshot it received and exit, before WriterConflict.
+WRITER_PROCESS_DRAIN_SECONDS = 60.0
 _MAX_FENCES = 1000  # one per takeover; the oldest are dropped beyond this
 # Far above a lease with _MAX_FENCES fences; a longer file is read only this far (and then
 # does not parse): a lease replaced by a huge file or a device must not exhaust memory.
@@ -96,6 +100,9 @@ class WriterLease:
         self._heartbeat: threading.Thread | None = None
         self._stop_heartbeat = threading.Event()
         self._write_lock = threading.Lock()
+        # Whether this writer hands its commits to a writer process (recorded in the lease: a
+        # newcomer then waits for that process to finish instead of failing at once).
+        self.uses_writer_process = False
 
     # ---- the lease file -------------------------------------------------------------------
     def _read_raw(self) -> bytes | None:
@@ -128,6 +135,7 @@ class WriterLease:
     def _record(self, released: bool = False) -> bytes:
         record = {"token": self._token, "generation": self.generation, "pid": os.getpid(),
                   "host": self._host, "beat": self._beat, "released": released,
+                  "writer_process": self.uses_writer_process,
                   "fences": [list(fence) for fence in self._fences]}
         return json.dumps(record).encode()
 
@@ -189,7 +197,7 @@ class WriterLease:
         path = self._storage.writable_path(LOCK_FILE)
         descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_or_wait_for_writer_process(descriptor)
         except OSError as error:
             os.close(descriptor)
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -201,6 +209,49 @@ class WriterLease:
             ) from None
         self._lock_descriptor = descriptor
         _LOCK_DESCRIPTORS.add(descriptor)
+
+    def _lock_or_wait_for_writer_process(self, descriptor: int) -> None:
+        """Take the flock; when a holder recorded a writer process (which outlives a killed
+        training process to commit its last snapshot), wait for it, bounded, with one line on
+        stderr. Raises the OSError of the last attempt."""
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as error:
+            holder = self._read()
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or not holder \
+                    or holder.get("writer_process") is not True or holder.get("released") is True:
+                raise
+        print(f"splitloop: {self._storage.url} is held by {self._describe(holder)}, which writes through a writer "
+              f"process; waiting up to {WRITER_PROCESS_DRAIN_SECONDS:.0f} s for it to commit its last checkpoint",
+              file=sys.stderr, flush=True)
+        deadline = time.monotonic() + WRITER_PROCESS_DRAIN_SECONDS
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)
+
+    def handover(self) -> dict[str, Any]:
+        """What a writer process needs to write under this lease (:meth:`adopt`): plain data."""
+        return {"token": self._token, "generation": self.generation, "previous_generation": self.previous_generation,
+                "stale_after": self._stale_after, "lock_descriptor": self._lock_descriptor}
+
+    @classmethod
+    def adopt(cls, storage: Storage, handover: dict[str, Any]) -> "WriterLease":
+        """The lease of the process that started this writer process, from :meth:`handover`;
+        its lock descriptor was inherited (the flock is shared while either process lives)."""
+        lease = cls(storage, stale_after=float(handover["stale_after"]))
+        lease._token = str(handover["token"])
+        lease.generation = int(handover["generation"])
+        lease.previous_generation = int(handover["previous_generation"])
+        lease.uses_writer_process = True
+        descriptor = handover["lock_descriptor"]
+        lease._lock_descriptor = None if descriptor is None else int(descriptor)
+        return lease
 
     def _wait_until_abandoned(self) -> dict[str, Any] | None:
         """Watch a lease that is not released until it stays unchanged for ``stale_after``

@@ -226,6 +226,25 @@ class MetricsLog:
         row.update(notes or {})
         self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
 
+    def hand_over(self) -> bytes:
+        """The sealed bytes not yet handed over, counted as written from now on: a writer
+        process (engine.checkpoint.writer_process) writes them, in its own :meth:`receive`."""
+        with self._lock:
+            data = bytes(self._unwritten)
+            self._unwritten.clear()
+            self.committed_bytes += len(data)
+            return data
+
+    def receive_at(self, base: int, data: bytes) -> None:
+        """Sealed bytes handed over by the training process (:meth:`hand_over`), which start at
+        ``base`` in the file. Where this log's own bytes end elsewhere, the training process
+        rolled back (and cut the file there): start over at ``base``."""
+        with self._lock:
+            if base != self.committed_bytes + len(self._unwritten):
+                self._unwritten.clear()
+                self.committed_bytes = base
+            self._unwritten += data
+
     def length_after_flush(self) -> int:
         """The file's length once every buffered line is written (what :meth:`snapshot`
         will return, computed without sealing anything)."""

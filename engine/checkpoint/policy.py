@@ -32,8 +32,9 @@ from engine.checkpoint.resume_choice import (AUTOMATIC, AnchorFallback, choose_c
                                              newer_than, record_abandoned)
 from engine.checkpoint.tiering import Tiering, choose_tiering
 from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
+from engine.checkpoint.writer_process import LaunchedWriter, ProcessWriter
 from engine.config import CheckpointConfig
-from engine.errors import CheckpointWriteError, WriterConflict
+from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
@@ -52,7 +53,9 @@ class RunCheckpointer:
         self._storage = storage
         self._metrics = metrics
         self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds)
-        self._writer: SyncWriter | BackgroundWriter | None = None
+        self._lease.uses_writer_process = policy.writer == "process"
+        self._writer: SyncWriter | BackgroundWriter | ProcessWriter | None = None
+        self._launched: LaunchedWriter | None = None  # a writer process started at acquire()
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
         self._cadence: Cadence = choose_cadence(policy)
@@ -74,6 +77,8 @@ class RunCheckpointer:
             self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
+            if self.policy.writer == "process" and self._group is None:
+                self._launched = LaunchedWriter.for_storage(self._storage, self._lease)
         self._side.after_acquire(self.store)
 
     def _takeover_sequence(self) -> int:
@@ -135,7 +140,15 @@ class RunCheckpointer:
         policy = self.policy
         abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
-        if policy.asynchronous:
+        if policy.writer == "process":
+            if self._group is not None:
+                raise ConfigError("CheckpointConfig.writer='process' is not supported with several processes (torchrun) "
+                                  "yet; use writer='thread' there")
+            assert self._launched is not None, "acquire() before start()"
+            launched, self._launched = self._launched, None
+            self._writer = ProcessWriter(launched, self._storage, self._lease, retention, self._metrics,
+                                         policy.max_in_flight, policy.when_behind)
+        elif policy.asynchronous:
             self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
                                             policy.max_in_flight, policy.when_behind, self._group, self._metrics)
         else:
@@ -147,7 +160,7 @@ class RunCheckpointer:
         """What tells "auto" whether a split overlapped background checkpoint work: the
         background writer's writes, and the tiers' own work (both compete with training).
         None when nothing runs in the background."""
-        writes = self._writer.wrote_since if isinstance(self._writer, BackgroundWriter) else None
+        writes = self._writer.wrote_since if isinstance(self._writer, (BackgroundWriter, ProcessWriter)) else None
         detectors = [detector for detector in (writes, self._tiering.background_work()) if detector is not None]
         if len(detectors) < 2:
             return detectors[0] if detectors else None
@@ -224,7 +237,7 @@ class RunCheckpointer:
     def flush(self) -> None:
         """Wait until every queued checkpoint is committed (a rollback chooses among them),
         then surface any write error."""
-        if isinstance(self._writer, BackgroundWriter):
+        if isinstance(self._writer, (BackgroundWriter, ProcessWriter)):
             self._writer.flush()
         self.check()
 
@@ -275,6 +288,9 @@ class RunCheckpointer:
         failed. With ``failing``, their errors are warnings (they must not replace the error on
         its way up); otherwise the first is raised."""
         first: Exception | None = None
+        launched, self._launched = self._launched, None
+        if launched is not None:  # the run ended before its writer process was given anything
+            launched.abandon()
         for release in (self.store.close, self._lease.release, self._tiering.release):
             try:
                 release()

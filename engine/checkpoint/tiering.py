@@ -21,6 +21,7 @@ from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import FastTier, TierWriter
 from engine.checkpoint.writer import BackgroundWriter, SyncWriter
+from engine.checkpoint.writer_process import ProcessWriter
 from engine.config import CheckpointConfig
 from engine.errors import ConfigError
 
@@ -46,7 +47,7 @@ class Tiering(Protocol):
     def holds_durably(self, name: str) -> bool:
         """Whether checkpoint ``name`` (the one resumed from) is in the durable tier."""
 
-    def start(self, writer: SyncWriter | BackgroundWriter, retention: Retention,
+    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
               also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
         """The run's writer starts (after any resume), at ``units_completed``."""
 
@@ -87,7 +88,7 @@ class SingleTier:
     def holds_durably(self, name: str) -> bool:
         return True
 
-    def start(self, writer: SyncWriter | BackgroundWriter, retention: Retention,
+    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
               also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
         pass
 
@@ -138,7 +139,7 @@ class TwoTiers:
     def holds_durably(self, name: str) -> bool:
         return name in self._durable.committed_names()
 
-    def start(self, writer: SyncWriter | BackgroundWriter, retention: Retention,
+    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
               also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
         self._units_at_last_durable = units_completed
         self._writer = TierWriter(self._fast.store, self._durable, retention, also_sync, lease.verify, lease.generation)

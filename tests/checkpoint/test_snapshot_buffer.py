@@ -77,3 +77,27 @@ def test_cuda_and_host_tensors_are_copied_in_two_bulk_copies(monkeypatch):
     assert sorted(counting.calls) == [len(cuda), len(host)]
     assert buffers.flat is not None and buffers.flat.is_pinned()
     assert all(torch.equal(copy, tensor.cpu()) for copy, tensor in zip(copies, tensors))
+
+
+def test_a_small_snapshot_is_copied_on_one_intra_op_thread(monkeypatch):
+    """Waking torch's intra-op workers for a small copy costs the training thread more CPU
+    than the copy itself: a small state is copied with one thread, and the count restored."""
+    threads_during_copies = []
+    original = torch._foreach_copy_
+
+    def recording(views, sources, **kwargs):
+        threads_during_copies.append(torch.get_num_threads())
+        return original(views, sources, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tensors = _mixed_state()
+        buffers = SnapshotBuffers()
+        copies = buffers.capture(tensors, _layout(tensors))
+        assert threads_during_copies == [1]
+        assert torch.get_num_threads() == 2
+        assert all(torch.equal(copy, tensor) for copy, tensor in zip(copies, tensors))
+    finally:
+        torch.set_num_threads(previous)

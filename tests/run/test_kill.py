@@ -131,3 +131,40 @@ def test_kill_inside_the_commit_protocol(fault, tmp_path, references):
     result = train_with_checkpoints("tbptt", run_dir)
     assert result.resumed_from == latest.name
     assert_same_run(references("tbptt"), run_dir)
+
+
+# The same kills with checkpoints written by a writer process (CheckpointConfig(writer="process")):
+# the training process is SIGKILLed, its writer process commits what it received and exits, the
+# restart waits for it. A representative case by default; the rest of the matrix is exhaustive.
+WRITER_PROCESS_KILLS = [
+    ("tbptt", "split_end_after_checkpoint:6:sigkill", 2),
+    *[pytest.param(name, fault, epochs, marks=pytest.mark.exhaustive) for name, fault, epochs in [
+        ("tbptt", "split_end:3:sigkill", 2),
+        ("tbptt", "split_end_after_checkpoint:1:sigkill", 2),
+        ("tbptt", "epoch_end:2:sigkill", 3),
+        *[(name, "split_end_after_checkpoint:6:sigkill", 2) for name in
+          ["accumulate_splits", "manual", "tbptt_several_optimizers", "carried_hidden", "accumulate_batches", "plain"]],
+    ]],
+]
+
+
+@pytest.mark.parametrize("name, fault, epochs", WRITER_PROCESS_KILLS)
+def test_kill_with_a_writer_process(name, fault, epochs, tmp_path, references):
+    run_dir = str(tmp_path / "run")
+    kills = run_until_done(name, run_dir, fault, "--writer", "process", "--epochs", str(epochs))
+    assert kills >= 1
+    assert_same_run(references(name, epochs=epochs), run_dir)
+
+
+@pytest.mark.exhaustive
+def test_kill_at_random_instants_with_a_writer_process(tmp_path, references):
+    """SIGKILLs of the training process at random instants while a writer process writes: the
+    restart waits for that process to finish, the final state is bit-exact."""
+    rng = random.Random(20261201)
+    run_dir = str(tmp_path / "run")
+    kills = 0
+    while not finished(run_dir, epochs=6):
+        if kill_at_random_instant("tbptt", run_dir, rng, 3.0, "--epochs", "6", "--writer", "process"):
+            kills += 1
+    assert kills >= 3
+    assert_same_run(references("tbptt", epochs=6), run_dir)

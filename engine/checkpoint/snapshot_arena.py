@@ -1,0 +1,135 @@
+"""Snapshot buffers in shared memory, for a writer process (engine.checkpoint.writer_process).
+
+Each slot is one file in a directory of its own under ``/dev/shm`` (or the system's temporary
+directory where there is none), mapped by both processes: the training process lays the
+state's tensors out in it once per structure (engine.checkpoint.writer.SnapshotBuffers) and
+copies them in bulk at every snapshot; the writer process maps the same file and writes its
+bytes as ``tensors.bin``. A structure change (a new optimizer state entry, a lazily created
+buffer, a shape or dtype change) lays the slot out again in a *new* file (the writer drops its
+mapping of the old one when it first sees the new name), so a mapping never changes size under
+a reader. No Python object crosses the process boundary: only the file's name.
+
+After the tensors' bytes, each slot holds its *generation*: the id of the snapshot it holds,
+written last, under an ``flock`` of the slot's file. The writer process takes a slot up under
+the same lock and commits it only if the generation is the one its message names: with
+``when_behind="skip"`` the training process may take back a slot the writer has not taken up
+yet (the lock is free) and put a newer snapshot there; the writer then finds another generation
+and reports the old snapshot superseded. A reader never sees a torn snapshot.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import shutil
+import tempfile
+
+import torch
+
+from engine.checkpoint.writer import SnapshotBuffers
+
+SHARED_MEMORY_ROOT = "/dev/shm"
+
+
+def make_arena_directory() -> str:
+    """A new private directory for one run's slot files (in memory where the system has it)."""
+    root = SHARED_MEMORY_ROOT if os.path.isdir(SHARED_MEMORY_ROOT) and os.access(SHARED_MEMORY_ROOT, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=f"splitloop-snapshots-{os.getpid()}-", dir=root)
+
+
+def remove_arena_directory(directory: str) -> None:
+    """Delete a run's slot files (either process may, whichever ends last)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+_GENERATION_BYTES = 64  # an int64, padded to the alignment of the tensors
+
+
+def generation_offset(tensor_bytes: int) -> int:
+    """Where a slot's generation lies, after ``tensor_bytes`` bytes of tensors."""
+    return (tensor_bytes + _GENERATION_BYTES - 1) // _GENERATION_BYTES * _GENERATION_BYTES
+
+
+class SlotFile:
+    """One slot file mapped shared: its bytes, its generation, and the lock that guards both."""
+
+    def __init__(self, path: str, tensor_bytes: int, create: bool) -> None:
+        self.path = path
+        self.tensor_bytes = tensor_bytes
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._descriptor = os.open(path, flags, 0o600)
+        offset = generation_offset(tensor_bytes)
+        if create:
+            os.ftruncate(self._descriptor, offset + _GENERATION_BYTES)
+        self._mapping = mmap.mmap(self._descriptor, offset + _GENERATION_BYTES, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
+        whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self.flat = whole[:tensor_bytes]
+        self._generation = whole[offset:offset + 8].view(torch.int64)
+
+    def lock(self, wait: bool = True) -> bool:
+        """Take the slot's lock; False when ``wait`` is off and the other process holds it."""
+        try:
+            fcntl.flock(self._descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+
+    @property
+    def generation(self) -> int:
+        return int(self._generation.item())
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._generation.fill_(value)
+
+    def close(self) -> None:
+        """Unmap once no tensor of this process uses the bytes any more (the caller's word)."""
+        os.close(self._descriptor)
+
+
+class SharedSnapshotBuffers(SnapshotBuffers):
+    """:class:`SnapshotBuffers` whose one flat buffer is a file of ``directory`` mapped shared
+    (slot ``index``); :attr:`path` names the file of the current layout."""
+
+    def __init__(self, directory: str, index: int) -> None:
+        super().__init__()
+        self._directory = directory
+        self._index = index
+        self._layouts = 0
+        self.file: SlotFile | None = None
+
+    @property
+    def path(self) -> str:
+        return "" if self.file is None else self.file.path
+
+    def lock(self, wait: bool = True) -> bool:
+        """Take the slot's lock (see the module docstring): before a new snapshot is copied in."""
+        assert self.file is not None or wait
+        return True if self.file is None else self.file.lock(wait)
+
+    def publish(self, generation: int) -> None:
+        """Write the generation of the snapshot just copied in (last), and unlock."""
+        assert self.file is not None
+        self.file.generation = generation
+        self.file.unlock()
+
+    def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:
+        total = layout[-1][0] + layout[-1][1] if layout else 0
+        self._flat = None
+        self._views = []
+        old = self.file
+        self._layouts += 1
+        self.file = SlotFile(os.path.join(self._directory, f"slot-{self._index}-{self._layouts}"), total, create=True)
+        self.file.lock()  # held until publish(), like the old file's (released with it)
+        flat = self.file.flat
+        self._views = [flat[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                       for tensor, (offset, nbytes) in zip(tensors, layout)]
+        self._flat = flat
+        if old is not None:
+            os.unlink(old.path)  # a writer that still maps it keeps its pages until it lets go
+            old.close()

@@ -1,0 +1,279 @@
+"""CheckpointConfig(writer="process"): the checkpoints a writer process commits are those of
+the in-process writers; a SIGKILLed training process loses nothing the writer received; a
+SIGKILLed writer process is replaced and the run stays exact; structure changes of the state
+are laid out again."""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+import engine
+from engine.checkpoint.storage import Storage
+from engine.checkpoint.store import CheckpointStore
+from engine.errors import ConfigError
+from progress import Cursor
+import forkserver
+from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
+from resume_helpers import assert_same_run
+from scenarios import build, train_with_checkpoints
+
+
+def test_writer_process_checkpoints_equal_the_synchronous_ones(tmp_path):
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train_with_checkpoints("tbptt_several_optimizers", reference, keep_last=None)
+    train_with_checkpoints("tbptt_several_optimizers", process, keep_last=None, writer="process")
+    assert_same_run(reference, process)
+    names = CheckpointStore(Storage(reference)).names()
+    assert CheckpointStore(Storage(process)).names() == names  # "wait": none skipped
+    assert_same_checkpoints(reference, process, names)
+
+
+def assert_same_checkpoints(first_dir, second_dir, names):
+    first, second = CheckpointStore(Storage(first_dir)), CheckpointStore(Storage(second_dir))
+    for name in names:
+        a, b = first.load(name), second.load(name)
+        assert a.progress.cursor == b.progress.cursor, name
+        assert_same_tree(a.state, b.state, name)
+
+
+def assert_same_tree(a, b, where):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            if key != "elapsed_seconds":  # wall time, the one value two runs never share
+                assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b)):
+            assert_same_tree(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+class GrowingState(engine.Module):
+    """A state whose structure changes while it trains: a buffer that appears at the third
+    split, one that grows by a row each split, and one whose dtype changes at the fifth."""
+
+    tbptt_split_length = 4
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(3, 6, batch_first=True)
+        self.head = torch.nn.Linear(6, 1)
+        self.register_buffer("history", torch.zeros(0, 2))
+        self.register_buffer("tally", torch.zeros(3, dtype=torch.float32))
+        self.splits = 0
+
+    def training_step(self, batch, hidden):
+        inputs, targets = batch
+        output, hidden = self.rnn(inputs, hidden)
+        loss = torch.nn.functional.mse_loss(self.head(output), targets)
+        self.splits += 1
+        row = torch.tensor([[float(self.splits), loss.item()]])
+        self.history = torch.cat([self.history, row])
+        if self.splits == 3:
+            self.register_buffer("late", torch.full((5,), 7.0))
+        if self.splits == 5:
+            self.tally = self.tally.to(torch.float64) + 1
+        return loss, hidden.detach()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def test_structure_changes_are_laid_out_again(tmp_path):
+    def train(run_dir, **checkpoint):
+        _, loader = build("tbptt")
+        torch.manual_seed(5)
+        config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, progress_bar="off",
+                                      checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None, **checkpoint))
+        engine.Trainer(config).fit(GrowingState(), loader, resume="off")
+
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train(reference)
+    train(process, asynchronous=True, writer="process")
+    names = CheckpointStore(Storage(reference)).names()
+    assert CheckpointStore(Storage(process)).names() == names
+    assert_same_checkpoints(reference, process, names)
+    last = CheckpointStore(Storage(process)).load(names[-1]).state["module"]
+    assert last["tally"].dtype == torch.float64 and "late" in last and last["history"].shape[0] == len(names) - 1
+
+
+def test_the_writer_commits_the_snapshot_of_a_killed_training_process(tmp_path):
+    """SIGKILL right after the third checkpoint's snapshot was handed over: the writer process
+    commits it, and the restart resumes from exactly that split, with an exact result."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    train_with_checkpoints("tbptt", reference)
+    keep_all = ("--writer", "process", "--keep-last", "0")
+    killed = run_scenario("tbptt", run_dir, "split_end_after_checkpoint:3:sigkill", *keep_all)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    restarted = run_scenario("tbptt", run_dir, None, *keep_all)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    resumed_from = re.search(r"resumed_from=(\S+)", restarted.stdout).group(1)
+    store = CheckpointStore(Storage(run_dir))
+    assert store.load(resumed_from).progress.cursor == Cursor(0, 0, 2, 0)  # the third split's boundary
+    assert_same_run(reference, run_dir)
+
+
+def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path):
+    """The first writer process is SIGKILLed inside its third commit (before the manifest):
+    the training process says so, starts another, goes on; every later checkpoint is
+    committed and the run is exact."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    train_with_checkpoints("tbptt", reference, keep_last=None)
+    process = run_scenario("tbptt", run_dir, "checkpoint_before_manifest:3:sigkill", "--writer", "process",
+                           "--keep-last", "0")
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "checkpoint writer process" in process.stderr and "restarting it" in process.stderr
+    assert_same_run(reference, run_dir)
+    names = CheckpointStore(Storage(run_dir)).names()
+    reference_names = CheckpointStore(Storage(reference)).names()
+    # At most the one being written when the writer died is missing; every later one is there.
+    assert len(names) >= len(reference_names) - 1
+    assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == \
+        CheckpointStore(Storage(reference)).latest().progress.cursor
+
+
+@pytest.mark.parametrize("checkpoint, field", [
+    (dict(writer="process"), "asynchronous"),
+    (dict(writer="process", asynchronous=True, local_tier="/dev/shm/x", durable_every_n_splits=2), "local_tier"),
+    (dict(writer="processes", asynchronous=True), "writer"),
+])
+def test_writer_process_settings_are_checked(checkpoint, field):
+    with pytest.raises(ConfigError, match=field):
+        engine.CheckpointConfig(**checkpoint)
+
+
+class StopTheWriter(engine.Callback):
+    """SIGSTOPs the writer process after the first split and lets it go after the sixth."""
+
+    def __init__(self):
+        self.splits = 0
+
+    def on_split_end(self, view):
+        self.splits += 1
+        if self.splits in (1, 6):
+            (pid,) = children_running_the_writer(os.getpid())
+            os.kill(pid, signal.SIGSTOP if self.splits == 1 else signal.SIGCONT)
+
+
+def test_latest_wins_replaces_snapshots_the_stopped_writer_has_not_taken_up(tmp_path):
+    """With when_behind="skip" the training process never waits for a writer process that
+    does not keep up (here: stopped for five splits): it takes back the slots of snapshots not
+    taken up and puts newer ones there. Fewer checkpoints, always forward, the last one
+    written, the run exact."""
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train_with_checkpoints("tbptt", reference, epochs=1, keep_last=None)
+    model, loader = build("tbptt")
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, writer="process",
+                                         when_behind="skip")
+    config = engine.TrainerConfig(max_epochs=1, run_dir=process, checkpoint=checkpoint, progress_bar="off")
+    engine.Trainer(config, callbacks=[StopTheWriter()]).fit(model, loader)
+    store = CheckpointStore(Storage(process))
+    cursors = [store.load(name).progress.cursor for name in store.names()]
+    assert len(cursors) < len(CheckpointStore(Storage(reference)).names())
+    assert cursors == sorted(cursors, key=lambda cursor: cursor.as_tuple())
+    assert_same_run(reference, process)
+
+
+def children_running_the_writer(parent):
+    """The pids of ``parent``'s children that run writer_main."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == parent and b"engine.checkpoint.writer_main" in command:
+            found.append(int(entry))
+    return found
+
+
+def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path):
+    """The training process is SIGKILLed while its writer process is stopped (as if a long
+    commit): the restart finds the lease's lock held, says it waits for that writer, and goes
+    on once the writer, let go, has committed and exited; the run is exact."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    train_with_checkpoints("tbptt", reference)
+    command = [sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process", "--sleep", "0.05"]
+    with tempfile.TemporaryFile(mode="w+") as first_errors, tempfile.TemporaryFile(mode="w+") as errors:
+        first = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=first_errors, text=True)
+        assert first.stdout.readline().startswith("training")
+        writers = wait_for(lambda: children_running_the_writer(first.pid))
+        os.kill(writers[0], signal.SIGSTOP)
+        first.kill()
+        first.wait(TIMEOUT)
+        first.stdout.close()
+        restart = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            def waiting():
+                errors.seek(0)
+                return "waiting up to" in errors.read()
+
+            wait_for(waiting)
+            os.kill(writers[0], signal.SIGCONT)
+            restart.wait(TIMEOUT)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writers[0], signal.SIGCONT)  # never left stopped
+            if restart.poll() is None:
+                restart.kill()
+                restart.wait()
+            restart.stdout.close()
+        errors.seek(0)
+        assert restart.returncode == 0, errors.read()[-3000:]
+    assert_same_run(reference, run_dir)
+
+
+def wait_for(condition, timeout=TIMEOUT):
+    """``condition()``'s first true value, polled until ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{condition.__name__} did not hold within {timeout} s")
+
+
+def test_auto_cadence_with_a_writer_process(tmp_path):
+    """every_n_splits="auto" times the training process's splits against the writer process's
+    work in flight; it reaches an interval, and the run trains exactly as without it."""
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    train_with_checkpoints("tbptt", reference)
+    result = train_with_checkpoints("tbptt", process, every="auto", writer="process")
+    assert isinstance(result.checkpoint_interval, int) and result.checkpoint_interval >= 1
+    assert_same_run(reference, process)
+
+
+def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
+    """A rollback three steps back (past the newest checkpoint) cuts metrics.jsonl back to the
+    restored checkpoint: the writer process starts its lines over there, and the run (weights,
+    progress, metrics.jsonl) is the synchronous writer's."""
+    from rollback_scenario import train_poisoned
+
+    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
+    rollback = engine.Rollback(back=3)
+    with pytest.warns(UserWarning, match="rolled back to"):
+        train_poisoned("nan", reference, anomaly=rollback,
+                       checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
+    with pytest.warns(UserWarning, match="rolled back to"):
+        train_poisoned("nan", process, anomaly=rollback, checkpoint=engine.CheckpointConfig(
+            every_n_splits=1, keep_last=None, asynchronous=True, writer="process"))
+    assert_same_run(reference, process)

@@ -155,6 +155,7 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     kill_one_rank_at_a_random_instant(reference_two, tmp_path / "job", 2)
 
 
+@pytest.mark.exhaustive  # one rank's preemption is the coordinator's, covered with DDP in test_torchrun
 def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(reference_two: pathlib.Path,
                                                                              tmp_path: pathlib.Path) -> None:
     run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
@@ -215,6 +216,7 @@ def test_export_as_safetensors_loads_with_load_file(reference_two: pathlib.Path,
         assert torch.equal(value, final[f"param.{key}"]), key
 
 
+@pytest.mark.exhaustive  # test_reshard's default chain drops a rank part and falls back
 def test_a_checkpoint_missing_one_ranks_part_is_invalid_and_resume_falls_back(reference_two: pathlib.Path,
                                                                               tmp_path: pathlib.Path) -> None:
     # A run stopped after its first epoch (its last checkpoint is the epoch's end), with rank 1's

@@ -61,6 +61,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return tmp / "job"
 
 
+@pytest.mark.exhaustive  # the default run covers the launcher path in test_sbatch_recipes (torchrun-launcher-training)
 def test_sigusr1_repeated_to_the_launcher_only_commits_once_exits_75_and_resumes_exactly(
         reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # SLURM's --signal=B:USR1 with the launcher exec'd: torchrun (which dies of SIGUSR1) never

@@ -145,6 +145,26 @@ def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path):
         CheckpointStore(Storage(reference)).latest().progress.cursor
 
 
+def test_a_writer_process_killed_after_the_final_snapshots_data_leaves_it_to_the_next(tmp_path):
+    """The run's only checkpoint is its final one (at the end of its one epoch); the writer
+    process is SIGKILLed after writing its data files, before its commit point. The training process hands the
+    snapshot (still in its slot) to the new writer process, which commits it: fit does not end
+    without it, and a restart resumes from it with the uninterrupted run's result."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    only_final = ("--writer", "process", "--every", "1000", "--epochs", "1", "--keep-last", "0")
+    assert run_scenario("tbptt", reference, None, *only_final).returncode == 0
+    process = run_scenario("tbptt", run_dir, "checkpoint_before_manifest:1:sigkill", *only_final)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "restarting it" in process.stderr
+    committed = CheckpointStore(Storage(run_dir)).latest()
+    assert committed is not None, "fit ended without its final checkpoint"
+    assert committed.progress.cursor == CheckpointStore(Storage(reference)).latest().progress.cursor
+    restarted = run_scenario("tbptt", run_dir, None, *only_final)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert re.search(r"resumed_from=(\S+)", restarted.stdout).group(1) != "None"
+    assert_same_run(reference, run_dir)
+
+
 @pytest.mark.parametrize("checkpoint, field", [
     (dict(writer="process"), "asynchronous"),
     (dict(writer="process", asynchronous=True, local_tier="/dev/shm/x", durable_every_n_splits=2), "local_tier"),

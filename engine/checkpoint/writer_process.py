@@ -275,9 +275,11 @@ class ProcessWriter:
         """The slot of the oldest replaceable snapshot the writer process has not taken up
         (its lock is free), locked; the writer will find a newer generation there and report
         that snapshot superseded. None when every slot is taken up or must be kept."""
-        for identifier in sorted(self._published):
-            published = self._published[identifier]
-            if published.keep or not published.slot_holds_it or self._occupant.get(published.slot) != identifier:
+        # Only a slot's last occupant can be taken back: a walk over the slots, not over every
+        # snapshot queued while a writer process starts (the training process pays for each).
+        for identifier in sorted(self._occupant.values()):
+            published = self._published.get(identifier)
+            if published is None or published.keep or not published.slot_holds_it:
                 continue
             if self._withdraw_unsent(identifier):
                 self._slots[published.slot].lock()

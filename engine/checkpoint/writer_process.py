@@ -19,8 +19,10 @@ a process that holds CUDA, never a ``multiprocessing`` spawn that re-imports the
   change), commits the newest complete snapshot it received, releases the lease and exits.
 * **The writer process dies**: noticed at the next checkpoint (or split boundary check); one
   line on stderr, and a new writer process is started once, which is handed every snapshot
-  not yet committed whose slot still holds it, and the metrics lines not yet committed. A
-  second death fails the checkpoint (CheckpointWriteError, under ``on_io_error``).
+  not yet committed whose slot still holds it (even one whose files the dead writer had
+  written already: a slot is overwritten only by a newer snapshot, and one that must be kept
+  holds its slot until committed), and the metrics lines not yet committed. A second death
+  fails the checkpoint (CheckpointWriteError, under ``on_io_error``).
 
 Local run directories only, for now (the writer process rebuilds the storage from its path).
 """
@@ -66,8 +68,12 @@ class _Published:
 
     message: dict[str, Any]
     slot: int
-    # False once its slot was released: the slot may hold a newer snapshot by now.
+    # False once its slot was taken for a newer snapshot (until then a restarted writer
+    # process can still commit it from there, even after its files were written once).
     slot_holds_it: bool = True
+    # The writer process released the slot (its bytes are in the checkpoint's files): a
+    # snapshot that must be kept still holds its slot until it is committed.
+    read: bool = False
 
     @property
     def keep(self) -> bool:
@@ -188,23 +194,33 @@ class ProcessWriter:
             self.skipped += 1
             self._release_slot(event["slot"], event["id"])
         elif kind == "committed":
+            self._settle(published, event["id"])
             self.last_name = event["name"]
             del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
             self._committed_metrics = event["metrics_bytes"]  # lower after a rollback
         elif kind == "failed":
+            self._settle(published, event["id"])
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
             self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
 
     def _release_slot(self, slot: int, identifier: int) -> None:
-        """The writer is done with snapshot ``identifier`` in ``slot``: free the slot, unless
-        a newer snapshot took it back already (see :meth:`_take_back_slot`)."""
+        """The writer is done reading snapshot ``identifier`` in ``slot``: free the slot, unless
+        a newer snapshot took it back already (see :meth:`_take_back_slot`), or the snapshot
+        must be kept and is not committed yet (a writer process that dies before its commit
+        point leaves it to the next one, which reads it from its slot again)."""
         if self._occupant.get(slot) != identifier:
             return
-        for published in self._published.values():
-            if published.slot == slot:
-                published.slot_holds_it = False
+        published = self._published.get(identifier)
+        if published is not None and published.keep:
+            published.read = True  # freed by its commit (or failure): see _settle
+            return
         if slot not in self._free:
             self._free.append(slot)
+
+    def _settle(self, published: _Published | None, identifier: int) -> None:
+        """Snapshot ``identifier`` is committed or failed: free the slot a kept one still held."""
+        if published is not None and published.read:
+            self._release_slot(published.slot, identifier)  # no longer in self._published: freed
 
     def _wait_for_events(self) -> None:
         """Wait a little for events, then apply them; restart a writer process that died."""
@@ -218,6 +234,7 @@ class ProcessWriter:
         replaced by a newer one is counted in :attr:`skipped` when the writer says so)."""
         self.check()
         slot = self._take_slot()
+        self._overwrite(slot)
         buffers = self._slots[slot]
         encoded = pending.encoded
         identifier = self._next_id
@@ -233,6 +250,12 @@ class ProcessWriter:
         buffers.publish(identifier)
         self._send_snapshot(pending, encoded, slot, buffers.path, keep=force or pending.monitor is not None)
         return True
+
+    def _overwrite(self, slot: int) -> None:
+        """``slot`` is about to take a new snapshot: the one it held can no longer be handed over."""
+        for published in self._published.values():
+            if published.slot == slot:
+                published.slot_holds_it = False
 
     def _take_slot(self) -> int:
         """A slot to copy the next snapshot into, locked: a free one; with "skip", else one
@@ -252,15 +275,16 @@ class ProcessWriter:
         """The slot of the oldest replaceable snapshot the writer process has not taken up
         (its lock is free), locked; the writer will find a newer generation there and report
         that snapshot superseded. None when every slot is taken up or must be kept."""
-        for identifier in sorted(self._published):
-            published = self._published[identifier]
-            if published.keep or not published.slot_holds_it or self._occupant.get(published.slot) != identifier:
+        # Only a slot's last occupant can be taken back: a walk over the slots, not over every
+        # snapshot queued while a writer process starts (the training process pays for each).
+        for identifier in sorted(self._occupant.values()):
+            published = self._published.get(identifier)
+            if published is None or published.keep or not published.slot_holds_it:
                 continue
             if self._withdraw_unsent(identifier):
                 self._slots[published.slot].lock()
                 return published.slot
             if self._slots[published.slot].lock(wait=False):
-                published.slot_holds_it = False
                 return published.slot
         return None
 

@@ -26,6 +26,15 @@ from resume_helpers import assert_same_run
 from scenarios import build, train_with_checkpoints
 
 
+@pytest.fixture(scope="module")
+def tbptt_reference(tmp_path_factory):
+    """The uninterrupted synchronous run of the tbptt scenario (every checkpoint kept), shared
+    by the tests of this module that compare a run with it (read only)."""
+    reference = str(tmp_path_factory.mktemp("tbptt-reference"))
+    train_with_checkpoints("tbptt", reference, keep_last=None)
+    return reference
+
+
 def test_writer_process_checkpoints_equal_the_synchronous_ones(tmp_path):
     reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
     train_with_checkpoints("tbptt_several_optimizers", reference, keep_last=None)
@@ -110,11 +119,10 @@ def test_structure_changes_are_laid_out_again(tmp_path):
     assert last["tally"].dtype == torch.float64 and "late" in last and last["history"].shape[0] == len(names) - 1
 
 
-def test_the_writer_commits_the_snapshot_of_a_killed_training_process(tmp_path):
+def test_the_writer_commits_the_snapshot_of_a_killed_training_process(tmp_path, tbptt_reference):
     """SIGKILL right after the third checkpoint's snapshot was handed over: the writer process
     commits it, and the restart resumes from exactly that split, with an exact result."""
-    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
-    train_with_checkpoints("tbptt", reference)
+    reference, run_dir = tbptt_reference, str(tmp_path / "run")
     keep_all = ("--writer", "process", "--keep-last", "0")
     killed = run_scenario("tbptt", run_dir, "split_end_after_checkpoint:3:sigkill", *keep_all)
     assert killed.returncode == -9, killed.stderr[-3000:]
@@ -126,12 +134,11 @@ def test_the_writer_commits_the_snapshot_of_a_killed_training_process(tmp_path):
     assert_same_run(reference, run_dir)
 
 
-def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path):
+def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path, tbptt_reference):
     """The first writer process is SIGKILLed inside its third commit (before the manifest):
     the training process says so, starts another, goes on; every later checkpoint is
     committed and the run is exact."""
-    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
-    train_with_checkpoints("tbptt", reference, keep_last=None)
+    reference, run_dir = tbptt_reference, str(tmp_path / "run")
     process = run_scenario("tbptt", run_dir, "checkpoint_before_manifest:3:sigkill", "--writer", "process",
                            "--keep-last", "0")
     assert process.returncode == 0, process.stderr[-3000:]
@@ -143,6 +150,26 @@ def test_a_killed_writer_process_is_replaced_and_the_run_is_exact(tmp_path):
     assert len(names) >= len(reference_names) - 1
     assert CheckpointStore(Storage(run_dir)).latest().progress.cursor == \
         CheckpointStore(Storage(reference)).latest().progress.cursor
+
+
+def test_a_writer_process_killed_after_the_final_snapshots_data_leaves_it_to_the_next(tmp_path):
+    """The run's only checkpoint is its final one (at the end of its one epoch); the writer
+    process is SIGKILLed after writing its data files, before its commit point. The training process hands the
+    snapshot (still in its slot) to the new writer process, which commits it: fit does not end
+    without it, and a restart resumes from it with the uninterrupted run's result."""
+    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    only_final = ("--writer", "process", "--every", "1000", "--epochs", "1", "--keep-last", "0")
+    train_with_checkpoints("tbptt", reference, epochs=1, every=1000, keep_last=None)
+    process = run_scenario("tbptt", run_dir, "checkpoint_before_manifest:1:sigkill", *only_final)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "restarting it" in process.stderr
+    committed = CheckpointStore(Storage(run_dir)).latest()
+    assert committed is not None, "fit ended without its final checkpoint"
+    assert committed.progress.cursor == CheckpointStore(Storage(reference)).latest().progress.cursor
+    restarted = run_scenario("tbptt", run_dir, None, *only_final)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert re.search(r"resumed_from=(\S+)", restarted.stdout).group(1) != "None"
+    assert_same_run(reference, run_dir)
 
 
 @pytest.mark.parametrize("checkpoint, field", [
@@ -205,12 +232,12 @@ def children_running_the_writer(parent):
     return found
 
 
-def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path):
+@pytest.mark.exhaustive  # CI time: the default run keeps the representative cases above
+def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path, tbptt_reference):
     """The training process is SIGKILLed while its writer process is stopped (as if a long
     commit): the restart finds the lease's lock held, says it waits for that writer, and goes
     on once the writer, let go, has committed and exited; the run is exact."""
-    reference, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
-    train_with_checkpoints("tbptt", reference)
+    reference, run_dir = tbptt_reference, str(tmp_path / "run")
     command = [sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process", "--sleep", "0.05"]
     with tempfile.TemporaryFile(mode="w+") as first_errors, tempfile.TemporaryFile(mode="w+") as errors:
         first = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=first_errors, text=True)
@@ -252,16 +279,17 @@ def wait_for(condition, timeout=TIMEOUT):
     raise AssertionError(f"{condition.__name__} did not hold within {timeout} s")
 
 
-def test_auto_cadence_with_a_writer_process(tmp_path):
+@pytest.mark.exhaustive  # CI time: the default run keeps the representative cases above
+def test_auto_cadence_with_a_writer_process(tmp_path, tbptt_reference):
     """every_n_splits="auto" times the training process's splits against the writer process's
     work in flight; it reaches an interval, and the run trains exactly as without it."""
-    reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
-    train_with_checkpoints("tbptt", reference)
+    reference, process = tbptt_reference, str(tmp_path / "process")
     result = train_with_checkpoints("tbptt", process, every="auto", writer="process")
     assert isinstance(result.checkpoint_interval, int) and result.checkpoint_interval >= 1
     assert_same_run(reference, process)
 
 
+@pytest.mark.exhaustive  # CI time: the default run keeps the representative cases above
 def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
     """A rollback three steps back (past the newest checkpoint) cuts metrics.jsonl back to the
     restored checkpoint: the writer process starts its lines over there, and the run (weights,

@@ -291,7 +291,8 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts,
     reshard a sharded checkpoint written by another world size. A failure raises (never a
     partial restore downgraded to a warning)."""
     validate(name, state)
-    world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank)
+    world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank,
+                                                 parts.config.distributed_sampler)
     if is_sharded(state[SIGNATURE]):  # after the refusals of a world-size change, before any shard is placed
         state = live_shards(name, state, parts.module, parts.world_size, rank_parts or {})
     check_compatible(name, state, parts, world_size_changes=world_size_before is not None)

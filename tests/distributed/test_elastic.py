@@ -473,3 +473,16 @@ def test_a_single_elastic_process_sigkilled_and_grown_to_2_ranks_trains_the_2_ra
     resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
     assert [(row["step"], row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 1, 2)]
     _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / "final-1.pt")
+
+
+def test_one_process_with_distributed_sampler_off_resuming_a_distributed_run_is_refused(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # distributed_sampler=False leaves the loader as given (batches of 4 in its own order), so the
+    # run's global position (6 steps of G=8) cannot continue on it: refused, not re-ordered anyway.
+    job = _copy_job(tbptt_killed, tmp_path)
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT,
+                           "--no-distributed-sampler"], helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("WorldSizeChangeRefused: ") and "distributed_sampler=False" in error and "\n" not in error
+    assert not list((job / "out").glob("steps-1-*"))  # nothing trained

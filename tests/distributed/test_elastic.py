@@ -486,3 +486,16 @@ def test_one_process_with_distributed_sampler_off_resuming_a_distributed_run_is_
     error = (job / "out" / "error-1-0.txt").read_text()
     assert error.startswith("WorldSizeChangeRefused: ") and "distributed_sampler=False" in error and "\n" not in error
     assert not list((job / "out").glob("steps-1-*"))  # nothing trained
+
+
+def test_a_changed_batch_size_on_another_world_size_is_refused_saying_to_keep_the_scripts(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # The natural edit when going from 2 ranks of 4 to 1 rank: a batch of 8 (G). The engine
+    # derives that itself, so the refusal must say to keep the script's 4, not only differ.
+    job = _copy_job(tbptt_killed, tmp_path)
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT, "--batch", "8"],
+                          helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("CheckpointIncompatible: ") and "batch_size: checkpoint 4, this run 8" in error
+    assert "keep the script's DataLoader batch_size=4" in error and "G=8" in error and "\n" not in error

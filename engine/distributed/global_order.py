@@ -232,8 +232,9 @@ def _refusal_inside_a_batch(name: str, state: Mapping[str, Any], before: int,
         f"{name} was written with world size {before} and this run has world size {world_size}: it was taken "
         "inside a batch or an open gradient-accumulation window, whose per-rank part (the batch in flight, "
         "hidden state, accumulated gradients) belongs to the old ranks; resume from a checkpoint at a batch "
-        "boundary where no accumulation window is open (resume='auto' takes the newest one by itself; "
-        f"`python -m engine inspect` marks them), or with {before} process(es)")
+        "boundary where no accumulation window is open (an anchor: `python -m engine inspect` marks them; "
+        "resume='auto' falls back to the newest one by itself, so under resume='auto' the run directory holds "
+        f"none yet), or with {before} process(es) until one is committed")
 
 
 def reseed_after_change(checkpoint_rng: Mapping[str, Any], rank: int, step: int) -> None:

@@ -499,3 +499,20 @@ def test_a_changed_batch_size_on_another_world_size_is_refused_saying_to_keep_th
     error = (job / "out" / "error-1-0.txt").read_text()
     assert error.startswith("CheckpointIncompatible: ") and "batch_size: checkpoint 4, this run 8" in error
     assert "keep the script's DataLoader batch_size=4" in error and "G=8" in error and "\n" not in error
+
+
+def test_resume_auto_on_another_world_size_with_no_anchor_left_says_there_is_none(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # A job killed before its first anchor committed (an early kill, asynchronous writes) leaves
+    # only checkpoints inside a batch: the refusal must not send the user to resume='auto', which
+    # is what failed, but say that the run directory holds no anchor yet.
+    job = _copy_job(tbptt_killed, tmp_path)
+    for entry in inspect_run(str(job / "run"))["checkpoints"]:
+        if entry["anchor"]:
+            shutil.rmtree(job / "run" / "checkpoints" / entry["name"])
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT],
+                          helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("WorldSizeChangeRefused: ") and "it was taken inside a batch" in error
+    assert "under resume='auto' the run directory holds none yet" in error and "\n" not in error

@@ -152,15 +152,19 @@ def reseed_rank_streams(seed: int) -> None:
 
 
 def adapt_data(name: str, state: Mapping[str, Any], data: EpochData, module: torch.nn.Module,
-               world_size: int, rank: int) -> int | None:
+               world_size: int, rank: int, distributed_sampler: bool = True) -> int | None:
     """Before a checkpoint is restored: refuse what cannot continue on ``world_size`` ranks, and
     give ``data`` the run's global order split ``world_size`` ways (a no-op when nothing changed).
-    The world size the checkpoint was written with when it differs from ``world_size``, else None."""
+    ``distributed_sampler``: TrainerConfig's; False leaves a process resuming alone on another
+    world size with its loader as given (so the change is refused). The world size the checkpoint
+    was written with when it differs from ``world_size``, else None."""
     saved = state[SIGNATURE]
     before = saved_world_size(saved)
     changed = before != world_size
     global_batch = saved.get(GLOBAL_BATCH)
-    loader = _engine_ordered(data.source, world_size) if changed or isinstance(global_batch, int) else data.source
+    may_order = distributed_sampler or not changed
+    loader = _engine_ordered(data.source, world_size) if may_order and (changed or isinstance(global_batch, int)) \
+        else data.source
     if changed:
         reason = refusal(name, saved, world_size, loader, module) or \
             _refusal_inside_a_batch(name, state, before, world_size)
@@ -228,8 +232,9 @@ def _refusal_inside_a_batch(name: str, state: Mapping[str, Any], before: int,
         f"{name} was written with world size {before} and this run has world size {world_size}: it was taken "
         "inside a batch or an open gradient-accumulation window, whose per-rank part (the batch in flight, "
         "hidden state, accumulated gradients) belongs to the old ranks; resume from a checkpoint at a batch "
-        "boundary where no accumulation window is open (resume='auto' takes the newest one by itself; "
-        f"`python -m engine inspect` marks them), or with {before} process(es)")
+        "boundary where no accumulation window is open (an anchor: `python -m engine inspect` marks them; "
+        "resume='auto' falls back to the newest one by itself, so under resume='auto' the run directory holds "
+        f"none yet), or with {before} process(es) until one is committed")
 
 
 def reseed_after_change(checkpoint_rng: Mapping[str, Any], rank: int, step: int) -> None:

@@ -260,8 +260,19 @@ def check_compatible(name: str, state: Mapping[str, Any], parts: RunParts, world
                    for key, value in current.items()
                    if saved.get(key) != value and (key in saved or key not in NEWER_SIGNATURE_KEYS)]
     if differences:
-        raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences))
+        raise CheckpointIncompatible(f"{name} was written by a different run setup: " + "; ".join(differences) +
+                                     _batch_size_remedy(saved, current, world_size_changes))
     check_module_state(name, parts.module, state[MODULE])
+
+
+def _batch_size_remedy(saved: Mapping[str, Any], current: Mapping[str, Any], world_size_changes: bool) -> str:
+    """What to do when a resume on another world size changed the DataLoader's batch size: the
+    natural edit (per-rank batch = G / new world size) is the engine's job, not the script's."""
+    if not world_size_changes or saved.get("batch_size") == current.get("batch_size"):
+        return ""
+    return (f"; keep the script's DataLoader batch_size={saved.get('batch_size')!r}: on another world size the "
+            f"engine keeps the run's global batch (G={saved.get(global_order.GLOBAL_BATCH)!r}) and gives each rank "
+            "G / world size itself")
 
 
 def load_module_state(module: torch.nn.Module, saved_module: dict[str, torch.Tensor]) -> None:
@@ -291,7 +302,8 @@ def restore(name: str, state: Any, progress: ProgressTree, parts: RunParts,
     reshard a sharded checkpoint written by another world size. A failure raises (never a
     partial restore downgraded to a warning)."""
     validate(name, state)
-    world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank)
+    world_size_before = global_order.adapt_data(name, state, parts.tree.data, parts.module, parts.world_size, parts.rank,
+                                                 parts.config.distributed_sampler)
     if is_sharded(state[SIGNATURE]):  # after the refusals of a world-size change, before any shard is placed
         state = live_shards(name, state, parts.module, parts.world_size, rank_parts or {})
     check_compatible(name, state, parts, world_size_changes=world_size_before is not None)

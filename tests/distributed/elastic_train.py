@@ -17,7 +17,8 @@ group changes size).
 ``--tbptt``: a small RNN trained with TBPTT on sequences of ``TIME`` steps cut into splits of
 ``SPLIT`` (so several optimizer steps per batch, each split one step; a checkpoint after every
 split, most of them inside a batch). ``--elastic``: ``TrainerConfig(elastic=True)`` (a single
-process that orders its data the global way). ``--resume NAME``: ``fit(resume=NAME)``. Without
+process that orders its data the global way). ``--no-distributed-sampler``:
+``TrainerConfig(distributed_sampler=False)``. ``--resume NAME``: ``fit(resume=NAME)``. Without
 torchrun the script runs as one plain process.
 
 A refused resume writes its error to ``OUT_DIR/error-<ATTEMPT>-<rank>.txt`` and exits 2.
@@ -124,6 +125,7 @@ def main() -> int:
     parser.add_argument("--pause-at-step", type=int, default=None)
     parser.add_argument("--tbptt", action="store_true")
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--no-distributed-sampler", action="store_true")
     parser.add_argument("--resume", default="auto")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -137,7 +139,7 @@ def main() -> int:
     torch.manual_seed(1000 + rank)
     config = engine.TrainerConfig(max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", device="cpu",
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2),
-                                  elastic=args.elastic)
+                                  elastic=args.elastic, distributed_sampler=not args.no_distributed_sampler)
     try:
         engine.Trainer(config, [record]).fit(model, loader(args.batch, args.tbptt), resume=args.resume)
     except engine.CheckpointIncompatible as error:

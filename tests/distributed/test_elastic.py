@@ -473,3 +473,46 @@ def test_a_single_elastic_process_sigkilled_and_grown_to_2_ranks_trains_the_2_ra
     resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
     assert [(row["step"], row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 1, 2)]
     _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / "final-1.pt")
+
+
+def test_one_process_with_distributed_sampler_off_resuming_a_distributed_run_is_refused(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # distributed_sampler=False leaves the loader as given (batches of 4 in its own order), so the
+    # run's global position (6 steps of G=8) cannot continue on it: refused, not re-ordered anyway.
+    job = _copy_job(tbptt_killed, tmp_path)
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT,
+                           "--no-distributed-sampler"], helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("WorldSizeChangeRefused: ") and "distributed_sampler=False" in error and "\n" not in error
+    assert not list((job / "out").glob("steps-1-*"))  # nothing trained
+
+
+def test_a_changed_batch_size_on_another_world_size_is_refused_saying_to_keep_the_scripts(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # The natural edit when going from 2 ranks of 4 to 1 rank: a batch of 8 (G). The engine
+    # derives that itself, so the refusal must say to keep the script's 4, not only differ.
+    job = _copy_job(tbptt_killed, tmp_path)
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT, "--batch", "8"],
+                          helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("CheckpointIncompatible: ") and "batch_size: checkpoint 4, this run 8" in error
+    assert "keep the script's DataLoader batch_size=4" in error and "G=8" in error and "\n" not in error
+
+
+def test_resume_auto_on_another_world_size_with_no_anchor_left_says_there_is_none(
+        tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # A job killed before its first anchor committed (an early kill, asynchronous writes) leaves
+    # only checkpoints inside a batch: the refusal must not send the user to resume='auto', which
+    # is what failed, but say that the run directory holds no anchor yet.
+    job = _copy_job(tbptt_killed, tmp_path)
+    for entry in inspect_run(str(job / "run"))["checkpoints"]:
+        if entry["anchor"]:
+            shutil.rmtree(job / "run" / "checkpoints" / entry["name"])
+    process = helpers.run([sys.executable, SCRIPT, str(job / "run"), str(job / "out"), "1", *TBPTT],
+                          helpers.environment())
+    assert process.returncode == 2, process.stderr[-4000:]
+    error = (job / "out" / "error-1-0.txt").read_text()
+    assert error.startswith("WorldSizeChangeRefused: ") and "it was taken inside a batch" in error
+    assert "under resume='auto' the run directory holds none yet" in error and "\n" not in error

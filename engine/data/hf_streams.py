@@ -24,7 +24,10 @@ Worker processes started with ``fork`` (the Linux default) inherit the repair.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable
+
+from engine.data.hf_shuffle import save_shuffle_buffers
 
 _REPAIRED = "_splitloop_repaired"
 
@@ -39,11 +42,36 @@ def repair_state_loading(value: Any) -> None:
     if not is_hf_stream(value):
         return
     try:
+        import datasets
         from datasets import iterable_dataset
     except ImportError:  # pragma: no cover - an object of its class exists, so it imports
         return
     _replace_once(iterable_dataset._BaseExamplesIterable, "load_state_dict", _loads_in_place)
     _replace_once(iterable_dataset.IterableDataset, "load_state_dict", _answers_the_loaded_state)
+    if _shuffle_buffer_known(datasets.__version__):
+        save_shuffle_buffers(iterable_dataset)
+        # The stream made its state dict when it was built, before the repair: made again, it
+        # has the shuffle buffer's place (what workers answer before they iterate).
+        value._prepare_ex_iterable_for_iteration()
+    elif _has_shuffle_buffer(value):
+        warnings.warn(f"datasets {datasets.__version__}: the content of a .shuffle() buffer is not saved (checked with "
+                      f"datasets 5.2 to 5.x): a resume refills it, and the examples after it differ (docs/data.md)",
+                      stacklevel=3)
+
+
+def _shuffle_buffer_known(version: str) -> bool:
+    """Whether ``datasets`` is a version whose shuffle buffer :mod:`engine.data.hf_shuffle` reproduces (5.2 to 5.x)."""
+    major, minor = (int(part) if part.isdigit() else 0 for part in (version.split(".") + ["0"])[:2])
+    return major == 5 and minor >= 2
+
+
+def _has_shuffle_buffer(value: Any) -> bool:
+    stage = getattr(value, "_ex_iterable", None)
+    while stage is not None:
+        if type(stage).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        stage = getattr(stage, "ex_iterable", None)
+    return False
 
 
 def _replace_once(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -35,7 +35,8 @@ import stream_train  # noqa: E402
 import torchrun_helpers  # noqa: E402
 
 SCRIPT = str(pathlib.Path(stream_train.__file__))
-KINDS = ["stream-0", "stream-2", "hf-0", "hf-2", "mixture-stop", "mixture-cycle", "mixture-drop",
+KINDS = ["stream-0", "stream-2", "hf-0", "hf-2", "hf_shuffled-0", "hf_shuffled-2", "hf_shuffled_after_map-0",
+         "hf_shuffled_after_map-2", "mixture-stop", "mixture-cycle", "mixture-drop",
          "combined-max_size_cycle", "combined-min_size", "combined-sequential"]
 
 
@@ -127,20 +128,22 @@ def test_a_stream_with_state_is_loaded_not_replayed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["stream-2", "hf-2", "mixture-cycle", "combined-max_size_cycle"])
+@pytest.mark.parametrize("kind", ["stream-2", "hf_shuffled-2", "mixture-cycle", "combined-max_size_cycle"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     """SIGKILL at random instants (workers alive, mid-checkpoint, ...), resume each time: the
-    samples each step saw and the final parameters equal the uninterrupted run's."""
+    samples each step saw and the final parameters equal the uninterrupted run's. hf_shuffled-2:
+    a Hugging Face stream through a shuffle buffer and a map, read by 2 workers."""
     assert_random_sigkills_resume_exactly(kind, tmp_path, f"streams-{kind}")
 
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("attempt", range(10))
-@pytest.mark.parametrize("kind", ["hf-2"])
+@pytest.mark.parametrize("kind", ["hf-2", "hf_shuffled-2", "hf_shuffled-0", "hf_shuffled_after_map-2"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly_again_and_again(kind, attempt, tmp_path):
-    """The random-kill case above with other kill instants (a Hugging Face stream with 2 workers
-    once resumed differently after several resumes: its workers' base seed)."""
+    """The random-kill case above with other kill instants, for Hugging Face streams with and
+    without a shuffle buffer (one with 2 workers once resumed differently after several resumes:
+    a worker's position saved before it had yielded since the resume)."""
     assert_random_sigkills_resume_exactly(kind, tmp_path, f"streams-{kind}-{attempt}")
 
 

@@ -32,6 +32,10 @@ from typing import Any, Callable, Iterator
 
 _SAVED = "_splitloop_saves_buffer"
 STATE_KEY = "shuffle_buffer"
+"""The key of the buffer in the state of a shuffle stage (a checkpoint error names it in its path)."""
+REMEDY = ("the examples in a Hugging Face .shuffle() buffer are saved with the stream's state: make the stages "
+          "before .shuffle() give Python numbers, strings, bytes, lists, dicts or tensors (docs/data.md)")
+"""What to do when the examples in a shuffle buffer cannot go into a checkpoint."""
 
 
 def save_shuffle_buffers(iterable_dataset: Any) -> None:

@@ -210,11 +210,12 @@ def torchrun(tmp_path: pathlib.Path, name: str, kind: str, **env: str):
 
 @pytest.mark.slow
 def test_hf_streams_split_by_node_resume_each_rank_exactly_under_torchrun(tmp_path):
-    """Two ranks, each streaming its part (split_dataset_by_node); one rank SIGKILLed mid-epoch,
-    the group restarted: each rank's samples per step (metrics) and final parameters equal the
-    uninterrupted run's. (2 DataLoader workers: test_sigkills_at_random_instants_resume_a_stream_exactly.)"""
-    reference, _ = torchrun(tmp_path, "reference", "hf-0")
-    killed, log = torchrun(tmp_path, "killed", "hf-0", STREAM_KILL="1/split_end:4:sigkill")
+    """Two ranks, each streaming its part (split_dataset_by_node) through a shuffle buffer; one
+    rank SIGKILLed mid-epoch, the group restarted: each rank's samples per step (metrics) and
+    final parameters equal the uninterrupted run's. (2 DataLoader workers:
+    test_sigkills_at_random_instants_resume_a_stream_exactly.)"""
+    reference, _ = torchrun(tmp_path, "reference", "hf_shuffled-0")
+    killed, log = torchrun(tmp_path, "killed", "hf_shuffled-0", STREAM_KILL="1/split_end:4:sigkill")
     assert log.count("resumed_from=ckpt-") == 2  # both ranks of the restarted group resumed
     torchrun_helpers.assert_same_result(reference, killed, 2)
 

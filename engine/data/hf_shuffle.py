@@ -15,7 +15,8 @@ of its paths: examples, and Arrow tables) with the same algorithm, yielding exac
 * ``kept``: the examples kept for the next permutation (a list of ``(key, example)`` on the
   example path; one Arrow table as IPC stream bytes on the table path);
 * ``key``: the last key read from the stream under the buffer (the table path names the last
-  table with it).
+  table with it);
+* ``source_done``: whether that stream ended (a resumed buffer does not read it again).
 
 A resumed buffer is re-created from these and the stream under it continues from its own saved
 position. The state is as large as the buffer's content (the examples themselves): it is
@@ -71,11 +72,13 @@ class _LiveBuffer:
         self.position = 0  # into pending: the next example to yield
         self.kept: list[Any] = []
         self.key: Any = None
+        self.source_done = False  # the stream under the buffer ended (it is not read again)
         if plain is not None:
             self.rng.bit_generator.state = json.loads(plain["rng"])
             self.pending = [tuple(item) for item in plain["pending"]]
             self.kept = _tables_from_bytes(plain["kept"]) if tables else [tuple(item) for item in plain["kept"]]
             self.key = plain["key"]
+            self.source_done = plain["source_done"]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
         from datasets.iterable_dataset import _fast_copy  # copies plain data fast, anything else deeply
@@ -84,7 +87,7 @@ class _LiveBuffer:
         # examples yielded meanwhile may be changed in place by the stages after this one.
         kept = _tables_to_bytes(self.kept) if self.tables else _fast_copy(self.kept)
         return {"rng": json.dumps(self.rng.bit_generator.state), "pending": _fast_copy(self.pending[self.position:]),
-                "kept": kept, "key": self.key}
+                "kept": kept, "key": self.key, "source_done": self.source_done}
 
     def drain(self) -> Iterator[Any]:
         """Yield the pending examples; each counts as consumed when it is yielded."""
@@ -94,6 +97,14 @@ class _LiveBuffer:
 
     def set_pending(self, pending: list[Any]) -> None:
         self.pending, self.position = pending, 0
+
+    def read(self, source: Iterator[Any]) -> Iterator[Any]:
+        """``source`` (the stream under the buffer), unless it ended before the state was saved:
+        iterated again from its saved end, a stage may still move its state (the interleaving
+        of shards does)."""
+        if not self.source_done:
+            yield from source
+            self.source_done = True
 
 
 def _init_state_dict(self: Any) -> dict[str, Any]:
@@ -107,6 +118,8 @@ def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> Any:
     ``datasets``' own layout (no buffer) is the inner stream's: the buffer refills from it."""
     from engine.data.hf_streams import _load_into
 
+    if state_dict is None:  # "no position yet" (engine.data.hf_streams): nothing to load
+        return None
     if STATE_KEY not in state_dict:
         return self.ex_iterable.load_state_dict(state_dict)
     if self._state_dict is None:
@@ -131,7 +144,7 @@ def _iter_examples(self: Any) -> Iterator[Any]:
     buffer = _open_buffer(self, tables=False)
     yield from buffer.drain()
     rng, memory = buffer.rng, buffer.kept
-    for example in self.ex_iterable:
+    for example in buffer.read(iter(self.ex_iterable)):
         memory.append(example)
         if len(memory) >= self.buffer_size:
             indices = rng.permutation(len(memory))
@@ -154,7 +167,7 @@ def _iter_tables(self: Any) -> Iterator[Any]:
     buffer = _open_buffer(self, tables=True)
     rng, tables = buffer.rng, buffer.kept
     length = sum(len(table) for table in tables)
-    for key, table in self.ex_iterable.iter_arrow():
+    for key, table in buffer.read(self.ex_iterable.iter_arrow()):
         buffer.key = key
         tables.append(table)
         length += len(table)

@@ -1,7 +1,7 @@
 """Hugging Face ``datasets`` streams: their state loading, repaired.
 
-Two behaviours of ``datasets`` 5.x break a resume, and :func:`repair_state_loading` repairs
-both, once per process, and only when the training data is such a stream (importing the engine
+Three behaviours of ``datasets`` 5.x break a resume, and :func:`repair_state_loading` repairs
+them, once per process, and only when the training data is such a stream (importing the engine
 never imports ``datasets``):
 
 * A stream loads its state by re-creating each stage's state dict; a stage that loads its inner
@@ -11,12 +11,15 @@ never imports ``datasets``):
   the first one's position. The load now fills the existing dicts in place (same values, same
   objects).
 * ``IterableDataset.load_state_dict`` only keeps the state for the next iteration: until then
-  ``state_dict()`` answers the state the stream had before (its start). torchdata's
+  ``state_dict()`` answers the state the stream had before (its start, laid out for the whole
+  stream in the process that built it, not for a worker's shards). torchdata's
   ``StatefulDataLoader`` asks each worker for its state right after loading it, and keeps that
   answer as the worker's position until the worker yields a batch: a checkpoint taken in between
   (a resumed run killed again at once) saved the start of that worker's shards, and the next
   resume replayed them. A loaded state is now what ``state_dict()`` answers until the stream
-  iterates.
+  iterates, and a stream that has iterated nothing answers "no position yet" (see
+  :func:`_state_before_iterating`).
+* ``.shuffle(seed, buffer_size)`` does not save its buffer: :mod:`engine.data.hf_shuffle`.
 
 Worker processes started with ``fork`` (the Linux default) inherit the repair.
 """
@@ -48,15 +51,26 @@ def repair_state_loading(value: Any) -> None:
         return
     _replace_once(iterable_dataset._BaseExamplesIterable, "load_state_dict", _loads_in_place)
     _replace_once(iterable_dataset.IterableDataset, "load_state_dict", _answers_the_loaded_state)
+    value._state_dict = _state_before_iterating(value)
     if _shuffle_buffer_known(datasets.__version__):
         save_shuffle_buffers(iterable_dataset)
-        # The stream made its state dict when it was built, before the repair: made again, it
-        # has the shuffle buffer's place (what workers answer before they iterate).
-        value._prepare_ex_iterable_for_iteration()
     elif _has_shuffle_buffer(value):
         warnings.warn(f"datasets {datasets.__version__}: the content of a .shuffle() buffer is not saved (checked with "
                       f"datasets 5.2 to 5.x): a resume refills it, and the examples after it differ (docs/data.md)",
                       stacklevel=3)
+
+
+def _state_before_iterating(stream: Any) -> dict[str, Any]:
+    """What a stream that has not iterated answers to ``state_dict()``: the state it loaded, or
+    "no position yet", which loads as nothing (each iteration begins at the start).
+
+    ``datasets`` answers the state dict it made when the stream was built, laid out for the
+    whole stream in this process; a DataLoader worker iterates only its shards, through stages
+    laid out otherwise (a shuffled stream interleaves as many shards as it reads). torchdata
+    saves a worker's answer until the worker yields a batch, and a worker that loaded the whole
+    stream's layout read its shards without end."""
+    loaded = getattr(stream, "_starting_state_dict", None)
+    return copy.deepcopy(loaded) if loaded else {"examples_iterable": None, "epoch": stream.epoch}
 
 
 def _shuffle_buffer_known(version: str) -> bool:

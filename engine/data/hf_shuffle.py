@@ -32,6 +32,9 @@ import json
 from typing import Any, Callable, Iterator
 
 _SAVED = "_splitloop_saves_buffer"
+# datasets' copy of plain state data (fast for plain values, deep for anything else): set when
+# the buffers are patched, so that this module never imports datasets itself.
+_copy_state: Callable[[Any], Any] = copy.deepcopy
 STATE_KEY = "shuffle_buffer"
 """The key of the buffer in the state of a shuffle stage (a checkpoint error names it in its path)."""
 REMEDY = ("the examples in a Hugging Face .shuffle() buffer are saved with the stream's state: make the stages "
@@ -42,9 +45,11 @@ REMEDY = ("the examples in a Hugging Face .shuffle() buffer are saved with the s
 def save_shuffle_buffers(iterable_dataset: Any) -> None:
     """Make ``datasets``' ``BufferShuffledExamplesIterable`` (in the module ``iterable_dataset``) save
     its buffer in its state, once per process."""
+    global _copy_state
     shuffled = iterable_dataset.BufferShuffledExamplesIterable
     if getattr(shuffled.__iter__, _SAVED, False):
         return
+    _copy_state = iterable_dataset._fast_copy
     for name, replacement in (("_init_state_dict", _init_state_dict), ("load_state_dict", _load_state_dict),
                               ("__iter__", _iter_examples), ("_iter_arrow", _iter_tables)):
         replacement = _wrapping(replacement, getattr(shuffled, name))
@@ -81,12 +86,10 @@ class _LiveBuffer:
             self.source_done = plain["source_done"]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        from datasets.iterable_dataset import _fast_copy  # copies plain data fast, anything else deeply
-
         # Copied, not shared: a worker's state is pickled later, by its queue's thread, while the
         # examples yielded meanwhile may be changed in place by the stages after this one.
-        kept = _tables_to_bytes(self.kept) if self.tables else _fast_copy(self.kept)
-        return {"rng": json.dumps(self.rng.bit_generator.state), "pending": _fast_copy(self.pending[self.position:]),
+        kept = _tables_to_bytes(self.kept) if self.tables else _copy_state(self.kept)
+        return {"rng": json.dumps(self.rng.bit_generator.state), "pending": _copy_state(self.pending[self.position:]),
                 "kept": kept, "key": self.key, "source_done": self.source_done}
 
     def drain(self) -> Iterator[Any]:
@@ -161,9 +164,7 @@ def _iter_examples(self: Any) -> Iterator[Any]:
 
 def _iter_tables(self: Any) -> Iterator[Any]:
     """``datasets``' ``BufferShuffledExamplesIterable._iter_arrow`` (5.2), its buffer in its state."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+    pa, pc = _arrow()
     buffer = _open_buffer(self, tables=True)
     rng, tables = buffer.rng, buffer.kept
     length = sum(len(table) for table in tables)
@@ -187,8 +188,7 @@ def _tables_to_bytes(tables: list[Any]) -> bytes | None:
     """Arrow tables as one IPC stream (their record batches kept as they are), or None."""
     if not tables:
         return None
-    import pyarrow as pa
-
+    pa, _ = _arrow()
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, tables[0].schema) as writer:
         for table in tables:
@@ -199,6 +199,15 @@ def _tables_to_bytes(tables: list[Any]) -> bytes | None:
 def _tables_from_bytes(data: bytes | None) -> list[Any]:
     if data is None:
         return []
-    import pyarrow as pa
-
+    pa, _ = _arrow()
     return [pa.ipc.open_stream(pa.py_buffer(data)).read_all()]
+
+
+def _arrow() -> tuple[Any, Any]:
+    """``pyarrow`` and ``pyarrow.compute`` (installed with ``datasets``, the extra ``hf``)."""
+    try:
+        import pyarrow
+        import pyarrow.compute
+    except ImportError as error:  # pragma: no cover - datasets depends on pyarrow
+        raise ImportError("a Hugging Face stream's shuffle buffer needs pyarrow: pip install 'splitloop[hf]'") from error
+    return pyarrow, pyarrow.compute

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from engine.data.hf_streams import repair_state_loading
 from engine.data.rng import capture_global_rng, restore_global_rng
 from engine.data.streams import drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import has_workers, shut_down_workers
@@ -27,6 +28,7 @@ class Source:
 
     def __init__(self, name: str, iterable: Iterable[Any]) -> None:
         self.name = name
+        repair_state_loading(getattr(iterable, "dataset", iterable))
         # As in engine.data.position.EpochData: between passes only the main process's copy of a
         # stream in a DataLoader carries over (loading the StatefulDataLoader's state of a finished
         # pass would skip the DataLoader's seed draw at the next pass).

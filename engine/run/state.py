@@ -34,6 +34,7 @@ from engine.checkpoint.codec import check_storable
 from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
                                          RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
+from engine.data.hf_shuffle import REMEDY as SHUFFLE_BUFFER_REMEDY, STATE_KEY as SHUFFLE_BUFFER_KEY
 from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
@@ -184,9 +185,9 @@ def _check_loader_state(loader_state: Any, data_name: str) -> None:
     try:
         check_storable(loader_state, "state_dict()")
     except CheckpointWriteError as error:
+        remedy = SHUFFLE_BUFFER_REMEDY if f".{SHUFFLE_BUFFER_KEY}." in str(error) else "make its state_dict() return those"
         raise DataError(f"the state_dict() of the training data {data_name} cannot go into a checkpoint: {error}; a checkpoint holds only tensors, numbers, "
-                        "strings, bytes, None and lists/tuples/dicts of them (no pickle): make its state_dict() "
-                        "return those") from error
+                        f"strings, bytes, None and lists/tuples/dicts of them (no pickle): {remedy}") from error
 
 
 def validate(name: str, state: Any) -> None:

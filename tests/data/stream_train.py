@@ -4,7 +4,9 @@
 
 KIND is ``stream-<workers>`` (an IterableDataset with state_dict(), its workers sharding it),
 ``hf-<workers>`` (Hugging Face ``datasets`` streaming local JSONL shards, mapped, each rank
-taking its part with split_dataset_by_node under torchrun), ``mixture-<on_exhausted>`` (an
+taking its part with split_dataset_by_node under torchrun), ``hf_shuffled-<workers>`` and
+``hf_shuffled_after_map-<workers>`` (the same through a ``.shuffle(seed, buffer_size)`` buffer
+before or after the map), ``mixture-<on_exhausted>`` (an
 engine.data.Mixture of a stream with state and a list), ``combined-<mode>`` (the same two as
 several training loaders, ``fit(module, {...}, mode=...)``). Each step logs which
 samples it saw (``first``, ``last``, ``sum`` of their ids) into metrics.jsonl, so two runs that
@@ -36,6 +38,7 @@ import engine
 import engine.data
 
 SAMPLES, BATCH, SHARDS = 48, 4, 4
+BUFFER = 7  # examples in a Hugging Face shuffle buffer: it spans shards and batches
 
 
 class CountingStream(IterableDataset):
@@ -86,15 +89,21 @@ def write_shards(folder: pathlib.Path) -> list[str]:
     return paths
 
 
-def hf_stream(folder: pathlib.Path) -> Any:
-    """load_dataset("json", streaming=True) over local shards, shuffled, mapped, split by node."""
+def hf_stream(folder: pathlib.Path, shuffle: str = "") -> Any:
+    """load_dataset("json", streaming=True) over local shards, mapped, split by node; with
+    ``shuffle="before-map"`` or ``"after-map"`` shuffled through a buffer of BUFFER examples
+    there (datasets iterates the buffer as Arrow tables before the map, as examples after it)."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     import datasets
     from datasets.distributed import split_dataset_by_node
 
     stream = datasets.load_dataset("json", data_files=write_shards(folder), split="train", streaming=True)
+    if shuffle == "before-map":
+        stream = stream.shuffle(seed=11, buffer_size=BUFFER)
     stream = stream.map(lambda example: {"x": [example["x"] * 2.0]})
+    if shuffle == "after-map":
+        stream = stream.shuffle(seed=11, buffer_size=BUFFER)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         stream = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=world)
@@ -151,7 +160,11 @@ def make_data(kind: str, run_dir: str) -> Any:
         return make_mixture(workers)
     if name == "combined":  # fit(module, {name: loader}, mode=...)
         return {"stream": DataLoader(CountingStream(24), batch_size=BATCH, num_workers=2), "list": list_batches(4, 1000)}
-    dataset = CountingStream() if name == "stream" else hf_stream(pathlib.Path(run_dir).parent / "shards")
+    if name == "stream":
+        dataset = CountingStream()
+    else:  # hf, hf_shuffled (before the map), hf_shuffled_after_map
+        shuffle = {"hf": "", "hf_shuffled": "before-map", "hf_shuffled_after_map": "after-map"}[name]
+        dataset = hf_stream(pathlib.Path(run_dir).parent / "shards", shuffle)
     return DataLoader(dataset, batch_size=BATCH, num_workers=int(workers))
 
 

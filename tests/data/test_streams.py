@@ -35,7 +35,8 @@ import stream_train  # noqa: E402
 import torchrun_helpers  # noqa: E402
 
 SCRIPT = str(pathlib.Path(stream_train.__file__))
-KINDS = ["stream-0", "stream-2", "hf-0", "hf-2", "mixture-stop", "mixture-cycle", "mixture-drop",
+KINDS = ["stream-0", "stream-2", "hf-0", "hf-2", "hf_shuffled-0", "hf_shuffled-2", "hf_shuffled_after_map-0",
+         "hf_shuffled_after_map-2", "mixture-stop", "mixture-cycle", "mixture-drop",
          "combined-max_size_cycle", "combined-min_size", "combined-sequential"]
 
 
@@ -66,7 +67,8 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     first_epoch_end = epochs_done.index(1)
     # A few mid-epoch checkpoints spread over the run (each resume trains to the end), and the
     # first epoch's last batch and its end.
-    spread = names[1:-1:max(1, len(names) // 3)]
+    # The first one too: one worker has not yielded yet (its position is the one before it iterated).
+    spread = names[0:-1:max(1, len(names) // 3)]
     chosen = spread + names[first_epoch_end - 1:first_epoch_end + 1]
     for name in sorted(set(chosen)):  # with the first epoch's last batch and its end
         resumed = tmp_path / name / "run"
@@ -75,6 +77,26 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
         assert result.resumed_from == name
         assert_same_run(str(reference), str(resumed))
         assert not [m for m in messages if "drawing and dropping" in m]
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_a_resumed_hf_stream_with_workers_checkpointed_before_each_worker_yields_resumes_exactly(epoch, tmp_path):
+    """A resumed run's first checkpoint comes after one batch, from one of the 2 workers: the
+    other worker's position is the one it loaded (datasets answered its stream's start until it
+    iterated, and a second resume replayed its shards). Resumed again from that checkpoint, the
+    run equals the uninterrupted one."""
+    reference = tmp_path / "reference" / "run"
+    train("hf-2", reference, keep_last=None)
+    names = CheckpointStore(Storage(str(reference))).names()
+    resume_at = 4 + epoch * len(names) // 2
+    first = tmp_path / "first" / "run"
+    copy_run_until(str(reference), str(first), names[resume_at])
+    train("hf-2", first, keep_last=None)
+    second = tmp_path / "second" / "run"
+    copy_run_until(str(first), str(second), names[resume_at + 1])  # the first resumed run's first checkpoint
+    result, _ = train("hf-2", second, keep_last=None)
+    assert result.resumed_from == names[resume_at + 1]
+    assert_same_run(str(reference), str(second))
 
 
 def test_a_stream_with_state_is_loaded_not_replayed():
@@ -107,19 +129,32 @@ def test_a_stream_with_state_is_loaded_not_replayed():
 
 
 @pytest.mark.slow
-# Not "hf-2" yet: with kills at random instants a Hugging Face stream with 2 workers was once
-# seen resuming with another DataLoader base seed (parameters differ); resumed from each of its
-# checkpoints it is exact (above). Open: see the branch's report.
-@pytest.mark.parametrize("kind", ["stream-2", "mixture-cycle", "combined-max_size_cycle"])
+@pytest.mark.parametrize("kind", ["stream-2", "hf_shuffled-2", "mixture-cycle", "combined-max_size_cycle"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     """SIGKILL at random instants (workers alive, mid-checkpoint, ...), resume each time: the
-    samples each step saw and the final parameters equal the uninterrupted run's."""
+    samples each step saw and the final parameters equal the uninterrupted run's. hf_shuffled-2:
+    a Hugging Face stream through a shuffle buffer and a map, read by 2 workers."""
+    assert_random_sigkills_resume_exactly(kind, tmp_path, f"streams-{kind}")
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("attempt", range(10))
+@pytest.mark.parametrize("kind", ["hf-2", "hf_shuffled-2", "hf_shuffled-0", "hf_shuffled_after_map-2"])
+def test_sigkills_at_random_instants_resume_a_stream_exactly_again_and_again(kind, attempt, tmp_path):
+    """The random-kill case above with other kill instants, for Hugging Face streams with and
+    without a shuffle buffer (one with 2 workers once resumed differently after several resumes:
+    a worker's position saved before it had yielded since the resume)."""
+    assert_random_sigkills_resume_exactly(kind, tmp_path, f"streams-{kind}-{attempt}")
+
+
+def assert_random_sigkills_resume_exactly(kind: str, tmp_path: pathlib.Path, seed: str, kills_wanted: int = 2) -> None:
     reference = tmp_path / "reference" / "run"
     finished = forkserver.run([sys.executable, SCRIPT, kind, str(reference)], capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    rng = random.Random(f"streams-{kind}")
+    rng = random.Random(seed)
     kills, runs = 0, 0
-    while kills < 2:
+    while kills < kills_wanted:
         run_dir = tmp_path / f"killed-{runs}" / "run"
         runs += 1
         while kill_at_random_instant(kind, str(run_dir), rng, 1.0, "--sleep", "0.05", script=SCRIPT):
@@ -176,11 +211,12 @@ def torchrun(tmp_path: pathlib.Path, name: str, kind: str, **env: str):
 
 @pytest.mark.slow
 def test_hf_streams_split_by_node_resume_each_rank_exactly_under_torchrun(tmp_path):
-    """Two ranks, each streaming its part (split_dataset_by_node); one rank SIGKILLed mid-epoch,
-    the group restarted: each rank's samples per step (metrics) and final parameters equal the
-    uninterrupted run's. (2 DataLoader workers: test_sigkills_at_random_instants_resume_a_stream_exactly.)"""
-    reference, _ = torchrun(tmp_path, "reference", "hf-0")
-    killed, log = torchrun(tmp_path, "killed", "hf-0", STREAM_KILL="1/split_end:4:sigkill")
+    """Two ranks, each streaming its part (split_dataset_by_node) through a shuffle buffer; one
+    rank SIGKILLed mid-epoch, the group restarted: each rank's samples per step (metrics) and
+    final parameters equal the uninterrupted run's. (2 DataLoader workers:
+    test_sigkills_at_random_instants_resume_a_stream_exactly.)"""
+    reference, _ = torchrun(tmp_path, "reference", "hf_shuffled-0")
+    killed, log = torchrun(tmp_path, "killed", "hf_shuffled-0", STREAM_KILL="1/split_end:4:sigkill")
     assert log.count("resumed_from=ckpt-") == 2  # both ranks of the restarted group resumed
     torchrun_helpers.assert_same_result(reference, killed, 2)
 

@@ -195,6 +195,49 @@ def _assert_close_parameters(reference_path: pathlib.Path, final_path: pathlib.P
         assert ((final[key] - value).abs().max() / scale).item() <= 1e-5, key
 
 
+def _noise_per_step(out: pathlib.Path) -> dict[int, dict[int, float]]:
+    """Each optimizer step's {sample id: noise it drew in its worker} over every rank, as trained
+    by the last attempt that trained the step (like helpers.samples_per_step)."""
+    by_step: dict[int, dict[int, dict[int, float]]] = {}
+    for path in out.glob("steps-*.jsonl"):
+        attempt = int(path.name.split("-")[1])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], {}).setdefault(attempt, {}).update(zip(row["ids"], row["noise"]))
+    return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
+
+
+def _noise_in_id_order(noise: dict[int, float]) -> torch.Tensor:
+    return torch.tensor([noise[sample] for sample in sorted(noise)], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def workers_reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    job = tmp_path_factory.mktemp("elastic") / "workers-reference"
+    process = _torchrun(2, job, 0, "--workers", "2")
+    assert process.returncode == 0, process.stderr[-4000:]
+    return job
+
+
+def test_augmentation_drawn_in_workers_is_the_uninterrupted_runs_after_a_resume_on_1_rank(
+        workers_reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    job = tmp_path / "workers"
+    killed = _torchrun(2, job, 0, "--workers", "2", "--kill-at-step", "3")  # inside epoch 0 (6 steps each)
+    assert killed.returncode == 1, killed.stderr[-4000:]
+    resumed = _torchrun(1, job, 1, "--workers", "2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected = _noise_per_step(workers_reference / "out")
+    got = _noise_per_step(job / "out")
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for step in range(1, 13):  # from step 3 on (redone after the kill) the rest of epoch 0 and epoch 1 on 1 rank
+        assert sorted(got[step]) == sorted(expected[step]), step
+        assert torch.equal(_noise_in_id_order(got[step]), _noise_in_id_order(expected[step])), step
+    # The noise is drawn per sample and epoch (a sample's value in epoch 1 is not its epoch-0 one).
+    epochs = [{k: v for step in range(6 * epoch + 1, 6 * epoch + 7) for k, v in expected[step].items()}
+              for epoch in (0, 1)]
+    assert not torch.equal(_noise_in_id_order(epochs[0]), _noise_in_id_order(epochs[1]))
+
+
 @pytest.mark.exhaustive  # the message is tested in-process above; this is the same refusal under torchrun
 def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_training(
         reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -17,10 +17,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 import torchrun_helpers as helpers
 from engine.cli.commands import inspect_run
+from engine.data.position import EXHAUSTED, EpochData
+from engine.data.rng import capture_global_rng, restore_global_rng
 from engine.distributed import global_order
 from engine.distributed.environment import DistributedContext
 from engine.distributed.sampler import shard_loader
 from engine.errors import WorldSizeChangeRefused
+from worker_training import make_loader, seed_all
 
 SCRIPT = str(pathlib.Path(__file__).with_name("elastic_train.py"))
 SAMPLES = 48
@@ -236,6 +239,49 @@ def test_augmentation_drawn_in_workers_is_the_uninterrupted_runs_after_a_resume_
     epochs = [{k: v for step in range(6 * epoch + 1, 6 * epoch + 7) for k, v in expected[step].items()}
               for epoch in (0, 1)]
     assert not torch.equal(_noise_in_id_order(epochs[0]), _noise_in_id_order(epochs[1]))
+
+
+def _epoch_of_ordered_workers(saved: tuple | None, global_scheme: bool) -> tuple[list, tuple]:
+    """The batches of epochs 0 and 1 (from ``saved``'s position, else from the start) of a loader
+    with 2 augmenting workers ordered the global way; with ``global_scheme=False`` its sampler
+    does not say so (the per-rank scheme). Also what a checkpoint after epoch 0's first batch
+    holds: the data position's state and the global random streams (the run restores both)."""
+    seed_all(0)
+    loader = _ordered_alone(make_loader(workers=2))
+    if not global_scheme:
+        loader.sampler.orders_globally = False
+    data = EpochData(loader)
+    try:
+        if saved is not None:
+            data.load_state_dict(saved[0])
+            restore_global_rng(saved[1])
+        batches: list = []
+        first_state: tuple = ()
+        for epoch in (0, 1):
+            iterator = data.open_epoch(epoch)
+            while (batch := data.next_batch(iterator)) is not EXHAUSTED:
+                data.batch_done()
+                batches.append(batch)
+                first_state = first_state or (data.state_dict(), capture_global_rng())
+            data.epoch_done()
+        return batches, first_state
+    finally:
+        data.close()
+
+
+def test_a_checkpoint_without_a_sample_seed_base_keeps_seeding_worker_samples_per_rank() -> None:
+    per_rank, _ = _epoch_of_ordered_workers(None, global_scheme=False)
+    run_wide, saved = _epoch_of_ordered_workers(None, global_scheme=True)
+    assert isinstance(saved[0]["sample_seed_base"], int)
+    assert not torch.equal(torch.cat([x for x, _ in per_rank]), torch.cat([x for x, _ in run_wide]))
+    resumed, _ = _epoch_of_ordered_workers(saved, global_scheme=True)
+    before_the_base = dict(saved[0])  # as a checkpoint of the previous release
+    del before_the_base["sample_seed_base"]
+    resumed_old, _ = _epoch_of_ordered_workers((before_the_base, saved[1]), global_scheme=True)
+    for expected, got in ((run_wide[1:], resumed), (per_rank[1:], resumed_old)):
+        assert len(got) == len(expected)
+        for (x1, y1), (x2, y2) in zip(expected, got):
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 @pytest.mark.exhaustive  # the message is tested in-process above; this is the same refusal under torchrun

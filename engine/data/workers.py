@@ -16,7 +16,10 @@ For a training ``DataLoader`` with ``num_workers > 0`` the engine iterates a pri
   epoch, index)``; the worker seeds Python ``random``, torch's CPU generator and NumPy's global
   generator from (epoch seed, position) right before ``dataset[index]``. What a sample draws
   then depends only on the run's random state at the epoch start, the epoch and its position:
-  not on the worker, the number of workers, ``persistent_workers`` or a resume.
+  not on the worker, the number of workers, ``persistent_workers`` or a resume. When the engine orders
+  the data the global way, the position is the one in the epoch's whole permutation and the
+  epoch seed comes from a base fixed once per run (:class:`engine.data.position.EpochData`), so
+  the draws do not depend on the rank or the world size either.
 
 The validation data goes through a :class:`PreemptionSafeLoader` (both additions, its samples
 seeded per validation pass); a user's own loader can too, through ``engine.preemption_safe``

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchrun_helpers as helpers
@@ -239,6 +239,45 @@ def test_augmentation_drawn_in_workers_is_the_uninterrupted_runs_after_a_resume_
     epochs = [{k: v for step in range(6 * epoch + 1, 6 * epoch + 7) for k, v in expected[step].items()}
               for epoch in (0, 1)]
     assert not torch.equal(_noise_in_id_order(epochs[0]), _noise_in_id_order(epochs[1]))
+
+
+class _Noise(Dataset):
+    """Each sample's id and a noise value drawn when it is loaded."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, torch.rand(())
+
+
+def _noise_by_sample(world_size: int, epoch: int) -> dict[int, float]:
+    """{sample id: the noise it drew in a worker} over the epoch, each rank of ``world_size``
+    reading its engine-ordered loader with 2 workers, from its own random state; the base is
+    the one value the ranks share (a stand-in for the broadcast of rank 0's)."""
+    noise: dict[int, float] = {}
+    for rank in range(world_size):
+        context = DistributedContext(rank, world_size, rank, torch.device("cpu"), writer_group=None, attempt=0)
+        torch.manual_seed(1000 + rank)
+        plain = DataLoader(_Noise(), batch_size=8 // world_size, shuffle=True, num_workers=2)
+        data = EpochData(shard_loader(plain, context) if world_size > 1 else _ordered_alone(plain),
+                         seed_of_rank_zero=lambda seed: 12345)
+        try:
+            for ids, drawn in data.open_epoch(epoch):
+                noise.update(zip(ids.tolist(), drawn.tolist()))
+        finally:
+            data.close()
+    return noise
+
+
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_a_sample_draws_the_same_in_a_worker_on_every_world_size(epoch: int) -> None:
+    alone = _noise_by_sample(1, epoch)
+    assert sorted(alone) == list(range(SAMPLES)) and len(set(alone.values())) == SAMPLES
+    for world_size in (2, 4):
+        spread = _noise_by_sample(world_size, epoch)
+        assert sorted(spread) == sorted(alone)
+        assert torch.equal(_noise_in_id_order(spread), _noise_in_id_order(alone)), world_size
 
 
 def _epoch_of_ordered_workers(saved: tuple | None, global_scheme: bool) -> tuple[list, tuple]:

@@ -163,7 +163,7 @@ class EpochData:
         self._worker_signals = tuple(worker_signals)
         self._seed_of_rank_zero = seed_of_rank_zero or (lambda seed: seed)
         self._sample_seed_base: int | None = None
-        self._restored = False
+        self._per_rank_seeds = False  # resumed from a checkpoint written before the base existed
         self._workers: WorkerLoader | None = None
         if has_workers(loader):
             self._workers = WorkerLoader(loader, self._worker_signals, self._stateful)  # type: ignore[arg-type]
@@ -214,8 +214,8 @@ class EpochData:
         sampler = self._workers.sampler
         seed = epoch_seed(epoch, [self._epoch_start_rng.torch_cpu, *self._epoch_start_generators])
         place = _place_in_global_order(self.source)
-        if place is not None and self._sample_seed_base is None and not self._restored:
-            # Fresh run: fixed once, so it is the same on every rank and after any resume.
+        if place is not None and self._sample_seed_base is None and not self._per_rank_seeds:
+            # Fixed once per run (at its first epoch), so the same on every rank and after any resume.
             self._sample_seed_base = self._seed_of_rank_zero(seed >> 1)  # an int64 travels
         if place is not None and self._sample_seed_base is not None:
             seed = run_epoch_seed(self._sample_seed_base, epoch)
@@ -304,7 +304,7 @@ class EpochData:
             "epoch_start_rng": None if self._epoch_start_rng is None else self._epoch_start_rng.to_state(),
             "loader_state": self.loader.state_dict() if self._stateful else None,
             "stream_state": self._stream.state_dict() if self._stream_carries_over else None,  # type: ignore[union-attr]
-            # None: worker samples seeded per rank (no base, or a run begun before the base).
+            # Absent (older checkpoints): worker samples stay seeded per rank for the whole run.
             "sample_seed_base": self._sample_seed_base,
         }
         return state
@@ -323,8 +323,8 @@ class EpochData:
         rng = state["epoch_start_rng"]
         self._epoch_start_rng = None if rng is None else RngSnapshot.from_state(rng)
         self._loader_state = state["loader_state"]
+        self._per_rank_seeds = "sample_seed_base" not in state
         self._sample_seed_base = state.get("sample_seed_base")
-        self._restored = True
         if self.batches_consumed > 0 or self._loader_state is None:
             return
         if self._stream is None:

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from engine.data.hf_streams import repair_state_loading
 from engine.data.streams import data_name, drop_batches, has_state, over_stream_with_state, with_saved_position
-from engine.data.workers import WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, shut_down_workers
+from engine.data.workers import (WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, run_epoch_seed,
+                                 shut_down_workers)
 from engine.errors import DataError
 from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
 
@@ -129,9 +130,17 @@ class EpochData:
 
     ``worker_signals`` are the preemption signals: DataLoader worker processes ignore them, so
     that only the main process reacts (it finishes the split and commits).
+
+    ``seed_of_rank_zero`` gives rank 0's value of an int on every rank (a collective in a
+    torchrun job). A loader ordered the global way (engine.distributed.global_order) with
+    workers seeds its samples from a base fixed once per run (rank 0's first epoch seed, through
+    it) and their position in the epoch's whole permutation, so what a sample draws in a worker
+    does not depend on the rank or the world size. A run resumed from a checkpoint without a
+    base keeps the earlier per-rank scheme (its epoch seed, its position in the rank's shard).
     """
 
-    def __init__(self, loader: Iterable[Any], worker_signals: Sequence[int] = ()) -> None:
+    def __init__(self, loader: Iterable[Any], worker_signals: Sequence[int] = (),
+                 seed_of_rank_zero: Callable[[int], int] | None = None) -> None:
         if not hasattr(loader, "__iter__"):
             raise DataError(f"the training data must be iterable (a DataLoader or any iterable), got {type(loader).__name__}")
         self.source: Any = loader  # as given (self.loader may be a private copy that runs workers)
@@ -152,6 +161,9 @@ class EpochData:
         self._generators = _generators_of(loader)
         self._epoch_samplers = _samplers_with_epoch(loader)
         self._worker_signals = tuple(worker_signals)
+        self._seed_of_rank_zero = seed_of_rank_zero or (lambda seed: seed)
+        self._sample_seed_base: int | None = None
+        self._per_rank_seeds = False  # resumed from a checkpoint written before the base existed
         self._workers: WorkerLoader | None = None
         if has_workers(loader):
             self._workers = WorkerLoader(loader, self._worker_signals, self._stateful)  # type: ignore[arg-type]
@@ -169,7 +181,7 @@ class EpochData:
         """Read from ``loader`` instead, before any epoch opens (a resume on another world size
         re-partitions the data: engine.distributed.global_order)."""
         self.close()
-        EpochData.__init__(self, loader, self._worker_signals)
+        EpochData.__init__(self, loader, self._worker_signals, self._seed_of_rank_zero)
 
     def open_epoch(self, epoch: int) -> Iterator[Any]:
         """An iterator over the epoch's batches from the current position."""
@@ -200,7 +212,15 @@ class EpochData:
         if self._workers is None or self._workers.sampler is None or self._epoch_start_rng is None:
             return
         sampler = self._workers.sampler
-        sampler.seed = epoch_seed(epoch, [self._epoch_start_rng.torch_cpu, *self._epoch_start_generators])
+        seed = epoch_seed(epoch, [self._epoch_start_rng.torch_cpu, *self._epoch_start_generators])
+        place = _place_in_global_order(self.source)
+        if place is not None and self._sample_seed_base is None and not self._per_rank_seeds:
+            # Fixed once per run (at its first epoch), so the same on every rank and after any resume.
+            self._sample_seed_base = self._seed_of_rank_zero(seed >> 1)  # an int64 travels
+        if place is not None and self._sample_seed_base is not None:
+            seed = run_epoch_seed(self._sample_seed_base, epoch)
+            sampler.first, sampler.stride = place
+        sampler.seed = seed
         if self._workers.persistent and epoch > 0:
             torch_state = torch.get_rng_state()
             generator_states = [g.get_state() for g in self._generators]
@@ -284,6 +304,8 @@ class EpochData:
             "epoch_start_rng": None if self._epoch_start_rng is None else self._epoch_start_rng.to_state(),
             "loader_state": self.loader.state_dict() if self._stateful else None,
             "stream_state": self._stream.state_dict() if self._stream_carries_over else None,  # type: ignore[union-attr]
+            # Absent (older checkpoints): worker samples stay seeded per rank for the whole run.
+            "sample_seed_base": self._sample_seed_base,
         }
         return state
 
@@ -301,12 +323,24 @@ class EpochData:
         rng = state["epoch_start_rng"]
         self._epoch_start_rng = None if rng is None else RngSnapshot.from_state(rng)
         self._loader_state = state["loader_state"]
+        self._per_rank_seeds = "sample_seed_base" not in state
+        self._sample_seed_base = state.get("sample_seed_base")
         if self.batches_consumed > 0 or self._loader_state is None:
             return
         if self._stream is None:
             self.loader.load_state_dict(self._loader_state)
         elif self._stream_carries_over:
             self._stream.load_state_dict(state["stream_state"])
+
+
+def _place_in_global_order(loader: Any) -> tuple[int, int] | None:
+    """(rank, world size) when the engine orders ``loader`` the global way (its sampler, a
+    GlobalOrderSampler, says so; duck-typed: engine.data does not import engine.distributed):
+    the rank's k-th sample is at position ``rank + k * world size`` of the epoch's permutation."""
+    sampler = getattr(loader, "sampler", None)
+    if not getattr(sampler, "orders_globally", False):
+        return None
+    return int(sampler.rank), int(sampler.num_replicas)  # type: ignore[union-attr]
 
 
 def _length_or_none(loader: Any) -> int | None:

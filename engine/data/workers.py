@@ -16,7 +16,10 @@ For a training ``DataLoader`` with ``num_workers > 0`` the engine iterates a pri
   epoch, index)``; the worker seeds Python ``random``, torch's CPU generator and NumPy's global
   generator from (epoch seed, position) right before ``dataset[index]``. What a sample draws
   then depends only on the run's random state at the epoch start, the epoch and its position:
-  not on the worker, the number of workers, ``persistent_workers`` or a resume.
+  not on the worker, the number of workers, ``persistent_workers`` or a resume. When the engine orders
+  the data the global way, the position is the one in the epoch's whole permutation and the
+  epoch seed comes from a base fixed once per run (:class:`engine.data.position.EpochData`), so
+  the draws do not depend on the rank or the world size either.
 
 The validation data goes through a :class:`PreemptionSafeLoader` (both additions, its samples
 seeded per validation pass); a user's own loader can too, through ``engine.preemption_safe``
@@ -64,6 +67,13 @@ def epoch_seed(epoch: int, epoch_start_states: Sequence[torch.Tensor]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
+def run_epoch_seed(base: int, epoch: int) -> int:
+    """A 64-bit seed for one epoch's samples from the run's fixed ``base`` alone: the same on
+    every rank and every world size."""
+    digest = hashlib.blake2b(struct.pack("<QQ", base, epoch), digest_size=8, person=b"run-epoch")
+    return int.from_bytes(digest.digest(), "little")
+
+
 def seed_sample(epoch_seed_value: int, position: int) -> None:
     """Seed this process's global random streams for the sample at ``position`` of the epoch."""
     digest = hashlib.blake2b(struct.pack("<QQ", epoch_seed_value, position), digest_size=8).digest()
@@ -102,7 +112,9 @@ class SampleSeededDataset:
 
 class SampleKeySampler:
     """Wraps the loader's (batch) sampler: yields each index as a :data:`SampleKey` of the
-    current epoch. ``seed`` is set by the engine before each epoch's ``iter``.
+    current epoch. ``seed`` is set by the engine before each epoch's ``iter``; so are ``first``
+    and ``stride``, which map the k-th index this sampler yields to its position ``first + k *
+    stride`` (a rank of a run ordered the global way counts positions in the whole permutation).
 
     ``rewind`` (set per epoch, used once) puts the random streams back before the sampler
     draws. A DataLoader draws its workers' base seed when it starts workers; with
@@ -114,6 +126,7 @@ class SampleKeySampler:
         self.inner = inner
         self.batched = batched
         self.seed = 0
+        self.first, self.stride = 0, 1
         self.rewind: Callable[[], None] | None = None
 
     def __len__(self) -> int:
@@ -124,15 +137,15 @@ class SampleKeySampler:
         rewind, self.rewind = self.rewind, None
         if rewind is not None:
             rewind()
-        seed, position = self.seed, 0
+        seed, first, stride, position = self.seed, self.first, self.stride, 0
         if self.batched:
             for batch in self.inner:
-                keys = [(seed, position + offset, index) for offset, index in enumerate(batch)]
+                keys = [(seed, first + (position + offset) * stride, index) for offset, index in enumerate(batch)]
                 position += len(keys)
                 yield keys
         else:
             for index in self.inner:
-                yield (seed, position, index)
+                yield (seed, first + position * stride, index)
                 position += 1
 
 

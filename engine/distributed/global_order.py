@@ -40,6 +40,8 @@ class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
     """The engine's sampler: a ``DistributedSampler`` (same permutation, same split of it
     between ranks) that can be re-partitioned for another world size (:meth:`regroup`)."""
 
+    orders_globally = True  # engine.data.position seeds worker samples by their global position
+
     def regroup(self, world_size: int, rank: int) -> None:
         """Take rank ``rank``'s part of the same global order split ``world_size`` ways."""
         epoch = self.epoch

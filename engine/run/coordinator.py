@@ -40,6 +40,9 @@ class Coordinator(Protocol):
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         """The training data this process reads."""
 
+    def seed_of_rank_zero(self, seed: int) -> int:
+        """Rank 0's ``seed`` (an int64) on every rank; this process's own alone."""
+
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         """The losses a split reports: this process's, or their mean over the ranks; and every
         rank's values logged with ``sync=True`` (``synced``), in rank order (none alone)."""
@@ -77,6 +80,9 @@ class SingleProcess:
                               "or set elastic=False (docs/distributed.md)")
         return ordered
 
+    def seed_of_rank_zero(self, seed: int) -> int:
+        return seed
+
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         return losses, []
 
@@ -107,6 +113,9 @@ class Group:
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return distributed.shard_loader(data, self._context) if distributed_sampler else data
+
+    def seed_of_rank_zero(self, seed: int) -> int:
+        return distributed.RankExchange(self._context).seed_of_rank_zero(seed)
 
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
         return distributed.mean_losses(self._context, losses, synced)

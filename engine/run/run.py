@@ -79,7 +79,8 @@ class FitRun:
         bind_run(original_module(module), self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
-        self.data = EpochData(self.coordinator.shard(train_data, config.distributed_sampler), config.preemption_signals)
+        self.data = EpochData(self.coordinator.shard(train_data, config.distributed_sampler), config.preemption_signals,
+                              self.coordinator.seed_of_rank_zero)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.device,
                                           self.logger, val_data, self.coordinator.context)

@@ -17,7 +17,10 @@ group changes size).
 ``--tbptt``: a small RNN trained with TBPTT on sequences of ``TIME`` steps cut into splits of
 ``SPLIT`` (so several optimizer steps per batch, each split one step; a checkpoint after every
 split, most of them inside a batch). ``--elastic``: ``TrainerConfig(elastic=True)`` (a single
-process that orders its data the global way). ``--no-distributed-sampler``:
+process that orders its data the global way). ``--workers N``: the DataLoader loads in ``N``
+worker processes and each sample draws a noise value there (augmentation, added to its input);
+the step files then hold each sample's ``noise`` too, in the order of ``ids``.
+``--no-distributed-sampler``:
 ``TrainerConfig(distributed_sampler=False)``. ``--resume NAME``: ``fit(resume=NAME)``. Without
 torchrun the script runs as one plain process.
 
@@ -40,7 +43,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import engine
 
@@ -55,8 +58,10 @@ class Model(engine.Module):
         self.record = record
 
     def training_step(self, batch: Any) -> Any:
-        x, y, ids = batch
+        x, y, ids = batch[:3]
         self.record.ids = [int(i) for i in ids]
+        if len(batch) == 4:  # --workers: the noise each sample drew in its worker
+            self.record.noise = [float(value) for value in batch[3]]
         return torch.nn.functional.mse_loss(self.body(x), y)
 
     def configure_optimizers(self) -> Any:
@@ -69,10 +74,14 @@ class Record(engine.Callback):
     def __init__(self, path: pathlib.Path, kill_at: int | None, rank: int, pause_at: int | None = None) -> None:
         self.path, self.kill_at, self.rank, self.pause_at = path, kill_at, rank, pause_at
         self.ids: list[int] = []
+        self.noise: list[float] | None = None
 
     def on_split_end(self, view: engine.RunView) -> None:
         with self.path.open("a") as file:
-            file.write(json.dumps({"step": view.optimizer_steps, "ids": self.ids}) + "\n")
+            row: dict[str, Any] = {"step": view.optimizer_steps, "ids": self.ids}
+            if self.noise is not None:
+                row["noise"] = self.noise
+            file.write(json.dumps(row) + "\n")
         if self.rank == 0 and view.optimizer_steps == self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0 and view.optimizer_steps == self.pause_at:
@@ -103,13 +112,30 @@ class SequenceModel(engine.Module):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def loader(batch: int, tbptt: bool = False) -> DataLoader:
+class NoisyDataset(Dataset):
+    """Each sample's input plus noise drawn when it is loaded (in a worker process), and the noise."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        noise = torch.rand(())
+        return self.x[index] + noise, self.y[index], torch.tensor(index), noise
+
+
+def loader(batch: int, tbptt: bool = False, workers: int = 0) -> DataLoader:
     generator = torch.Generator().manual_seed(7)
     if tbptt:
         x = torch.randn(SAMPLES, TIME, FEATURES, generator=generator)
         ids = torch.arange(SAMPLES).unsqueeze(1).expand(SAMPLES, TIME).contiguous()
         return DataLoader(TensorDataset(x, x.sum(dim=2, keepdim=True).sin(), ids), batch_size=batch, shuffle=True)
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    if workers:
+        return DataLoader(NoisyDataset(x, x.sum(dim=1, keepdim=True).sin()), batch_size=batch, shuffle=True,
+                          num_workers=workers)
     return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin(), torch.arange(SAMPLES)), batch_size=batch,
                       shuffle=True)
 
@@ -124,6 +150,7 @@ def main() -> int:
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--pause-at-step", type=int, default=None)
     parser.add_argument("--tbptt", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--elastic", action="store_true")
     parser.add_argument("--no-distributed-sampler", action="store_true")
     parser.add_argument("--resume", default="auto")
@@ -141,7 +168,7 @@ def main() -> int:
                                   checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=2),
                                   elastic=args.elastic, distributed_sampler=not args.no_distributed_sampler)
     try:
-        engine.Trainer(config, [record]).fit(model, loader(args.batch, args.tbptt), resume=args.resume)
+        engine.Trainer(config, [record]).fit(model, loader(args.batch, args.tbptt, args.workers), resume=args.resume)
     except engine.CheckpointIncompatible as error:
         (out / f"error-{attempt}-{rank}.txt").write_text(f"{type(error).__name__}: {error}")
         return 2

@@ -12,15 +12,18 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchrun_helpers as helpers
 from engine.cli.commands import inspect_run
+from engine.data.position import EXHAUSTED, EpochData
+from engine.data.rng import capture_global_rng, restore_global_rng
 from engine.distributed import global_order
 from engine.distributed.environment import DistributedContext
 from engine.distributed.sampler import shard_loader
 from engine.errors import WorldSizeChangeRefused
+from worker_training import make_loader, seed_all
 
 SCRIPT = str(pathlib.Path(__file__).with_name("elastic_train.py"))
 SAMPLES = 48
@@ -193,6 +196,131 @@ def _assert_close_parameters(reference_path: pathlib.Path, final_path: pathlib.P
     for key, value in reference.items():
         scale = value.abs().max().clamp_min(1e-12)
         assert ((final[key] - value).abs().max() / scale).item() <= 1e-5, key
+
+
+def _noise_per_step(out: pathlib.Path) -> dict[int, dict[int, float]]:
+    """Each optimizer step's {sample id: noise it drew in its worker} over every rank, as trained
+    by the last attempt that trained the step (like helpers.samples_per_step)."""
+    by_step: dict[int, dict[int, dict[int, float]]] = {}
+    for path in out.glob("steps-*.jsonl"):
+        attempt = int(path.name.split("-")[1])
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], {}).setdefault(attempt, {}).update(zip(row["ids"], row["noise"]))
+    return {step: attempts[max(attempts)] for step, attempts in by_step.items()}
+
+
+def _noise_in_id_order(noise: dict[int, float]) -> torch.Tensor:
+    return torch.tensor([noise[sample] for sample in sorted(noise)], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def workers_reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    job = tmp_path_factory.mktemp("elastic") / "workers-reference"
+    process = _torchrun(2, job, 0, "--workers", "2")
+    assert process.returncode == 0, process.stderr[-4000:]
+    return job
+
+
+def test_augmentation_drawn_in_workers_is_the_uninterrupted_runs_after_a_resume_on_1_rank(
+        workers_reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    job = tmp_path / "workers"
+    killed = _torchrun(2, job, 0, "--workers", "2", "--kill-at-step", "3")  # inside epoch 0 (6 steps each)
+    assert killed.returncode == 1, killed.stderr[-4000:]
+    resumed = _torchrun(1, job, 1, "--workers", "2")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    expected = _noise_per_step(workers_reference / "out")
+    got = _noise_per_step(job / "out")
+    assert sorted(got) == sorted(expected) == list(range(1, 13))
+    for step in range(1, 13):  # from step 3 on (redone after the kill) the rest of epoch 0 and epoch 1 on 1 rank
+        assert sorted(got[step]) == sorted(expected[step]), step
+        assert torch.equal(_noise_in_id_order(got[step]), _noise_in_id_order(expected[step])), step
+    # The noise is drawn per sample and epoch (a sample's value in epoch 1 is not its epoch-0 one).
+    epochs = [{k: v for step in range(6 * epoch + 1, 6 * epoch + 7) for k, v in expected[step].items()}
+              for epoch in (0, 1)]
+    assert not torch.equal(_noise_in_id_order(epochs[0]), _noise_in_id_order(epochs[1]))
+
+
+class _Noise(Dataset):
+    """Each sample's id and a noise value drawn when it is loaded."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        return index, torch.rand(())
+
+
+def _noise_by_sample(world_size: int, epoch: int) -> dict[int, float]:
+    """{sample id: the noise it drew in a worker} over the epoch, each rank of ``world_size``
+    reading its engine-ordered loader with 2 workers, from its own random state; the base is
+    the one value the ranks share (a stand-in for the broadcast of rank 0's)."""
+    noise: dict[int, float] = {}
+    for rank in range(world_size):
+        context = DistributedContext(rank, world_size, rank, torch.device("cpu"), writer_group=None, attempt=0)
+        torch.manual_seed(1000 + rank)
+        plain = DataLoader(_Noise(), batch_size=8 // world_size, shuffle=True, num_workers=2)
+        data = EpochData(shard_loader(plain, context) if world_size > 1 else _ordered_alone(plain),
+                         seed_of_rank_zero=lambda seed: 12345)
+        try:
+            for ids, drawn in data.open_epoch(epoch):
+                noise.update(zip(ids.tolist(), drawn.tolist()))
+        finally:
+            data.close()
+    return noise
+
+
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_a_sample_draws_the_same_in_a_worker_on_every_world_size(epoch: int) -> None:
+    alone = _noise_by_sample(1, epoch)
+    assert sorted(alone) == list(range(SAMPLES)) and len(set(alone.values())) == SAMPLES
+    for world_size in (2, 4):
+        spread = _noise_by_sample(world_size, epoch)
+        assert sorted(spread) == sorted(alone)
+        assert torch.equal(_noise_in_id_order(spread), _noise_in_id_order(alone)), world_size
+
+
+def _epoch_of_ordered_workers(saved: tuple | None, global_scheme: bool) -> tuple[list, tuple]:
+    """The batches of epochs 0 and 1 (from ``saved``'s position, else from the start) of a loader
+    with 2 augmenting workers ordered the global way; with ``global_scheme=False`` its sampler
+    does not say so (the per-rank scheme). Also what a checkpoint after epoch 0's first batch
+    holds: the data position's state and the global random streams (the run restores both)."""
+    seed_all(0)
+    loader = _ordered_alone(make_loader(workers=2))
+    if not global_scheme:
+        loader.sampler.orders_globally = False
+    data = EpochData(loader)
+    try:
+        if saved is not None:
+            data.load_state_dict(saved[0])
+            restore_global_rng(saved[1])
+        batches: list = []
+        first_state: tuple = ()
+        for epoch in (0, 1):
+            iterator = data.open_epoch(epoch)
+            while (batch := data.next_batch(iterator)) is not EXHAUSTED:
+                data.batch_done()
+                batches.append(batch)
+                first_state = first_state or (data.state_dict(), capture_global_rng())
+            data.epoch_done()
+        return batches, first_state
+    finally:
+        data.close()
+
+
+def test_a_checkpoint_without_a_sample_seed_base_keeps_seeding_worker_samples_per_rank() -> None:
+    per_rank, _ = _epoch_of_ordered_workers(None, global_scheme=False)
+    run_wide, saved = _epoch_of_ordered_workers(None, global_scheme=True)
+    assert isinstance(saved[0]["sample_seed_base"], int)
+    assert not torch.equal(torch.cat([x for x, _ in per_rank]), torch.cat([x for x, _ in run_wide]))
+    resumed, _ = _epoch_of_ordered_workers(saved, global_scheme=True)
+    before_the_base = dict(saved[0])  # as a checkpoint of the previous release
+    del before_the_base["sample_seed_base"]
+    resumed_old, _ = _epoch_of_ordered_workers((before_the_base, saved[1]), global_scheme=True)
+    for expected, got in ((run_wide[1:], resumed), (per_rank[1:], resumed_old)):
+        assert len(got) == len(expected)
+        for (x1, y1), (x2, y2) in zip(expected, got):
+            assert torch.equal(x1, x2) and torch.equal(y1, y2)
 
 
 @pytest.mark.exhaustive  # the message is tested in-process above; this is the same refusal under torchrun

@@ -342,13 +342,18 @@ class WriterLease:
 _LOCK_DESCRIPTORS: set[int] = set()
 
 
-def _close_inherited_locks() -> None:
-    for descriptor in list(_LOCK_DESCRIPTORS):
-        try:
-            os.close(descriptor)
-        except OSError:
-            pass
-    _LOCK_DESCRIPTORS.clear()
+def close_in_forked_children(descriptors: set[int]) -> None:
+    """Have every forked child close the descriptors ``descriptors`` holds at the fork (a set
+    its owner keeps up to date), so that none outlives its owner's intent in a child."""
+    def close_all() -> None:
+        for descriptor in list(descriptors):
+            try:
+                os.close(descriptor)
+            except OSError:
+                pass
+        descriptors.clear()
+
+    os.register_at_fork(after_in_child=close_all)
 
 
-os.register_at_fork(after_in_child=_close_inherited_locks)
+close_in_forked_children(_LOCK_DESCRIPTORS)

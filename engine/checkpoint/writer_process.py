@@ -43,7 +43,7 @@ from typing import Any
 
 from engine import faults
 from engine.checkpoint.codec import EncodedState
-from engine.checkpoint.lease import WriterLease
+from engine.checkpoint.lease import WriterLease, close_in_forked_children
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.snapshot_arena import SharedSnapshotBuffers, make_arena_directory, remove_arena_directory
@@ -455,13 +455,4 @@ class LaunchedWriter:
         self.process.wait()
 
 
-def _close_inherited_pipes() -> None:
-    for descriptor in list(_PIPE_DESCRIPTORS):
-        try:
-            os.close(descriptor)
-        except OSError:
-            pass
-    _PIPE_DESCRIPTORS.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_pipes)
+close_in_forked_children(_PIPE_DESCRIPTORS)

@@ -59,8 +59,11 @@ def test_a_saved_buffer_yields_what_datasets_own_shuffle_yields(place, shards, m
     assert own[0] != sorted(own[0]) and own[0] != own[1]  # shuffled, and otherwise in the next epoch
 
 
-@pytest.mark.parametrize("epoch", [0, 1])
-@pytest.mark.parametrize("place", PLACES)
+# Each shuffle path and each epoch once by default (every combination with -m exhaustive).
+@pytest.mark.parametrize("place, epoch", [
+    ("after-map", 1), ("before-map", 0),
+    pytest.param("after-map", 0, marks=pytest.mark.exhaustive),
+    pytest.param("before-map", 1, marks=pytest.mark.exhaustive)])
 def test_a_shuffled_stream_resumed_at_any_example_continues_as_the_uninterrupted_one(place, epoch, shards):
     uninterrupted = ids(shuffled(shards, place, epoch))
     for stop in range(len(uninterrupted) + 1):

@@ -47,7 +47,8 @@ def batches_from(data: EpochData, iterator) -> list[list[int]]:
     return seen
 
 
-@pytest.mark.parametrize("persistent_workers", [False, True])
+# Persistent workers by default (the same repair; the other case is slower): both with -m exhaustive.
+@pytest.mark.parametrize("persistent_workers", [pytest.param(False, marks=pytest.mark.exhaustive), True])
 def test_a_worker_whose_pass_ended_stays_ended_after_a_resume(persistent_workers):
     def epoch_data() -> EpochData:
         return EpochData(DataLoader(UnevenStream(), batch_size=BATCH, num_workers=2,

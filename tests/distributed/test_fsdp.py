@@ -104,6 +104,7 @@ def test_sigkills_at_a_split_boundary_and_mid_commit_resume_exactly(reference_tw
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
+@pytest.mark.exhaustive  # test_reshard's default chain compares Adam's step and moments; the kill tests here compare final parameters
 def test_adam_step_and_moments_after_a_resume_equal_the_uninterrupted_runs(reference_two: pathlib.Path,
                                                                            tmp_path: pathlib.Path) -> None:
     # Killed right after the checkpoint of split 5 (2 optimizer steps taken, the window of the
@@ -150,6 +151,7 @@ def kill_one_rank_at_a_random_instant(reference: pathlib.Path, job_dir: pathlib.
     helpers.assert_same_result(reference, job_dir, ranks)
 
 
+@pytest.mark.exhaustive  # random-instant kills: DDP's in test_torchrun; FSDP's boundary and mid-commit kills run by default
 def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: pathlib.Path,
                                                                  tmp_path: pathlib.Path) -> None:
     kill_one_rank_at_a_random_instant(reference_two, tmp_path / "job", 2)

@@ -78,6 +78,7 @@ def test_sigterm_repeated_to_the_process_group_during_validation(tmp_path: pathl
     check_preemption(tmp_path, "validation", "group", signal.SIGTERM, times=3)
 
 
+@pytest.mark.exhaustive  # the sbatch recipe several-nodes-every-validation covers it by default
 def test_sigusr1_to_every_process_during_validation(tmp_path: pathlib.Path) -> None:
     # As SLURM's --signal=USR1 (no B:) or scancel --signal=USR1: torchrun gets it too.
     check_preemption(tmp_path, "validation", "every", signal.SIGUSR1, times=1)

@@ -85,6 +85,7 @@ def child_processes(pid: int) -> list[int]:
     return children
 
 
+@pytest.mark.exhaustive  # loader workers under a signal: run/test_preemption_validation; one rank's SIGTERM: test_torchrun
 @pytest.mark.skipif(not pathlib.Path("/proc/self/task").exists(), reason="needs Linux /proc to find DataLoader workers")
 def test_sigterm_to_one_rank_and_its_loader_workers_while_it_validates(reference: pathlib.Path,
                                                                        tmp_path: pathlib.Path) -> None:

@@ -105,7 +105,9 @@ def check_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: 
 
 
 # "launcher" in launch_helpers.send signals the process started: here the batch shell.
-@pytest.mark.parametrize("name, target, phase", [("single-process", "group", "validation"),
+# The single process's group signal during validation is also run/test_preemption_validation's.
+@pytest.mark.parametrize("name, target, phase", [pytest.param("single-process", "group", "validation",
+                                                              marks=pytest.mark.exhaustive),
                                                  ("torchrun", "launcher", "training"),
                                                  ("several-nodes", "every", "validation")])
 def test_the_documented_sbatch_script_requeues_after_one_commit(tmp_path: pathlib.Path, name: str, target: str,

@@ -80,6 +80,7 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
+@pytest.mark.exhaustive  # 2- and 4-rank kills run by default (here and in test_elastic); the CI time
 def test_three_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path) -> None:
     # 12 splits per rank and epoch, a step every 5: the epoch ends with a window open, whose
     # unsynced gradients must be averaged before its step (the digest check would refuse the

@@ -148,6 +148,7 @@ WRITER_PROCESS_KILLS = [
 ]
 
 
+@pytest.mark.exhaustive  # tests/checkpoint/test_writer_process.py kills the trainer and the writer by default
 @pytest.mark.parametrize("name, fault, epochs", WRITER_PROCESS_KILLS)
 def test_kill_with_a_writer_process(name, fault, epochs, tmp_path, references):
     run_dir = str(tmp_path / "run")

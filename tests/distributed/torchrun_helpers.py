@@ -103,15 +103,23 @@ def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: in
     return process, run_dir, out_dir
 
 
+HIDDEN_KEYS = {"hidden.h", "hidden.c"}  # dist_train.py / fsdp_train.py: a process that trained has them
+
+
 def final_state(out_dir: pathlib.Path, rank: int) -> dict[str, torch.Tensor]:
     return torch.load(out_dir / f"final-{rank}.pt", weights_only=True)
 
 
 def assert_same_result(reference: pathlib.Path, other: pathlib.Path, ranks: int) -> None:
-    """Every rank's parameters, RNG and carried hidden state, and metrics.jsonl, bit for bit."""
+    """Every rank's parameters, RNG and carried hidden state, and metrics.jsonl, bit for bit. The
+    hidden state is compared when ``other``'s last attempt trained: one killed right after the
+    run's last commit is restarted, finds the run finished and trains nothing (no hidden state)."""
     for rank in range(ranks):
         expected, got = final_state(reference / "out", rank), final_state(other / "out", rank)
-        assert set(expected) == set(got)
+        if set(expected) - set(got) == HIDDEN_KEYS:
+            expected = {key: value for key, value in expected.items() if key not in HIDDEN_KEYS}
+        assert set(expected) == set(got), (f"rank {rank}: only in the reference {sorted(set(expected) - set(got))}, "
+                                           f"only in this run {sorted(set(got) - set(expected))}")
         for key in expected:
             assert torch.equal(expected[key], got[key]), f"rank {rank}: {key} differs"
     assert (reference / "run" / "metrics.jsonl").read_bytes() == (other / "run" / "metrics.jsonl").read_bytes()

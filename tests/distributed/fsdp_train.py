@@ -187,9 +187,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    # Leave without the interpreter's teardown: torch's gloo threads torn down there abort a
-    # finished rank now and then ("terminate called without an active exception", SIGABRT).
+    # A finished rank leaves without the interpreter's teardown: torch's gloo threads torn down
+    # there abort it now and then ("terminate called without an active exception", SIGABRT). Any
+    # other status (75: preempted) exits as usual, at the pace torchrun's own shutdown expects.
     status = main()
+    if status:
+        sys.exit(status)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status or 0)
+    os._exit(0)

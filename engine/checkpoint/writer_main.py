@@ -24,10 +24,8 @@ import threading
 import traceback
 from typing import Any
 
-import torch
-
 from engine import faults
-from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
@@ -241,7 +239,6 @@ def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[
 
 def main(argv: list[str]) -> int:
     """``argv``: the descriptor of the events pipe (engine.checkpoint.writer_process)."""
-    torch.set_num_threads(1)  # the writer copies no tensors; leave the cores to training
     faults.arm_from_environment()  # the fault points of the commit path (tests, engine.testing)
     events = Events(int(argv[0]))
     input_descriptor, reader = sys.stdin.fileno(), FrameReader()

@@ -9,6 +9,10 @@ process's lease, whose lock descriptor it inherited. With ``when_behind="skip"``
 not yet taken up is replaced by a newer one ("latest wins"), unless it must be kept (a forced
 one, or one that records a monitored value).
 
+It imports neither torch nor NumPy (tests/checkpoint/test_torch_free_writer.py): a slot's bytes
+are one ``memoryview`` written as they are, and the process starts in a fraction of a second
+of CPU instead of torch's import, which a short run would wait for at its end.
+
 It ends when the training process says ``close`` (after committing every snapshot received),
 or when the training process is gone (stdin at EOF, or a new parent): then it commits the
 newest complete snapshot it received, releases the lease and exits.

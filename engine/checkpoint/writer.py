@@ -6,6 +6,10 @@ before the commit point, and before retention: a writer that lost the lease appe
 commits nothing and deletes nothing. The background writer copies the
 tensors into reusable buffers on the training thread (the only blocking part), then writes,
 checksums and commits them in its own thread.
+
+This module imports no torch: the writer process (engine.checkpoint.writer_main) commits through
+:class:`SyncWriter` without it. :class:`SnapshotBuffers`, on the training side, imports torch
+where it uses it.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 from engine.checkpoint.commit import CheckpointFiles, CommitRequest, Committer, SingleCommitter
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
-from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.retention import Retention
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter

@@ -398,8 +398,8 @@ class ProcessWriter:
 
 class LaunchedWriter:
     """A writer process started early (once the lease is taken: its start overlaps the run's
-    own start), waiting for its configuration on stdin. It inherits
-    the lease's lock descriptor and the write end of its events pipe; nothing else."""
+    own start), waiting for its configuration on stdin. It inherits the lease's lock
+    descriptor and the write end of its events pipe; nothing else."""
 
     def __init__(self, lease: WriterLease, inherit_faults: bool = True) -> None:
         descriptor = lease.handover()["lock_descriptor"]

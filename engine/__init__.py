@@ -17,6 +17,7 @@ Public API (see docs/quickstart.md)::
 # one engine module (the writer process, engine.checkpoint.writer_main, runs without torch),
 # does not import the whole engine and torch with it.
 import importlib as _importlib
+import importlib.util as _importlib_util
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
@@ -105,11 +106,16 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 if not _typing.TYPE_CHECKING:  # hidden from mypy, which then still reports a misspelt name
 
     def __getattr__(name: str) -> object:
-        """Import a public name's module the first time the name is used (PEP 562)."""
+        """Import a public name's module the first time the name is used (PEP 562); a
+        subpackage (``engine.loggers``, ``engine.faults``, ...) is imported on first use too,
+        as ``import engine`` used to import them all."""
         module = _MODULE_OF.get(name)
-        if module is None:
+        if module is not None:
+            value = getattr(_importlib.import_module(module), name)
+        elif not name.startswith("__") and _importlib_util.find_spec(f"engine.{name}") is not None:
+            value = _importlib.import_module(f"engine.{name}")
+        else:
             raise AttributeError(f"module 'engine' has no attribute {name!r}")
-        value = getattr(_importlib.import_module(module), name)
         globals()[name] = value  # later uses are plain attribute lookups
         return value
 

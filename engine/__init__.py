@@ -13,33 +13,41 @@ Public API (see docs/quickstart.md)::
             WriterConflict, ReplicaDivergence, InjectedFault, AnomalyError
 """
 
-from engine.callbacks import Callback, RunView
-from engine.config import CheckpointConfig, Rollback, TrainerConfig
-from engine.callbacks.early_stopping import EarlyStopping
-from engine.errors import (
-    AnomalyError,
-    CheckpointCorrupt,
-    CheckpointError,
-    CheckpointIncompatible,
-    CheckpointNotFound,
-    CheckpointWriteError,
-    ConfigError,
-    DataError,
-    EngineError,
-    InjectedFault,
-    ModuleContractError,
-    SplitError,
-    WriterConflict,
-    ReplicaDivergence,
-)
-from engine.checkpoint.fingerprint import fingerprint
-from engine.module import Module
-from engine.loops.optim_setup import LRSchedule
-from engine.result import FitResult
-from engine.data.splitting import split_along_time
-from engine.run.preemption import preemption_safe
-from engine.trainer import Trainer
-from engine.weights import export_weights, load_weights
+# Names are imported on first use (PEP 562): ``import engine`` alone, or a process that needs
+# one engine module (the writer process, engine.checkpoint.writer_main, runs without torch),
+# does not import the whole engine and torch with it.
+import importlib as _importlib
+import importlib.util as _importlib_util
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from engine.callbacks import Callback, RunView
+    from engine.config import CheckpointConfig, Rollback, TrainerConfig
+    from engine.callbacks.early_stopping import EarlyStopping
+    from engine.errors import (
+        AnomalyError,
+        CheckpointCorrupt,
+        CheckpointError,
+        CheckpointIncompatible,
+        CheckpointNotFound,
+        CheckpointWriteError,
+        ConfigError,
+        DataError,
+        EngineError,
+        InjectedFault,
+        ModuleContractError,
+        SplitError,
+        WriterConflict,
+        ReplicaDivergence,
+    )
+    from engine.checkpoint.fingerprint import fingerprint
+    from engine.module import Module
+    from engine.loops.optim_setup import LRSchedule
+    from engine.result import FitResult
+    from engine.data.splitting import split_along_time
+    from engine.run.preemption import preemption_safe
+    from engine.trainer import Trainer
+    from engine.weights import export_weights, load_weights
 
 __all__ = [
     "AnomalyError",
@@ -72,3 +80,44 @@ __all__ = [
     "preemption_safe",
     "split_along_time",
 ]
+
+
+# module -> the names it gives (the same as the TYPE_CHECKING imports above; a test compares them)
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "engine.callbacks": ("Callback", "RunView"),
+    "engine.config": ("CheckpointConfig", "Rollback", "TrainerConfig"),
+    "engine.callbacks.early_stopping": ("EarlyStopping",),
+    "engine.errors": (
+        "AnomalyError", "CheckpointCorrupt", "CheckpointError", "CheckpointIncompatible", "CheckpointNotFound",
+        "CheckpointWriteError", "ConfigError", "DataError", "EngineError", "InjectedFault", "ModuleContractError",
+        "SplitError", "WriterConflict", "ReplicaDivergence",
+    ),
+    "engine.checkpoint.fingerprint": ("fingerprint",),
+    "engine.module": ("Module",),
+    "engine.loops.optim_setup": ("LRSchedule",),
+    "engine.result": ("FitResult",),
+    "engine.data.splitting": ("split_along_time",),
+    "engine.run.preemption": ("preemption_safe",),
+    "engine.trainer": ("Trainer",),
+    "engine.weights": ("export_weights", "load_weights"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if not _typing.TYPE_CHECKING:  # hidden from mypy, which then still reports a misspelt name
+
+    def __getattr__(name: str) -> object:
+        """Import a public name's module the first time the name is used (PEP 562); a
+        subpackage (``engine.loggers``, ``engine.faults``, ...) is imported on first use too,
+        as ``import engine`` used to import them all."""
+        module = _MODULE_OF.get(name)
+        if module is not None:
+            value = getattr(_importlib.import_module(module), name)
+        elif not name.startswith("__") and _importlib_util.find_spec(f"engine.{name}") is not None:
+            value = _importlib.import_module(f"engine.{name}")
+        else:
+            raise AttributeError(f"module 'engine' has no attribute {name!r}")
+        globals()[name] = value  # later uses are plain attribute lookups
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(_MODULE_OF))

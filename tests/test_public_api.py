@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import __future__
 import ast
+import importlib
 import inspect
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -19,11 +22,29 @@ import progress
 PACKAGES = [engine, engine.lightning, engine.loggers, engine.testing, progress]
 
 
+def _is_type_checking_block(node: ast.stmt) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:`` (whatever ``typing`` is bound as)."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _top_level_statements(package: types.ModuleType) -> list[ast.stmt]:
+    """The statements of the package's ``__init__.py`` at top level, those of an ``if
+    TYPE_CHECKING:`` block included (a package that imports its names lazily lists them there)."""
+    tree = ast.parse(Path(package.__file__).read_text(encoding="utf-8"))
+    statements: list[ast.stmt] = []
+    for node in tree.body:
+        statements.extend(node.body if _is_type_checking_block(node) else [node])
+    return statements
+
+
 def _names_bound_in_source(package: types.ModuleType) -> set[str]:
     """Public names the package's ``__init__.py`` binds at top level (imports, defs, assignments)."""
-    tree = ast.parse(Path(package.__file__).read_text(encoding="utf-8"))
     names: set[str] = set()
-    for node in tree.body:
+    for node in _top_level_statements(package):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             if isinstance(node, ast.ImportFrom) and node.module == "__future__":
                 continue
@@ -59,8 +80,9 @@ def test_all_matches_the_public_names_bound_in_init(package):
 
 @pytest.mark.parametrize("package", PACKAGES, ids=lambda p: p.__name__)
 def test_every_public_non_module_attribute_is_in_all(package):
-    public = {name for name, value in vars(package).items()
-              if not name.startswith("_") and not isinstance(value, (types.ModuleType, __future__._Feature))}
+    # dir(), not vars(): engine binds its names on first use (PEP 562), its __dir__ lists them all.
+    public = {name for name in dir(package) if not name.startswith("_")
+              and not isinstance(getattr(package, name), (types.ModuleType, __future__._Feature))}
     assert public - set(package.__all__) == set()
     assert set(package.__all__) - public == set(), "__all__ lists modules or missing names"
 
@@ -70,6 +92,47 @@ def test_star_import_gives_exactly_all():
         namespace: dict[str, object] = {}
         exec(f"from {package.__name__} import *", namespace)
         assert {name for name in namespace if name != "__builtins__"} == set(package.__all__)
+
+
+def test_engines_lazy_names_come_from_the_modules_its_type_checking_block_imports():
+    imported = {}
+    for node in _top_level_statements(engine):
+        if isinstance(node, ast.ImportFrom):
+            imported.setdefault(node.module, set()).update(alias.name for alias in node.names)
+    assert imported == {module: set(names) for module, names in engine._EXPORTS.items()}
+    for module, names in imported.items():
+        for name in names:
+            assert getattr(engine, name) is getattr(importlib.import_module(module), name)
+
+
+def test_import_engine_imports_a_name_s_module_only_when_the_name_is_used():
+    # A process that needs one engine module (the checkpoint writer process) must not pay for
+    # the whole engine and torch: ``import engine`` binds nothing eagerly.
+    script = ("import sys, engine\n"
+              "loaded = [name for name in ('engine.trainer', 'torch') if name in sys.modules]\n"
+              "assert not loaded, loaded\n"
+              "trainer = engine.Trainer\n"
+              "assert 'engine.trainer' in sys.modules and trainer.__name__ == 'Trainer'\n")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+
+
+def test_import_engine_still_gives_the_engines_subpackages_on_use():
+    # As the eager __init__ gave them: ``import engine`` then ``engine.loggers.CSV(...)``.
+    script = ("import sys, engine\n"
+              "assert engine.loggers is sys.modules['engine.loggers'] and engine.faults is sys.modules['engine.faults']\n"
+              "from engine import run\n"
+              "assert run is sys.modules['engine.run']\n")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+
+
+def test_an_unknown_engine_name_raises_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        engine.NoSuchName  # noqa: B018
+    assert not hasattr(engine, "NoSuchName")
+    with pytest.raises(ImportError):
+        exec("from engine import NoSuchName", {})
 
 
 def test_engine_exports_the_documented_api():

@@ -15,7 +15,6 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Collection
 
-from engine.checkpoint.codec import decode_state
 from engine.checkpoint.lease import read_fences
 from engine.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, MonitorRecord, verify_file
 from engine.checkpoint.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, sequence_of
@@ -167,6 +166,9 @@ class CheckpointCatalogue:
         return loaded
 
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
+        # Imported here: the writer process commits through this module and has no torch.
+        from engine.checkpoint.codec import decode_state
+
         manifest, contents = self._read_verified(name)
         try:
             progress = decode_tree(bytes(contents["progress.msgpack"]))

@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 import torch
 
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.shards import TensorShard, is_dtensor, shard_from_plain, shard_of
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
 
@@ -61,37 +62,6 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("the checkpoint format stores tensors little-endian; this platform is big-endian")
-
-
-class EncodedState:
-    """A state tree split into its msgpack description and the tensors to write raw."""
-
-    def __init__(self, header: bytes, tensors: list[torch.Tensor], layout: list[tuple[int, int]],
-                 flat: torch.Tensor | None = None) -> None:
-        self.header = header
-        self.tensors = tensors
-        self.layout = layout  # (offset, nbytes) per tensor
-        # A CPU uint8 tensor holding tensors.bin whole (padding included), of which ``tensors``
-        # are views: a snapshot (engine.checkpoint.writer.SnapshotBuffers), one chunk to write.
-        self.flat = flat
-
-    @property
-    def tensor_bytes(self) -> int:
-        return self.layout[-1][0] + self.layout[-1][1] if self.layout else 0
-
-    def tensor_chunks(self) -> list[memoryview | bytes]:
-        """The content of tensors.bin, as buffers (no copy of tensor data)."""
-        if self.flat is not None:
-            return [tensor_bytes_view(self.flat)]
-        chunks: list[memoryview | bytes] = []
-        position = 0
-        for tensor, (offset, nbytes) in zip(self.tensors, self.layout):
-            if offset > position:
-                chunks.append(bytes(offset - position))
-            if nbytes:
-                chunks.append(memoryview(tensor_bytes_view(tensor if tensor.device.type == "cpu" else tensor.cpu())))
-            position = offset + nbytes
-        return chunks
 
 
 def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:

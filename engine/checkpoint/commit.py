@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
-from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.manifest import FileRecord, MonitorRecord
 from progress import Cursor
 

@@ -23,11 +23,14 @@ import fcntl
 import mmap
 import os
 import shutil
+import struct
 import tempfile
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.checkpoint.writer import SnapshotBuffers
+
+if TYPE_CHECKING:
+    import torch
 
 SHARED_MEMORY_ROOT = "/dev/shm"
 
@@ -44,6 +47,7 @@ def remove_arena_directory(directory: str) -> None:
 
 
 _GENERATION_BYTES = 64  # an int64, padded to the alignment of the tensors
+_GENERATION = struct.Struct("<q")
 
 
 def generation_offset(tensor_bytes: int) -> int:
@@ -59,14 +63,13 @@ class SlotFile:
         self.tensor_bytes = tensor_bytes
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         self._descriptor = os.open(path, flags, 0o600)
-        offset = generation_offset(tensor_bytes)
+        self._generation_offset = generation_offset(tensor_bytes)
         if create:
-            os.ftruncate(self._descriptor, offset + _GENERATION_BYTES)
-        self._mapping = mmap.mmap(self._descriptor, offset + _GENERATION_BYTES, mmap.MAP_SHARED,
+            os.ftruncate(self._descriptor, self._generation_offset + _GENERATION_BYTES)
+        self._mapping = mmap.mmap(self._descriptor, self._generation_offset + _GENERATION_BYTES, mmap.MAP_SHARED,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
-        whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        self.flat = whole[:tensor_bytes]
-        self._generation = whole[offset:offset + 8].view(torch.int64)
+        # The tensors' bytes as the writer process writes them (it has no torch to view them with).
+        self.flat = memoryview(self._mapping)[:tensor_bytes]
 
     def lock(self, wait: bool = True) -> bool:
         """Take the slot's lock; False when ``wait`` is off and the other process holds it."""
@@ -81,11 +84,11 @@ class SlotFile:
 
     @property
     def generation(self) -> int:
-        return int(self._generation.item())
+        return int(_GENERATION.unpack_from(self._mapping, self._generation_offset)[0])
 
     @generation.setter
     def generation(self, value: int) -> None:
-        self._generation.fill_(value)
+        _GENERATION.pack_into(self._mapping, self._generation_offset, value)
 
     def close(self) -> None:
         """Unmap once no tensor of this process uses the bytes any more (the caller's word)."""
@@ -119,6 +122,8 @@ class SharedSnapshotBuffers(SnapshotBuffers):
         self.file.unlock()
 
     def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:
+        import torch  # the training process's side: the writer process imports this module without torch
+
         total = layout[-1][0] + layout[-1][1] if layout else 0
         self._flat = None
         self._views = []
@@ -126,7 +131,8 @@ class SharedSnapshotBuffers(SnapshotBuffers):
         self._layouts += 1
         self.file = SlotFile(os.path.join(self._directory, f"slot-{self._index}-{self._layouts}"), total, create=True)
         self.file.lock()  # held until publish(), like the old file's (released with it)
-        flat = self.file.flat
+        # (torch.frombuffer refuses an empty buffer: a state without tensor bytes)
+        flat = torch.frombuffer(self.file.flat, dtype=torch.uint8) if total else torch.zeros(0, dtype=torch.uint8)
         self._views = [flat[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
                        for tensor, (offset, nbytes) in zip(tensors, layout)]
         self._flat = flat

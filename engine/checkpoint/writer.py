@@ -6,6 +6,10 @@ before the commit point, and before retention: a writer that lost the lease appe
 commits nothing and deletes nothing. The background writer copies the
 tensors into reusable buffers on the training thread (the only blocking part), then writes,
 checksums and commits them in its own thread.
+
+This module imports no torch: the writer process (engine.checkpoint.writer_main) commits through
+:class:`SyncWriter` without it. :class:`SnapshotBuffers`, on the training side, imports torch
+where it uses it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,11 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.commit import CheckpointFiles, CommitRequest, Committer, SingleCommitter
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.retention import Retention
-from engine.checkpoint.snapshot_buffer import BulkCopy, StructureKey, structure_key
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
 from engine.checkpoint.worker import BackgroundWorker
@@ -30,7 +31,10 @@ from engine.errors import CheckpointError, CheckpointWriteError
 from progress import Cursor
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.checkpoint.metrics_log import MetricsLog
+    from engine.checkpoint.snapshot_buffer import BulkCopy, StructureKey
 
 
 @dataclasses.dataclass
@@ -70,7 +74,7 @@ class SnapshotBuffers:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._key: StructureKey | None = None
-        self._copy = BulkCopy([], [])
+        self._copy: BulkCopy | None = None
         self._cuda_devices: set[torch.device] = set()
         self._copied: list[torch.cuda.Event] = []
 
@@ -81,9 +85,12 @@ class SnapshotBuffers:
 
     def capture(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]]) -> list[torch.Tensor]:
         """Copy ``tensors`` into the buffer at ``layout``'s (offset, nbytes); their views."""
+        # Imported here, as torch in _allocate: the writer process imports this module without torch.
+        from engine.checkpoint.snapshot_buffer import BulkCopy, structure_key
+
         # The layout follows from the dtypes and shapes (engine.checkpoint.codec.encode_state).
         key = structure_key(tensors)
-        if key != self._key:
+        if key != self._key or self._copy is None:
             from_cuda = key[2]
             self._allocate(tensors, layout, pinned=any(from_cuda))
             self._copy = BulkCopy(self._views, from_cuda)
@@ -94,6 +101,8 @@ class SnapshotBuffers:
         return list(self._views)
 
     def _allocate(self, tensors: list[torch.Tensor], layout: list[tuple[int, int]], pinned: bool) -> None:
+        import torch
+
         total = layout[-1][0] + layout[-1][1] if layout else 0
         self._flat = None  # the old buffer may be large: free it before allocating the new one
         flat = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
@@ -103,6 +112,8 @@ class SnapshotBuffers:
 
     @staticmethod
     def _record_event(device: torch.device) -> torch.cuda.Event:
+        import torch
+
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         return event

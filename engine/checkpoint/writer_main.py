@@ -9,6 +9,10 @@ process's lease, whose lock descriptor it inherited. With ``when_behind="skip"``
 not yet taken up is replaced by a newer one ("latest wins"), unless it must be kept (a forced
 one, or one that records a monitored value).
 
+It imports neither torch nor NumPy (tests/checkpoint/test_torch_free_writer.py): a slot's bytes
+are one ``memoryview`` written as they are, and the process starts in a fraction of a second
+of CPU instead of torch's import, which a short run would wait for at its end.
+
 It ends when the training process says ``close`` (after committing every snapshot received),
 or when the training process is gone (stdin at EOF, or a new parent): then it commits the
 newest complete snapshot it received, releases the lease and exits.
@@ -24,10 +28,8 @@ import threading
 import traceback
 from typing import Any
 
-import torch
-
 from engine import faults
-from engine.checkpoint.codec import EncodedState
+from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.lease import WriterLease
 from engine.checkpoint.manifest import MonitorRecord
 from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
@@ -241,7 +243,6 @@ def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[
 
 def main(argv: list[str]) -> int:
     """``argv``: the descriptor of the events pipe (engine.checkpoint.writer_process)."""
-    torch.set_num_threads(1)  # the writer copies no tensors; leave the cores to training
     faults.arm_from_environment()  # the fault points of the commit path (tests, engine.testing)
     events = Events(int(argv[0]))
     input_descriptor, reader = sys.stdin.fileno(), FrameReader()

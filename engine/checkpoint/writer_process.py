@@ -397,9 +397,9 @@ class ProcessWriter:
 
 
 class LaunchedWriter:
-    """A writer process started early (once the lease is taken: its start, mostly importing
-    torch, overlaps the run's own start), waiting for its configuration on stdin. It inherits
-    the lease's lock descriptor and the write end of its events pipe; nothing else."""
+    """A writer process started early (once the lease is taken: its start overlaps the run's
+    own start), waiting for its configuration on stdin. It inherits the lease's lock
+    descriptor and the write end of its events pipe; nothing else."""
 
     def __init__(self, lease: WriterLease, inherit_faults: bool = True) -> None:
         descriptor = lease.handover()["lock_descriptor"]

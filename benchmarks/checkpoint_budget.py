@@ -13,6 +13,10 @@ epoch, ``resume="off"``, model built outside the timing), four ways:
 * ``auto-async``: the same with ``asynchronous=True`` (``max_in_flight=1``,
   ``when_behind="wait"``): the budget counts the time a checkpoint blocks training plus the
   slowdown of the splits its background write overlaps.
+* ``auto-process``: the same with ``writer="process"``: the budget counts the training
+  process's time only (what a checkpoint blocks, and the slowdown of the splits while the
+  writer process holds a snapshot); the writer process's own CPU time (user and system,
+  ``RUSAGE_CHILDREN``, its start included) is printed beside it.
 
 The models, the data, the thread count and the round structure are those of
 ``checkpoint_overhead.py`` (imported from it): the ways run interleaved in rounds, the first way
@@ -74,10 +78,11 @@ from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, Sp
                                  finish_round, fresh_model, interleaved_rounds, make_batches,
                                  parse_arguments, same_parameters, scratch_directory)
 from engine.checkpoint.budget import OverheadBudget
+from checkpoint_overhead import children_cpu_seconds
 from engine.checkpoint.policy import RunCheckpointer
 
-WAYS = ("none", "last-only", "auto-sync", "auto-async")
-AUTO_WAYS = ("auto-sync", "auto-async")
+WAYS = ("none", "last-only", "auto-sync", "auto-async", "auto-process")
+AUTO_WAYS = ("auto-sync", "auto-async", "auto-process")
 MAX_OVERHEAD = 0.05
 
 
@@ -125,6 +130,8 @@ class RunResult:
     checkpoints: int
     intervals: list[int]
     model: LanguageModel | None
+    # CPU seconds (user and system) of the child processes the run waited for: its writer process.
+    writer_cpu_seconds: float = 0.0
 
 
 def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
@@ -133,7 +140,8 @@ def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
     if way == "last-only":
         return engine.CheckpointConfig(every_n_splits=None, keep_last=2, asynchronous=True)
     return engine.CheckpointConfig(every_n_splits="auto", max_overhead=MAX_OVERHEAD, keep_last=2,
-                                   asynchronous=way == "auto-async")
+                                   asynchronous=way in ("auto-async", "auto-process"),
+                                   writer="process" if way == "auto-process" else "thread")
 
 
 def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, log: CheckpointLog,
@@ -146,13 +154,15 @@ def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, log
     clock = SplitClock()
     os.sync()
     log.take()
-    started = time.perf_counter()
+    started, children_started = time.perf_counter(), children_cpu_seconds()
     result = engine.Trainer(config, callbacks=[clock]).fit(model, batches, resume="off")
     seconds = time.perf_counter() - started
+    writer_cpu_seconds = children_cpu_seconds() - children_started
     checkpoints, intervals = log.take()
     if run_dir is not None:
         shutil.rmtree(run_dir)
-    return RunResult(seconds, clock.per_split_seconds(), result.checkpoint_interval, checkpoints, intervals, model)
+    return RunResult(seconds, clock.per_split_seconds(), result.checkpoint_interval, checkpoints, intervals, model,
+                     writer_cpu_seconds)
 
 
 def run_rounds(workload: Workload, repeats: int, work: str, log: CheckpointLog) -> list[dict[str, RunResult]]:
@@ -201,6 +211,11 @@ def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[floa
           f"({checkpoints['auto-sync']} checkpoints per run), auto-async {median_interval(rounds, 'auto-async')} "
           f"splits ({checkpoints['auto-async']} checkpoints per run); intervals chosen in the last auto-async run: "
           + " ".join(str(interval) for interval in rounds[-1]["auto-async"].intervals))
+    writer_cpu = statistics.median(r["auto-process"].writer_cpu_seconds for r in rounds)
+    print(f"{label}: auto-process/none {median_ratio(rounds, 'auto-process'):.3f} (interval "
+          f"{median_interval(rounds, 'auto-process')} splits; wall time, as above); its writer "
+          f"process's CPU {writer_cpu * 1e3:.0f} ms per run, "
+          f"{writer_cpu * 1e3 / max(1, checkpoints['auto-process']):.1f} ms per checkpoint (its start included)")
     return median_ratio(rounds, "auto-async"), median_interval(rounds, "auto-async")
 
 

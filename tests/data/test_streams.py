@@ -65,12 +65,11 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     assert len(names) > 6
     epochs_done = [store.load(name).progress.records["fit.epochs"].total.completed for name in names]
     first_epoch_end = epochs_done.index(1)
-    # A few mid-epoch checkpoints spread over the run (each resume trains to the end), and the
-    # first epoch's last batch and its end.
-    # The first one too: one worker has not yielded yet (its position is the one before it iterated).
-    spread = names[0:-1:max(1, len(names) // 3)]
-    chosen = spread + names[first_epoch_end - 1:first_epoch_end + 1]
-    for name in sorted(set(chosen)):  # with the first epoch's last batch and its end
+    # Each resume trains to the end: the first checkpoint (one worker has not yielded yet: its
+    # position is the one before it iterated), the first epoch's last batch and its end, and one
+    # inside the second epoch.
+    chosen = [names[0], *names[first_epoch_end - 1:first_epoch_end + 1], names[(first_epoch_end + len(names)) // 2]]
+    for name in sorted(set(chosen)):
         resumed = tmp_path / name / "run"
         copy_run_until(str(reference), str(resumed), name)
         result, messages = train(kind, resumed, keep_last=None)

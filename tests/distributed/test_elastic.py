@@ -166,10 +166,24 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return job
 
 
+def test_sigkilled_run_resumed_on_4_then_1_rank_trains_every_step_on_the_same_samples(
+        reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """Grown, then shrunk below the first world size (the 2 -> 4 -> 1 -> 2 chain is exhaustive)."""
+    _resume_on_world_sizes([(2, 3), (4, 7), (1, None)], reference_run, tmp_path)
+
+
+@pytest.mark.exhaustive
 def test_sigkilled_run_resumed_on_4_then_1_then_2_ranks_trains_every_step_on_the_same_samples(
         reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    _resume_on_world_sizes([(2, 3), (4, 7), (1, 10), (2, None)], reference_run, tmp_path)
+
+
+def _resume_on_world_sizes(chain: list[tuple[int, int | None]], reference_run: pathlib.Path,
+                           tmp_path: pathlib.Path) -> None:
+    """Run ``chain`` (ranks, the step after which rank 0 SIGKILLs itself; None: to the end) as
+    attempts of one job and compare the samples of every step with the reference run's."""
     job = tmp_path / "elastic"
-    for attempt, (ranks, kill_at) in enumerate([(2, 3), (4, 7), (1, 10), (2, None)]):
+    for attempt, (ranks, kill_at) in enumerate(chain):
         kill = ["--kill-at-step", str(kill_at)] if kill_at is not None else []
         process = _torchrun(ranks, job, attempt, *kill)
         assert process.returncode == (0 if kill_at is None else 1), process.stderr[-4000:]
@@ -183,11 +197,12 @@ def test_sigkilled_run_resumed_on_4_then_1_then_2_ranks_trains_every_step_on_the
     for epoch in (0, 1):  # each sample once per epoch
         assert sorted(sum((expected[step] for step in range(6 * epoch + 1, 6 * epoch + 7)), [])) == list(range(SAMPLES))
     resumes = [json.loads(line) for line in (job / "run" / "resumes.jsonl").read_text().splitlines()]
-    assert [(row["world_size_before"], row["world_size"]) for row in resumes] == [(2, 4), (4, 1), (1, 2)]
+    sizes = [ranks for ranks, _ in chain]
+    assert [(row["world_size_before"], row["world_size"]) for row in resumes] == list(zip(sizes, sizes[1:]))
     # Parameters: the same samples meet the same step, but DDP averages W per-rank mean
     # gradients in another order (and another reduction tree) for each W, so float rounding
     # differs: this is the one comparison where closeness, not equality, is the guarantee.
-    _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / "final-3.pt")
+    _assert_close_parameters(reference_run / "out" / "final-0.pt", job / "out" / f"final-{len(chain) - 1}.pt")
 
 
 def _assert_close_parameters(reference_path: pathlib.Path, final_path: pathlib.Path) -> None:

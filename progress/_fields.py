@@ -8,6 +8,7 @@ an error, never a silent partial restore.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, TypeVar
 
 from progress.errors import ProgressSchemaError
@@ -17,7 +18,14 @@ T = TypeVar("T")
 
 def fields_to_dict(record: Any, encode_value: Callable[[Any], Any]) -> dict[str, Any]:
     """Map each dataclass field name of ``record`` to ``encode_value(value)``."""
-    return {f.name: encode_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    return {name: encode_value(getattr(record, name)) for name in field_names(type(record))}
+
+
+@functools.lru_cache(maxsize=None)
+def field_names(cls: type) -> tuple[str, ...]:
+    """The field names of the dataclass ``cls``, in order (fixed when the class is made; every
+    checkpoint encodes the progress tree, and ``dataclasses.fields`` rebuilds its answer per call)."""
+    return tuple(field.name for field in dataclasses.fields(cls))
 
 
 def check_keys(cls: type, data: Mapping[str, Any], optional: frozenset[str] = frozenset()) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import math
 import re
 import sys
@@ -289,26 +290,27 @@ class _NotFast(Exception):
 
 def _fits_fast_path(tree: Any) -> bool:
     """Whether ``tree``'s containers, keys and leaves are ones the C packer stores as the walk
-    does, within the nesting limit (the root container is level 1). Level by level, so that a
-    container of leaves only costs two type scans in C."""
+    does, within the nesting limit (the root container is level 1). Level by level, with the
+    type scans in C: a few calls per level, not per node."""
     level, depth = [tree], 1
     while level:
         if depth > MAX_NESTING:
             return False
-        nested: list[Any] = []
-        for container in level:
-            children = container
-            if isinstance(container, dict):
-                if not _KEY_TYPES.issuperset(map(type, container)):
-                    return False
-                children = container.values()
-            kinds = set(map(type, children))
-            if kinds <= _FAST_LEAVES:
-                continue
-            if not all(map(_is_fast_subclass, kinds)):
-                return False
-            nested += [child for child in children if isinstance(child, (dict, list, tuple))]
-        level, depth = nested, depth + 1
+        maps = [container for container in level if isinstance(container, dict)]
+        if not _KEY_TYPES.issuperset(map(type, itertools.chain.from_iterable(maps))):
+            return False
+        children = list(itertools.chain.from_iterable(map(dict.values, maps)))
+        if len(maps) < len(level):
+            children += itertools.chain.from_iterable(
+                [container for container in level if not isinstance(container, dict)])
+        kinds = set(map(type, children))
+        if kinds <= _FAST_LEAVES:
+            return True
+        if not all(map(_is_fast_subclass, kinds)):
+            return False
+        containers = {kind for kind in kinds if issubclass(kind, (dict, list, tuple))}
+        level = list(itertools.compress(children, map(containers.__contains__, map(type, children))))
+        depth += 1
     return True
 
 

@@ -181,3 +181,47 @@ def test_layouts_returned_are_not_shared_between_encodings():
     first = codec.encode_state({"a": torch.zeros(3)})
     first.layout.append((999, 1))
     assert codec.encode_state({"a": torch.zeros(3)}).layout == [(0, 12)]
+
+
+class _GrowingState(engine.Callback):
+    """A callback whose state changes shape during the run: a counter, a tuple that grows, and
+    a tensor that appears after the third split (a structure change of the checkpoint)."""
+
+    def __init__(self) -> None:
+        self.splits = 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.splits += 1
+
+    def state_dict(self) -> dict:
+        state: dict = {"splits": self.splits, "history": tuple(range(self.splits % 5))}
+        if self.splits >= 3:
+            state["tensor"] = torch.full((self.splits,), float(self.splits))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.splits = state["splits"]
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_every_checkpoint_of_a_run_is_encoded_as_the_walk_encodes_it(tmp_path, monkeypatch, writer):
+    """Real state trees, through their structure changes (Adam's and SGD momentum's state
+    appears at the first step, a callback's tensor later): each checkpoint's header and tensors
+    are those of the walk."""
+    import engine.checkpoint.policy as policy
+    from scenarios import train_with_checkpoints
+
+    encoded_trees = []
+
+    def checked_encode(tree):
+        encoded = codec.encode_state(tree)
+        header, tensors = _walked_header(tree)
+        assert encoded.header == header
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(encoded.tensors, tensors, strict=True))
+        encoded_trees.append(len(tensors))
+        return encoded
+
+    monkeypatch.setattr(policy, "encode_state", checked_encode)
+    train_with_checkpoints("tbptt_several_optimizers", str(tmp_path / "run"), epochs=1, writer=writer,
+                           callbacks=(_GrowingState(),))
+    assert len(encoded_trees) >= 12 and len(set(encoded_trees)) >= 3  # the structure changed twice

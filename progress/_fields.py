@@ -8,7 +8,6 @@ an error, never a silent partial restore.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Mapping, TypeVar
 
 from progress.errors import ProgressSchemaError
@@ -21,11 +20,16 @@ def fields_to_dict(record: Any, encode_value: Callable[[Any], Any]) -> dict[str,
     return {name: encode_value(getattr(record, name)) for name in field_names(type(record))}
 
 
-@functools.lru_cache(maxsize=None)
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def field_names(cls: type) -> tuple[str, ...]:
     """The field names of the dataclass ``cls``, in order (fixed when the class is made; every
     checkpoint encodes the progress tree, and ``dataclasses.fields`` rebuilds its answer per call)."""
-    return tuple(field.name for field in dataclasses.fields(cls))
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(field.name for field in dataclasses.fields(cls))
+    return names
 
 
 def check_keys(cls: type, data: Mapping[str, Any], optional: frozenset[str] = frozenset()) -> None:

@@ -374,14 +374,21 @@ class _FastPacker:
             return msgpack.ExtType(_EXT_NAMEDTUPLE, self.pack(payload))
         if isinstance(value, list):
             return list(value)
-        for base in (str, bytes, int, float):  # bool cannot be subclassed
-            if isinstance(value, base):
-                return base(value)
-        raise _NotFast(kind.__name__)
+        return _as_base_scalar(value)
 
 
-def _index_payload(index: int) -> bytes:
-    return _INDEX_PAYLOADS[index] if index < len(_INDEX_PAYLOADS) else msgpack.packb(index)
+def _as_base_scalar(value: Any) -> str | bytes | int | float:
+    """A subclass of str, bytes, int or float (an IntEnum, NumPy's float64, torch's version
+    string) as its base type, as the walk stores it (bool cannot be subclassed)."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bytes):
+        return bytes(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    raise _NotFast(type(value).__name__)
 
 
 def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
-import itertools
 import math
 import re
 import sys
@@ -290,27 +289,25 @@ class _NotFast(Exception):
 
 def _fits_fast_path(tree: Any) -> bool:
     """Whether ``tree``'s containers, keys and leaves are ones the C packer stores as the walk
-    does, within the nesting limit (the root container is level 1). Level by level, with the
-    type scans in C: a few calls per level, not per node."""
-    level, depth = [tree], 1
-    while level:
+    does, within the nesting limit (the root container is level 1). Depth first, as the walk:
+    a reference cycle reaches the limit after as many steps, however often it branches. A
+    container of leaves only costs two type scans in C."""
+    pending = [(tree, 1)]
+    while pending:
+        container, depth = pending.pop()
         if depth > MAX_NESTING:
             return False
-        maps = [container for container in level if isinstance(container, dict)]
-        if not _KEY_TYPES.issuperset(map(type, itertools.chain.from_iterable(maps))):
-            return False
-        children = list(itertools.chain.from_iterable(map(dict.values, maps)))
-        if len(maps) < len(level):
-            children += itertools.chain.from_iterable(
-                [container for container in level if not isinstance(container, dict)])
+        children = container
+        if isinstance(container, dict):
+            if not _KEY_TYPES.issuperset(map(type, container)):
+                return False
+            children = container.values()
         kinds = set(map(type, children))
         if kinds <= _FAST_LEAVES:
-            return True
+            continue
         if not all(map(_is_fast_subclass, kinds)):
             return False
-        containers = {kind for kind in kinds if issubclass(kind, (dict, list, tuple))}
-        level = list(itertools.compress(children, map(containers.__contains__, map(type, children))))
-        depth += 1
+        pending += [(child, depth + 1) for child in children if isinstance(child, (dict, list, tuple))]
     return True
 
 

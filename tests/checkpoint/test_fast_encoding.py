@@ -225,3 +225,14 @@ def test_every_checkpoint_of_a_run_is_encoded_as_the_walk_encodes_it(tmp_path, m
     train_with_checkpoints("tbptt_several_optimizers", str(tmp_path / "run"), epochs=1, writer=writer,
                            callbacks=(_GrowingState(),))
     assert len(encoded_trees) >= 12 and len(set(encoded_trees)) >= 3  # the structure changed twice
+
+
+def test_a_branching_reference_cycle_is_refused_as_too_deep():
+    """A dict that holds itself twice: the screen goes depth first like the walk, so it meets
+    the nesting limit after a hundred steps (breadth first, it would visit 2**100 containers)."""
+    looped: dict = {}
+    looped["a"] = looped
+    looped["b"] = [looped, (looped,)]
+    assert codec._pack_tree_fast({"state": looped}, []) is None
+    with pytest.raises(engine.CheckpointWriteError, match="reference cycle"):
+        codec.encode_state({"state": looped})

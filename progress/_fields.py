@@ -17,7 +17,19 @@ T = TypeVar("T")
 
 def fields_to_dict(record: Any, encode_value: Callable[[Any], Any]) -> dict[str, Any]:
     """Map each dataclass field name of ``record`` to ``encode_value(value)``."""
-    return {f.name: encode_value(getattr(record, f.name)) for f in dataclasses.fields(record)}
+    return {name: encode_value(getattr(record, name)) for name in field_names(type(record))}
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """The field names of the dataclass ``cls``, in order (fixed when the class is made; every
+    checkpoint encodes the progress tree, and ``dataclasses.fields`` rebuilds its answer per call)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(field.name for field in dataclasses.fields(cls))
+    return names
 
 
 def check_keys(cls: type, data: Mapping[str, Any], optional: frozenset[str] = frozenset()) -> None:

@@ -78,19 +78,36 @@ def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
 def encode_state(tree: Any) -> EncodedState:
     """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
     tensors: list[torch.Tensor] = []
-    plain = _to_plain(tree, ("state",), tensors, 0)
+    tree_bytes = _pack_tree_fast(tree, tensors)
+    if tree_bytes is None:
+        tensors = []
+        tree_bytes = _pack_tree_walked(tree, tensors)
+    table_prefix, layout = _table(tuple((tensor.dtype, tensor.shape, tensor.device) for tensor in tensors))
+    return EncodedState(table_prefix + msgpack.packb(tree_bytes), tensors, list(layout))
+
+
+def _pack_tree_walked(tree: Any, tensors: list[torch.Tensor]) -> bytes:
+    """The tree's msgpack by the Python walk: the reference encoding, and the one that names
+    the place of a value it cannot store (CheckpointWriteError)."""
+    return msgpack.packb(_to_plain(tree, ("state",), tensors, 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _table(structure: tuple[tuple[torch.dtype, torch.Size, torch.device], ...]) -> tuple[bytes, list[tuple[int, int]]]:
+    """The header's bytes up to the tree's (its map with the tensor table, which depends on the
+    tensors' dtypes, shapes and devices only), and each tensor's (offset, nbytes). Made once per
+    structure: the same bytes as packing the whole header map at once."""
     table: list[dict[str, Any]] = []
     layout = []
     offset = 0
-    for tensor in tensors:
-        nbytes = tensor.nbytes
-        device = tensor.device
-        table.append({"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset,
+    for dtype, shape, device in structure:
+        nbytes = math.prod(shape) * dtype.itemsize
+        table.append({"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "offset": offset,
                       "nbytes": nbytes, "device": "cpu" if device.type == "cpu" else str(device)})
         layout.append((offset, nbytes))
         offset = _align(offset + nbytes)
-    header = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": msgpack.packb(plain)})
-    return EncodedState(header, tensors, layout)
+    prefix = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": None})
+    return prefix[:-1], layout  # the packed None (one byte) is where the tree's bytes go
 
 
 def check_storable(tree: Any, name: str) -> None:
@@ -120,8 +137,10 @@ def _path_text(path: _Path) -> str:
 _SCALARS = frozenset((type(None), bool, str, bytes))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 _KEY_TYPES = frozenset((str, int, float, bool, type(None)))
-# The msgpack payloads of the first tensor indexes (a reference is one per tensor per checkpoint).
+# The msgpack payloads of the first tensor indexes (a reference is one per tensor per checkpoint),
+# and the references themselves (immutable: shared by every checkpoint).
 _INDEX_PAYLOADS = [msgpack.packb(index) for index in range(1024)]
+_TENSOR_REFERENCES = [msgpack.ExtType(_EXT_TENSOR, payload) for payload in _INDEX_PAYLOADS]
 
 
 def _to_plain(value: Any, path: _Path, tensors: list[torch.Tensor], depth: int) -> Any:
@@ -167,8 +186,7 @@ def _dict_to_plain(value: dict[Any, Any], path: _Path, tensors: list[torch.Tenso
 
 def _tensor_reference(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
     index = _add_tensor(tensor, path, tensors)
-    payload = _INDEX_PAYLOADS[index] if index < len(_INDEX_PAYLOADS) else msgpack.packb(index)
-    return msgpack.ExtType(_EXT_TENSOR, payload)
+    return _TENSOR_REFERENCES[index] if index < len(_TENSOR_REFERENCES) else msgpack.ExtType(_EXT_TENSOR, msgpack.packb(index))
 
 
 def _shard_reference(tensor: torch.Tensor | TensorShard, path: _Path, tensors: list[torch.Tensor]) -> msgpack.ExtType:
@@ -218,6 +236,126 @@ def _add_tensor(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) 
         raise CheckpointWriteError(f"cannot store {_path_text(path)}: dtype {tensor.dtype} is not supported")
     tensors.append(tensor.detach().resolve_conj().resolve_neg().contiguous())
     return len(tensors) - 1
+
+
+# ---- the fast path: msgpack's C packer walks the tree ----------------------------------------
+# A tree of plain containers (dict, OrderedDict, list, tuple) with string/number keys and plain
+# leaves is packed by msgpack in C: the Python walk above costs a call per node, this costs one
+# call per tensor and per tuple. What the C packer would store differently from the walk
+# (bytearray, memoryview, msgpack's own ExtType and Timestamp, which it packs natively) or not
+# check (key types, the nesting limit) is screened first by :func:`_fits_fast_path`, a walk of
+# the containers only; a tree it turns away, and any error while packing, go to the walk, which
+# encodes the same bytes or raises the error naming the value's place.
+_FAST_LEAVES = frozenset((type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter))
+_FAST_TYPES = _FAST_LEAVES | {dict, collections.OrderedDict, list, tuple}
+_STORABLE_DTYPES = frozenset(_DTYPE_NAMES)
+# Natively packed by msgpack's C packer, but not stored (or stored otherwise) by the walk.
+_PACKED_OTHERWISE = (bytearray, memoryview, msgpack.ExtType, msgpack.Timestamp)
+
+
+class _NotFast(Exception):
+    """The fast path met something only the walk encodes (or reports) correctly."""
+
+
+def _fits_fast_path(tree: Any) -> bool:
+    """Whether ``tree``'s containers, keys and leaves are ones the C packer stores as the walk
+    does, within the nesting limit (the root container is level 1). Depth first, as the walk:
+    a reference cycle reaches the limit after as many steps, however often it branches. A
+    container of leaves only costs two type scans in C."""
+    pending = [(tree, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > MAX_NESTING:
+            return False
+        children = container
+        if isinstance(container, dict):
+            if not _KEY_TYPES.issuperset(map(type, container)):
+                return False
+            children = container.values()
+        kinds = set(map(type, children))
+        if kinds <= _FAST_LEAVES:
+            continue
+        if not all(map(_is_fast_subclass, kinds)):
+            return False
+        pending += [(child, depth + 1) for child in children if isinstance(child, (dict, list, tuple))]
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _is_fast_subclass(kind: type) -> bool:
+    """Whether :func:`_FastPacker` stores values of type ``kind`` as the walk does: the plain
+    types, and the subclasses of str, bytes, int, float, dict, list and tuple (a namedtuple)
+    other than those msgpack packs natively its own way."""
+    if kind in _FAST_TYPES:
+        return True
+    if issubclass(kind, _PACKED_OTHERWISE) or issubclass(kind, torch.Tensor):
+        return False
+    return issubclass(kind, (str, bytes, int, float, dict, list, tuple))
+
+
+def _pack_tree_fast(tree: Any, tensors: list[torch.Tensor]) -> bytes | None:
+    """The tree's msgpack, the same bytes as :func:`_pack_tree_walked` and the same tensors in
+    ``tensors``; None when only the walk can encode it."""
+    if not isinstance(tree, (dict, list, tuple)) or not _fits_fast_path(tree):
+        return None
+    found: list[torch.Tensor] = []
+    try:
+        packed = _FastPacker(found).pack(tree)
+    except (_NotFast, OverflowError, ValueError, TypeError):
+        return None
+    if not _STORABLE_DTYPES.issuperset([tensor.dtype for tensor in found]) or any(
+            [tensor.layout is not torch.strided for tensor in found]):
+        return None
+    tensors += [tensor if not (tensor.requires_grad or tensor.is_conj() or tensor.is_neg()) and tensor.is_contiguous()
+                else tensor.detach().resolve_conj().resolve_neg().contiguous() for tensor in found]
+    return packed
+
+
+class _FastPacker:
+    """One tree's packing: msgpack's ``default`` hook turns tensors, tuples and the subclasses
+    of plain types into what the walk would have made of them. Tensors are collected as they
+    are, in order (checked and made contiguous afterwards, in one pass)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def pack(self, value: Any) -> bytes:
+        # strict_types: tuples and subclasses reach ``default`` instead of packing as lists or
+        # as their base type.
+        return msgpack.packb(value, default=self._default, strict_types=True)
+
+    def _default(self, value: Any) -> Any:
+        kind = type(value)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            index = len(self._tensors)
+            self._tensors.append(value)
+            return _TENSOR_REFERENCES[index] if index < len(_TENSOR_REFERENCES) else msgpack.ExtType(_EXT_TENSOR, msgpack.packb(index))
+        if kind is tuple:
+            return msgpack.ExtType(_EXT_TUPLE, self.pack(list(value)))
+        if isinstance(value, dict):
+            return dict(value)
+        if isinstance(value, tuple):
+            if not hasattr(value, "_fields"):
+                return msgpack.ExtType(_EXT_TUPLE, self.pack(list(value)))
+            payload = [kind.__name__, list(value._fields), list(value)]
+            return msgpack.ExtType(_EXT_NAMEDTUPLE, self.pack(payload))
+        if isinstance(value, list):
+            return list(value)
+        return _as_base_scalar(value)
+
+
+def _as_base_scalar(value: Any) -> str | bytes | int | float:
+    """A subclass of str, bytes, int or float (an IntEnum, NumPy's float64, torch's version
+    string) as its base type, as the walk stores it (bool cannot be subclassed)."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bytes):
+        return bytes(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    raise _NotFast(type(value).__name__)
 
 
 def decode_state(header: bytes, tensor_data: bytearray | memoryview) -> Any:

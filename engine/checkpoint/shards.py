@@ -43,7 +43,7 @@ class TensorShard:
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it when
     torch.distributed is unavailable)."""
-    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor:
+    if not isinstance(value, torch.Tensor) or type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
         return False
     try:
         from torch.distributed.tensor import DTensor

@@ -33,21 +33,36 @@ class RngSnapshot:
     torch_cuda: list[torch.Tensor]
     python: tuple[Any, ...]
     numpy: tuple[Any, ...] | None
+    # The tensors to_state made of ``python``'s and ``numpy``'s words, with the state each was
+    # made from: a snapshot kept for a while (the epoch start's, saved by every checkpoint of
+    # the epoch) converts its words once. Keyed by identity, so a replaced state is converted again.
+    _words: dict[str, tuple[object, torch.Tensor]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def to_state(self) -> dict[str, Any]:
         """Plain data and tensors only, for the checkpoint codec."""
         numpy_state = None
         if self.numpy is not None:
             name, keys, position, has_gauss, cached = self.numpy
-            numpy_state = [name, torch.from_numpy(keys.astype("int64")), int(position), int(has_gauss), float(cached)]
+            numpy_words = self._converted("numpy", keys, lambda: torch.from_numpy(keys.astype("int64")))
+            numpy_state = [name, numpy_words, int(position), int(has_gauss), float(cached)]
         version, internal, gauss = self.python
         # The Mersenne Twister words travel as one int64 tensor, not 625 msgpack ints.
         return {
             "torch_cpu": self.torch_cpu,
             "torch_cuda": list(self.torch_cuda),
-            "python": [version, _python_words(internal), gauss],
+            "python": [version, self._converted("python", internal, lambda: _python_words(internal)), gauss],
             "numpy": numpy_state,
         }
+
+    def _converted(self, stream: str, words: object, convert: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``convert()``, made once per ``words`` object (never modified: checkpoints copy or write it)."""
+        known = self._words.get(stream)
+        if known is not None and known[0] is words:
+            return known[1]
+        tensor = convert()
+        self._words[stream] = (words, tensor)
+        return tensor
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RngSnapshot":

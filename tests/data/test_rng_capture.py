@@ -39,6 +39,32 @@ def test_each_capture_holds_the_python_state_of_its_instant():
     assert [random.random() for _ in range(3)] == drawn
 
 
+
+def test_a_kept_snapshot_holds_its_own_instant_between_captures_of_other_instants():
+    """The epoch start's snapshot is saved by every checkpoint of the epoch, between captures
+    of the current streams: its words are converted once and stay its own (neither the
+    current state's nor rebuilt each time)."""
+    import numpy
+
+    random.seed(7)
+    numpy.random.seed(7)
+    epoch_start = capture_global_rng()
+    kept = epoch_start.to_state()
+    for _ in range(3):
+        random.random()
+        numpy.random.random()
+        now = capture_global_rng().to_state()
+        again = epoch_start.to_state()
+        assert again["python"][1] is kept["python"][1] and again["numpy"][1] is kept["numpy"][1]
+        assert torch.equal(again["python"][1], torch.tensor(epoch_start.python[1], dtype=torch.int64))
+        assert torch.equal(again["numpy"][1], torch.from_numpy(epoch_start.numpy[1].astype("int64")))
+        assert torch.equal(now["python"][1], torch.tensor(random.getstate()[1], dtype=torch.int64))
+        assert torch.equal(now["numpy"][1], torch.from_numpy(numpy.random.get_state()[1].astype("int64")))
+        assert not torch.equal(now["python"][1], again["python"][1])
+        assert not torch.equal(now["numpy"][1], again["numpy"][1])
+    epoch_start.python = random.getstate()  # a replaced state is converted again
+    assert torch.equal(epoch_start.to_state()["python"][1], torch.tensor(random.getstate()[1], dtype=torch.int64))
+
 # ---- states a generator would refuse: refused by validation, before anything is applied ---------
 def _forged_states():
     """Stream name -> a function turning a good to_state() value into one of the right type and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,16 @@ import forkserver
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
 TIMEOUT = 120
+# With a writer process (SPLITLOOP_TEST_WRITER=process, tests/writer_switch.py) the fault points
+# of the commit protocol (checkpoint_*, filesystem_write) fire in the writer process: the writer
+# is the process SIGKILLed there, and the training process says so, starts another, trains on.
+WRITER_PROCESS_KILLED = re.compile(r"checkpoint writer process \(pid \d+\) exited with code -9")
+
+
+def killed_at_the_fault(returncode: int, stderr: str) -> bool:
+    """Whether an armed SIGKILL fired in a training process that exited with ``returncode``
+    and wrote ``stderr``: it died of it, or its writer process did."""
+    return returncode == -signal.SIGKILL or WRITER_PROCESS_KILLED.search(stderr) is not None
 
 
 def environment(faults: str | None) -> dict[str, str]:

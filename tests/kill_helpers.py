@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+import pytest
+
 import forkserver
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
@@ -24,6 +26,11 @@ TIMEOUT = 120
 # of the commit protocol (checkpoint_*, filesystem_write) fire in the writer process: the writer
 # is the process SIGKILLed there, and the training process says so, starts another, trains on.
 WRITER_PROCESS_KILLED = re.compile(r"checkpoint writer process \(pid \d+\) exited with code -9")
+
+# ``@WITH_A_WRITER_PROCESS``: the test runs twice, with the writer SPLITLOOP_TEST_WRITER says and
+# with a writer process (the ``test_writer`` fixture of tests/conftest.py).
+WITH_A_WRITER_PROCESS = pytest.mark.parametrize("test_writer", [None, "process"], indirect=True,
+                                                ids=["writer-as-set", "writer-process"])
 
 
 def killed_at_the_fault(returncode: int, stderr: str) -> bool:

@@ -14,6 +14,9 @@ a local path (``memory://``, ``objectdir://``, ``s3://``) and torchrun (``WORLD_
 The uninterrupted references the tests compare with run under the switch too; exact resume
 makes a run the same whichever writer wrote its checkpoints.
 
+A test that runs with a writer process by default whatever the switch says takes the
+``test_writer`` fixture (tests/conftest.py) with ``indirect=True``: ``kill_helpers.WITH_A_WRITER_PROCESS``.
+
 Not an engine setting: the engine reads no such variable.
 """
 

@@ -51,7 +51,8 @@ from engine.checkpoint.snapshot_arena import (ArenaDirectory, SharedSnapshotBuff
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.tiers import TierWriter
 from engine.checkpoint.writer import PendingCheckpoint
-from engine.checkpoint.writer_channel import FrameReader, encode_message, write_all
+from engine.checkpoint.writer_channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
+from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 
 # How long the training process waits for the writer process to answer before it checks that
@@ -415,9 +416,10 @@ class LaunchedWriter:
             environment.pop(faults.ENVIRONMENT_VARIABLE, None)
         passed = [events_write, self.arena.owner_descriptor] + ([descriptor] if descriptor is not None else [])
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
+            with preemption_signals_blocked(WRITER_IGNORED_SIGNALS):  # until the process ignores them
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
         except BaseException:
             os.close(events_read)
             if arena is None:

@@ -16,7 +16,7 @@ import forkserver
 import pytest
 import torch
 
-from kill_helpers import killed_at_the_fault
+from kill_helpers import WITH_A_WRITER_PROCESS, killed_at_the_fault
 from resume_helpers import assert_same_run
 from validation_scenarios import best_policy, train_validated
 from engine.checkpoint.storage import Storage
@@ -63,7 +63,8 @@ def assert_same_best(reference, run_dir):
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(reference, tmp_path):
+@WITH_A_WRITER_PROCESS
+def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(test_writer, reference, tmp_path):
     run_dir = str(tmp_path / "run")
     kills = 0
     # checkpoint 5 is the one written right after the validation at step 5: a best checkpoint

@@ -57,12 +57,13 @@ def run_scenario(name: str, run_dir: str, faults: str | None = None, *args: str,
 
 def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int = 80, script: str = SCRIPT) -> int:
     """Start the scenario again and again (each start armed with ``faults``) until a process
-    finishes by itself; returns how many processes were killed on the way."""
+    finishes by itself; returns how many processes were killed on the way (with a writer
+    process: the last one counts if its writer process was, see :func:`killed_at_the_fault`)."""
     kills = 0
     for _ in range(limit):
         process = run_scenario(name, run_dir, faults, *args, script=script)
         if process.returncode == 0:
-            return kills
+            return kills + killed_at_the_fault(process.returncode, process.stderr)
         assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
         kills += 1
     raise AssertionError(f"{name} did not finish within {limit} starts")

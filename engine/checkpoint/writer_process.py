@@ -133,10 +133,14 @@ class ProcessWriter:
 
     def _writer_died(self) -> None:
         """The writer process ended without being asked: restart it once, handing it what it
-        had not committed; a second time, fail."""
+        had not committed; a second time, fail. One that stopped because the run lost its
+        lease (it reported WriterConflict) is not restarted: that error is raised."""
         code = self._process.wait()
         self._drain_events()
         self._stop_pipes()
+        if any(isinstance(error, WriterConflict) for error in self._errors):
+            self._closing = True  # it stopped on purpose: another job owns the run dir; a new one would too
+            return self._raise_reported()
         print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
               + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
               file=sys.stderr, flush=True)

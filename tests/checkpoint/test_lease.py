@@ -18,7 +18,8 @@ from engine.checkpoint.lease import LEASE_FILE, WriterLease
 from engine.faults.faulty_fs import FaultyFileSystem
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
-from kill_helpers import SCRIPT, environment
+from progress import Cursor
+from kill_helpers import SCRIPT, WITH_A_WRITER_PROCESS, environment
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 
@@ -163,12 +164,20 @@ class TakeOver(engine.Callback):
             write_lease(self.run_dir, os.getppid(), generation=99)
 
 
-def test_a_writer_that_lost_the_lease_stops_before_committing(tmp_path):
+@WITH_A_WRITER_PROCESS
+def test_a_writer_that_lost_the_lease_stops_before_committing(test_writer, tmp_path, capfd):
     run_dir = str(tmp_path / "run")
     with pytest.raises(engine.WriterConflict, match="generation 99"):
         train_with_checkpoints("tbptt", run_dir, keep_last=None, callbacks=(TakeOver(run_dir, 5),))
-    names = CheckpointStore(Storage(run_dir)).names()
-    assert len(names) == 4  # splits 1-4; split 5's checkpoint was refused
+    store = CheckpointStore(Storage(run_dir))
+    cursors = [store.load(name).progress.cursor for name in store.names()]
+    # splits 1-4 at most: split 5's checkpoint was refused, and so was any written in the
+    # background that was not committed when the lease was lost
+    assert cursors == [Cursor(0, 0, split, 0) for split in range(len(cursors))] and len(cursors) <= 4
+    if test_writer != "process":
+        assert len(cursors) == 4  # synchronous: each committed before the next split
+    # a writer process that stopped for the lost lease is not restarted
+    assert "restarting it" not in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -111,6 +111,7 @@ class ProcessWriter:
         self._carried = b""  # metrics bytes for the next message (after a restart)
         self._restarts = 0
         self._closing = False
+        self._lease_lost: WriterConflict | None = None  # reported by the writer process, which then stopped
         self._configure(launched)
 
     # ---- the process ----------------------------------------------------------------------
@@ -138,9 +139,9 @@ class ProcessWriter:
         code = self._process.wait()
         self._drain_events()
         self._stop_pipes()
-        if any(isinstance(error, WriterConflict) for error in self._errors):
+        if self._lease_lost is not None:
             self._closing = True  # it stopped on purpose: another job owns the run dir; a new one would too
-            return self._raise_reported()
+            raise self._lease_lost
         print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
               + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
               file=sys.stderr, flush=True)
@@ -207,7 +208,10 @@ class ProcessWriter:
         elif kind == "failed":
             self._settle(published, event["id"])
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
-            self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
+            error = error_type(f"checkpoint writer process: {event['message']}")
+            if isinstance(error, WriterConflict):
+                self._lease_lost = error
+            self._errors.append(error)
 
     def _release_slot(self, slot: int, identifier: int) -> None:
         """The writer is done reading snapshot ``identifier`` in ``slot``: free the slot, unless
@@ -377,6 +381,8 @@ class ProcessWriter:
     def flush(self) -> None:
         """Wait until every snapshot sent is committed (or failed, or superseded)."""
         self.check()
+        if self._closing:  # no writer process any more (its errors are raised): nothing to wait for
+            return
         self._send_everything()
         while self._published:
             self._wait_for_events()

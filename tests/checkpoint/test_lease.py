@@ -28,8 +28,12 @@ def write_lease(run_dir, pid, host=None, generation=3, token="someone-else"):
     os.makedirs(run_dir, exist_ok=True)
     record = {"token": token, "generation": generation, "pid": pid, "host": host or socket.gethostname(),
               "heartbeat_unix": 0.0}
-    with open(os.path.join(run_dir, LEASE_FILE), "w") as handle:
+    # Replaced whole, as the engine writes it: a writer process checking the lease meanwhile
+    # never reads a half-written file.
+    temporary = os.path.join(run_dir, f".{LEASE_FILE}.test")
+    with open(temporary, "w") as handle:
         json.dump(record, handle)
+    os.replace(temporary, os.path.join(run_dir, LEASE_FILE))
 
 
 def test_a_live_holder_of_the_lock_is_refused(tmp_path):

@@ -11,6 +11,19 @@ torch.set_num_threads(1)
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+import writer_switch
+
+
+@pytest.fixture
+def test_writer(request, monkeypatch):
+    """The checkpoint writer of the scenarios this test runs, in process or in the processes it
+    starts (tests/writer_switch.py): the test's parameter when it has one (parametrize with
+    ``indirect=True``), else what SPLITLOOP_TEST_WRITER says (None: the scenario's own)."""
+    writer = getattr(request, "param", None)
+    if writer is not None:
+        monkeypatch.setenv(writer_switch.VARIABLE, writer)
+    return writer_switch.requested_writer()
+
 
 @pytest.fixture(autouse=True)
 def empty_memory_filesystem():

@@ -9,16 +9,34 @@ from __future__ import annotations
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 
+import pytest
+
 import forkserver
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
 TIMEOUT = 120
+# With a writer process (SPLITLOOP_TEST_WRITER=process, tests/writer_switch.py) the fault points
+# of the commit protocol (checkpoint_*, filesystem_write) fire in the writer process: the writer
+# is the process SIGKILLed there, and the training process says so, starts another, trains on.
+WRITER_PROCESS_KILLED = re.compile(r"checkpoint writer process \(pid \d+\) exited with code -9")
+
+# ``@WITH_A_WRITER_PROCESS``: the test runs twice, with the writer SPLITLOOP_TEST_WRITER says and
+# with a writer process (the ``test_writer`` fixture of tests/conftest.py).
+WITH_A_WRITER_PROCESS = pytest.mark.parametrize("test_writer", [None, "process"], indirect=True,
+                                                ids=["writer-as-set", "writer-process"])
+
+
+def killed_at_the_fault(returncode: int, stderr: str) -> bool:
+    """Whether an armed SIGKILL fired in a training process that exited with ``returncode``
+    and wrote ``stderr``: it died of it, or its writer process did."""
+    return returncode == -signal.SIGKILL or WRITER_PROCESS_KILLED.search(stderr) is not None
 
 
 def environment(faults: str | None) -> dict[str, str]:
@@ -39,12 +57,13 @@ def run_scenario(name: str, run_dir: str, faults: str | None = None, *args: str,
 
 def run_until_done(name: str, run_dir: str, faults: str, *args: str, limit: int = 80, script: str = SCRIPT) -> int:
     """Start the scenario again and again (each start armed with ``faults``) until a process
-    finishes by itself; returns how many processes were killed on the way."""
+    finishes by itself; returns how many processes were killed on the way (with a writer
+    process: the last one counts if its writer process was, see :func:`killed_at_the_fault`)."""
     kills = 0
     for _ in range(limit):
         process = run_scenario(name, run_dir, faults, *args, script=script)
         if process.returncode == 0:
-            return kills
+            return kills + killed_at_the_fault(process.returncode, process.stderr)
         assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
         kills += 1
     raise AssertionError(f"{name} did not finish within {limit} starts")

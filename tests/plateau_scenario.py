@@ -22,6 +22,7 @@ import torch
 
 import engine
 from scenarios import build
+from writer_switch import trainer_config
 from validation_scenarios import Announce, ValidatedModel, val_loader
 
 EPOCHS, EVERY_STEPS = 3, 5
@@ -68,7 +69,7 @@ def train_plateau(run_dir: str | None, form: str = "schedule", callbacks: tuple 
                                     checkpoint=engine.CheckpointConfig(keep_last=2) if run_dir else None,
                                     val_every_n_steps=EVERY_STEPS, gradient_clip_val=0.5)
     settings.update(config)
-    result = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, val_loader(),
+    result = engine.Trainer(trainer_config(**settings), callbacks=list(callbacks)).fit(model, loader, val_loader(),
                                                                                            resume=resume)
     return model, result
 

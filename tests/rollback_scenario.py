@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
+from writer_switch import trainer_config
 from scenarios import BATCH, AnnounceStart, SlowDown, build, make_dataset
 
 POISONED_SAMPLE, POISONED_FROM_TIME = 5, 9
@@ -43,7 +44,7 @@ def train_poisoned(poison: str, run_dir: str, callbacks: tuple[Any, ...] = (), *
                                     checkpoint=engine.CheckpointConfig(every_n_splits=EVERY, keep_last=None),
                                     anomaly=POLICIES[poison])
     settings.update(config)
-    trainer = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks))
+    trainer = engine.Trainer(trainer_config(**settings), callbacks=list(callbacks))
     return model, trainer.fit(model, poisoned_loader(poison))
 
 

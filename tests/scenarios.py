@@ -20,8 +20,8 @@ import sys
 
 if __name__ == "__main__" and sys.path and sys.path[0] == __import__("os").path.dirname(__file__):
     # Run as a script, tests/ is first on sys.path and its tests/progress/ folder (no
-    # __init__.py) would shadow the real ``progress`` package as a namespace package.
-    sys.path.pop(0)
+    # __init__.py) would shadow the real ``progress`` package as a namespace package: last.
+    sys.path.append(sys.path.pop(0))
 
 import argparse
 import contextlib
@@ -40,6 +40,7 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
+from writer_switch import trainer_config
 
 SAMPLES, BATCH, TIME, FEATURES, SPLIT = 12, 4, 16, 3, 4
 SEED = 1234
@@ -330,7 +331,7 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())
     settings.update(extra)
-    return engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks)).fit(model, loader, resume=resume)
+    return engine.Trainer(trainer_config(**settings), callbacks=list(callbacks)).fit(model, loader, resume=resume)
 
 
 def stop_after_fence(count: int) -> None:

@@ -23,6 +23,7 @@ import torch
 import engine
 from torch.utils.data import DataLoader
 
+from writer_switch import trainer_config
 from worker_training import WORKERS, AugmentedDataset, Regressor, make_loader, seed_all
 
 VALIDATE_EVERY_STEPS = 4
@@ -77,9 +78,8 @@ def train(run_dir: str, persistent: bool = False, pause_at: int | None = None,
     validations and at the stop (the preemption checkpoint is then easy to tell)."""
     seed_all(0)
     model = ValidatedRegressor(pause_at, handshake)
-    config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, progress_bar="off",
-                                  val_every_n_steps=VALIDATE_EVERY_STEPS,
-                                  checkpoint=engine.CheckpointConfig(every_n_splits=1000, keep_last=None))
+    config = trainer_config(max_epochs=2, run_dir=run_dir, progress_bar="off", val_every_n_steps=VALIDATE_EVERY_STEPS,
+                            checkpoint=engine.CheckpointConfig(every_n_splits=1000, keep_last=None))
     val_data = DataLoader(AugmentedDataset(), batch_size=1, shuffle=True, num_workers=WORKERS,
                           persistent_workers=persistent)
     return engine.Trainer(config, callbacks).fit(model, make_loader(persistent), val_data)

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import engine
 from scenarios import SCENARIOS, TIME, FEATURES, build
+from writer_switch import trainer_config
 
 VAL_SAMPLES = 8
 
@@ -81,7 +82,7 @@ def train_validated(run_dir: str | None, epochs: int = 2, every_steps: int | Non
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
                     val_every_n_steps=every_steps if with_val else None, gradient_clip_val=0.5)
     settings.update(config)
-    trainer = engine.Trainer(engine.TrainerConfig(**settings), callbacks=list(callbacks))
+    trainer = engine.Trainer(trainer_config(**settings), callbacks=list(callbacks))
     result = trainer.fit(model, loader, val_loader() if with_val else None)
     return model, result
 

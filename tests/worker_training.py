@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import engine
+from writer_switch import trainer_config
 
 SAMPLES, BATCH, FEATURES, WORKERS = 12, 2, 4, 2
 
@@ -76,7 +77,7 @@ def train(run_dir: str, persistent: bool = False, epochs: int = 2, callbacks: tu
     config = dict(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
                   checkpoint=engine.CheckpointConfig(every_n_splits=every, keep_last=None))
     config.update(settings)
-    return engine.Trainer(engine.TrainerConfig(**config), callbacks=list(callbacks)).fit(model, loader, resume=resume)
+    return engine.Trainer(trainer_config(**config), callbacks=list(callbacks)).fit(model, loader, resume=resume)
 
 
 class AnnounceAndSlowDown(engine.Callback):

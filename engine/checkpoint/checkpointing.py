@@ -89,6 +89,9 @@ class Checkpointing(Protocol):
              force: bool) -> bool:
         """Save ``snapshot``; whether it was written (or queued)."""
 
+    def flush(self) -> None:
+        """Wait until every queued checkpoint is committed, then surface any write error."""
+
     def check(self) -> None:
         """Surface a background error on the training thread."""
 
@@ -142,6 +145,9 @@ class NoCheckpoints:
     def save(self, snapshot: Snapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
         return False
+
+    def flush(self) -> None:
+        pass
 
     def check(self) -> None:
         pass

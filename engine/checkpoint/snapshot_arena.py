@@ -19,6 +19,7 @@ and reports the old snapshot superseded. A reader never sees a torn snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -27,18 +28,90 @@ import struct
 import tempfile
 from typing import TYPE_CHECKING
 
+from engine.checkpoint.lease import close_in_forked_children
 from engine.checkpoint.writer import SnapshotBuffers
 
 if TYPE_CHECKING:
     import torch
 
 SHARED_MEMORY_ROOT = "/dev/shm"
+ARENA_PREFIX = "splitloop-snapshots-"
+# In each arena directory, a file whose flock every process using the arena holds (shared): the
+# training process, and its writer process through the descriptor it inherits. The kernel drops
+# it with the last of them, however they died: an arena is orphaned when nobody holds it, which
+# no PID (reused in containers) could tell.
+OWNERS_FILE = "owners.lock"
+# Owner descriptors: a forked child (a DataLoader worker) must not hold an arena alive.
+_OWNER_DESCRIPTORS: set[int] = set()
+close_in_forked_children(_OWNER_DESCRIPTORS)
 
 
-def make_arena_directory() -> str:
-    """A new private directory for one run's slot files (in memory where the system has it)."""
-    root = SHARED_MEMORY_ROOT if os.path.isdir(SHARED_MEMORY_ROOT) and os.access(SHARED_MEMORY_ROOT, os.W_OK) else None
-    return tempfile.mkdtemp(prefix=f"splitloop-snapshots-{os.getpid()}-", dir=root)
+@dataclasses.dataclass
+class ArenaDirectory:
+    """One run's directory of slot files, and the descriptor by which this process holds it
+    (pass it to the writer process: it then holds the arena too)."""
+
+    path: str
+    owner_descriptor: int
+
+    def remove(self) -> None:
+        """Delete the slot files and let go of the arena (once; again does nothing)."""
+        if self.owner_descriptor < 0:
+            return
+        remove_arena_directory(self.path)
+        _OWNER_DESCRIPTORS.discard(self.owner_descriptor)
+        os.close(self.owner_descriptor)
+        self.owner_descriptor = -1
+
+
+def arena_root() -> str:
+    """Where arena directories are made: in memory where the system has it."""
+    usable = os.path.isdir(SHARED_MEMORY_ROOT) and os.access(SHARED_MEMORY_ROOT, os.W_OK)
+    return SHARED_MEMORY_ROOT if usable else tempfile.gettempdir()
+
+
+def make_arena_directory(root: str | None = None) -> ArenaDirectory:
+    """A new private directory for one run's slot files, held by this process (OWNERS_FILE)
+    before it takes the name :func:`remove_orphaned_arena_directories` looks at."""
+    staging = tempfile.mkdtemp(prefix=f".{ARENA_PREFIX}{os.getpid()}-", dir=root or arena_root())
+    descriptor = os.open(os.path.join(staging, OWNERS_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
+    _OWNER_DESCRIPTORS.add(descriptor)
+    path = os.path.join(os.path.dirname(staging), os.path.basename(staging)[1:])
+    os.rename(staging, path)
+    return ArenaDirectory(path, descriptor)
+
+
+def remove_orphaned_arena_directories(root: str | None = None) -> list[str]:
+    """Delete the arena directories under ``root`` (:func:`arena_root` by default) that no live
+    process holds: those of a training process and a writer process both killed (SIGKILL, OOM),
+    which nothing else would remove from memory. Returns the paths removed."""
+    root = root or arena_root()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    candidates = [os.path.join(root, name) for name in sorted(names) if name.startswith(ARENA_PREFIX)]
+    return [path for path in candidates if _remove_if_orphaned(path)]
+
+
+def _remove_if_orphaned(directory: str) -> bool:
+    """Remove ``directory`` if nobody holds its OWNERS_FILE (taken exclusively meanwhile, so no
+    one can take it up); keep one without that file (another user's, or another version's)."""
+    try:
+        descriptor = os.open(os.path.join(directory, OWNERS_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return False  # a live process holds it
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        os.close(descriptor)
+    return True
 
 
 def remove_arena_directory(directory: str) -> None:

@@ -12,12 +12,18 @@ Writer process -> training process (an inherited pipe): ``released`` (a slot may
 from __future__ import annotations
 
 import os
+import signal
 import struct
 from typing import Any
 
 import msgpack
 
 _LENGTH = struct.Struct("<I")
+# The writer process ends when the training process closes its stdin (or SIGKILL), never of a
+# signal sent to the whole job (scancel's SIGTERM, Ctrl-C, SIGUSR1 to the process group): the
+# training process needs it to commit its preemption checkpoint. It starts with them blocked and
+# ignores them.
+WRITER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def encode_message(message: dict[str, Any]) -> bytes:

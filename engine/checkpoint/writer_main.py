@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import select
+import signal
 import sys
 import threading
 import traceback
@@ -38,7 +39,7 @@ from engine.checkpoint.snapshot_arena import SlotFile, remove_arena_directory
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.writer import PendingCheckpoint, SyncWriter
-from engine.checkpoint.writer_channel import FrameReader, encode_message, write_all
+from engine.checkpoint.writer_channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
 from engine.errors import WriterConflict
 from progress import Cursor
 
@@ -243,6 +244,9 @@ def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[
 
 def main(argv: list[str]) -> int:
     """``argv``: the descriptor of the events pipe (engine.checkpoint.writer_process)."""
+    for number in WRITER_IGNORED_SIGNALS:  # blocked since the start; ignored, a pending one is dropped
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WRITER_IGNORED_SIGNALS)
     faults.arm_from_environment()  # the fault points of the commit path (tests, engine.testing)
     events = Events(int(argv[0]))
     input_descriptor, reader = sys.stdin.fileno(), FrameReader()

@@ -46,11 +46,13 @@ from engine.checkpoint.codec import EncodedState
 from engine.checkpoint.lease import WriterLease, close_in_forked_children
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.checkpoint.retention import Retention
-from engine.checkpoint.snapshot_arena import SharedSnapshotBuffers, make_arena_directory, remove_arena_directory
+from engine.checkpoint.snapshot_arena import (ArenaDirectory, SharedSnapshotBuffers, make_arena_directory,
+                                             remove_orphaned_arena_directories)
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.tiers import TierWriter
 from engine.checkpoint.writer import PendingCheckpoint
-from engine.checkpoint.writer_channel import FrameReader, encode_message, write_all
+from engine.checkpoint.writer_channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
+from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 
 # How long the training process waits for the writer process to answer before it checks that
@@ -92,9 +94,9 @@ class ProcessWriter:
         self._retention = retention
         self._metrics = metrics
         self._when_behind = when_behind
-        self._arena = make_arena_directory()
+        self._arena = launched.arena
         count = max_in_flight + (2 if when_behind == "skip" else 0)
-        self._slots = [SharedSnapshotBuffers(self._arena, index) for index in range(count)]
+        self._slots = [SharedSnapshotBuffers(self._arena.path, index) for index in range(count)]
         self._free = list(range(count))
         self._occupant: dict[int, int] = {}  # slot -> the id of the snapshot copied into it last
         self._published: dict[int, _Published] = {}
@@ -109,6 +111,7 @@ class ProcessWriter:
         self._carried = b""  # metrics bytes for the next message (after a restart)
         self._restarts = 0
         self._closing = False
+        self._lease_lost: WriterConflict | None = None  # reported by the writer process, which then stopped
         self._configure(launched)
 
     # ---- the process ----------------------------------------------------------------------
@@ -122,7 +125,7 @@ class ProcessWriter:
         os.set_blocking(self._input, False)
         retention = self._retention
         self._send({"kind": "config", "run_dir": self._storage.root, "lease": self._lease.handover(),
-                    "arena": self._arena, "metrics_bytes": self._committed_metrics,
+                    "arena": self._arena.path, "metrics_bytes": self._committed_metrics,
                     "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
                     "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind})
 
@@ -131,10 +134,14 @@ class ProcessWriter:
 
     def _writer_died(self) -> None:
         """The writer process ended without being asked: restart it once, handing it what it
-        had not committed; a second time, fail."""
+        had not committed; a second time, fail. One that stopped because the run lost its
+        lease (it reported WriterConflict) is not restarted: that error is raised."""
         code = self._process.wait()
         self._drain_events()
         self._stop_pipes()
+        if self._lease_lost is not None:
+            self._closing = True  # it stopped on purpose: another job owns the run dir; a new one would too
+            raise self._lease_lost
         print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
               + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
               file=sys.stderr, flush=True)
@@ -143,7 +150,7 @@ class ProcessWriter:
             raise CheckpointWriteError(f"the checkpoint writer process died {self._restarts + 1} times (last exit "
                                        f"code {code}); earlier checkpoints are intact")
         self._restarts += 1
-        self._configure(LaunchedWriter(self._lease, inherit_faults=False))
+        self._configure(LaunchedWriter(self._lease, inherit_faults=False, arena=self._arena))
         self._hand_over_again()
 
     def _hand_over_again(self) -> None:
@@ -201,7 +208,10 @@ class ProcessWriter:
         elif kind == "failed":
             self._settle(published, event["id"])
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
-            self._errors.append(error_type(f"checkpoint writer process: {event['message']}"))
+            error = error_type(f"checkpoint writer process: {event['message']}")
+            if isinstance(error, WriterConflict):
+                self._lease_lost = error
+            self._errors.append(error)
 
     def _release_slot(self, slot: int, identifier: int) -> None:
         """The writer is done reading snapshot ``identifier`` in ``slot``: free the slot, unless
@@ -371,6 +381,8 @@ class ProcessWriter:
     def flush(self) -> None:
         """Wait until every snapshot sent is committed (or failed, or superseded)."""
         self.check()
+        if self._closing:  # no writer process any more (its errors are raised): nothing to wait for
+            return
         self._send_everything()
         while self._published:
             self._wait_for_events()
@@ -392,28 +404,35 @@ class ProcessWriter:
             if self._process.poll() is None:  # an error above: do not leave it behind
                 self._process.kill()
                 self._process.wait()
-            remove_arena_directory(self._arena)
+            self._arena.remove()
         self._raise_reported()
 
 
 class LaunchedWriter:
     """A writer process started early (once the lease is taken: its start overlaps the run's
     own start), waiting for its configuration on stdin. It inherits the lease's lock
-    descriptor and the write end of its events pipe; nothing else."""
+    descriptor, the arena's owner descriptor and the write end of its events pipe; nothing else. The first one of a run makes the run's arena (``arena``: a restarted
+    one takes over the run's), after removing those that both their processes left behind."""
 
-    def __init__(self, lease: WriterLease, inherit_faults: bool = True) -> None:
+    def __init__(self, lease: WriterLease, inherit_faults: bool = True, arena: ArenaDirectory | None = None) -> None:
         descriptor = lease.handover()["lock_descriptor"]
+        if arena is None:
+            remove_orphaned_arena_directories()
+        self.arena = make_arena_directory() if arena is None else arena
         events_read, events_write = os.pipe()
         environment = dict(os.environ)
         if not inherit_faults:  # fault injection arms the first writer process only
             environment.pop(faults.ENVIRONMENT_VARIABLE, None)
-        passed = [events_write] + ([descriptor] if descriptor is not None else [])
+        passed = [events_write, self.arena.owner_descriptor] + ([descriptor] if descriptor is not None else [])
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
+            with preemption_signals_blocked(WRITER_IGNORED_SIGNALS):  # until the process ignores them
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
         except BaseException:
             os.close(events_read)
+            if arena is None:
+                self.arena.remove()
             raise
         finally:
             os.close(events_write)
@@ -453,6 +472,7 @@ class LaunchedWriter:
         """The run ends before it wrote anything: let the process go (it exits at EOF)."""
         self.close_pipes()
         self.process.wait()
+        self.arena.remove()
 
 
 close_in_forked_children(_PIPE_DESCRIPTORS)

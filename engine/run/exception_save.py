@@ -112,6 +112,8 @@ class ExceptionSave:
         try:
             written = self._checkpoints.save(record.snapshot(self._parts), record.cursor, record.optimizer_steps,
                                              record.mark, force=True)
+            if written:  # an asynchronous writer commits it now: the note names it, not an older one
+                self._checkpoints.flush()
         except Exception as failure:
             _note(error, f"saving {_where(record)} before raising failed: {type(failure).__name__}: {failure}")
             return

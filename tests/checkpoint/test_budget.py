@@ -355,16 +355,18 @@ def test_a_run_checkpointed_by_budget_resumes_exactly(tmp_path, asynchronous):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode, kill_point", [([], "split_end_after_checkpoint:4"),
                                               (["--async"], "checkpoint_before_manifest:3")])
-def test_sigkill_with_auto_checkpoints_resumes_exactly(tmp_path, mode, kill_point):
+def test_sigkill_with_auto_checkpoints_resumes_exactly(tmp_path, mode, kill_point, test_writer):
     """Each process is SIGKILLed, resumed, killed again...: the run ends bit-exact. Synchronous:
     after its fourth split (by then "auto" checkpointed after its first and third). Asynchronous:
     midway through writing its third checkpoint while training goes on; the writer is sequential,
     so the first two committed and every process moves the run forward (a kill at a split
     boundary would not promise that: on a loaded machine a background write can take longer
-    than the splits before the kill, and the run would restart from the same point forever)."""
+    than the splits before the kill, and the run would restart from the same point forever).
+    With a writer process, a checkpoint_* point kills the writer process, once: the training
+    process starts another (not armed) and ends the run."""
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference)
     run_dir = str(tmp_path / "run")
     kills = run_until_done("tbptt", run_dir, f"{kill_point}:sigkill", "--every", "auto", *mode)
-    assert kills >= 5
+    assert kills >= (1 if test_writer == "process" and kill_point.startswith("checkpoint_") else 5)
     assert_same_run(reference, run_dir)

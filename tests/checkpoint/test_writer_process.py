@@ -4,6 +4,7 @@ SIGKILLed writer process is replaced and the run stays exact; structure changes 
 are laid out again."""
 
 import contextlib
+import glob
 import os
 import re
 import signal
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 import engine
+from engine.checkpoint.snapshot_arena import (ARENA_PREFIX, arena_root, make_arena_directory,
+                                             remove_orphaned_arena_directories)
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import ConfigError
@@ -305,3 +308,74 @@ def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
         train_poisoned("nan", process, anomaly=rollback, checkpoint=engine.CheckpointConfig(
             every_n_splits=1, keep_last=None, asynchronous=True, writer="process"))
     assert_same_run(reference, process)
+
+
+def test_a_new_run_removes_the_arena_of_a_killed_trainer_and_writer_and_keeps_a_live_one(tmp_path):
+    """The training process and its writer process are SIGKILLed together (their process
+    group, as a lost job): nothing removes their slot files from shared memory. The next run's
+    writer process launch removes that arena; an arena a live process holds is kept."""
+    live = make_arena_directory()
+    try:
+        command = [sys.executable, SCRIPT, "tbptt", str(tmp_path / "killed"), "--writer", "process",
+                   "--sleep", "0.05", "--epochs", "6"]
+        killed = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        try:
+            assert killed.stdout.readline().startswith("training")
+            writer = wait_for(lambda: children_running_the_writer(killed.pid))[0]
+            orphan = wait_for(lambda: glob.glob(os.path.join(arena_root(), f"{ARENA_PREFIX}{killed.pid}-*")))[0]
+            os.killpg(killed.pid, signal.SIGKILL)
+            killed.wait(TIMEOUT)
+            wait_for(lambda: not process_lives(writer))
+        finally:
+            if killed.poll() is None:
+                os.killpg(killed.pid, signal.SIGKILL)
+                killed.wait()
+            killed.stdout.close()
+        assert os.path.isdir(orphan)
+        train_with_checkpoints("tbptt", str(tmp_path / "next"), epochs=1, every=1000, writer="process")
+        assert not os.path.exists(orphan)
+        assert os.path.isdir(live.path)
+    finally:
+        live.remove()
+
+
+def process_lives(pid):
+    """Whether ``pid`` is a process that has not exited (a zombie has: its files are closed)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_arena_its_writer_process_alone_still_holds_is_kept(tmp_path):
+    """A training process makes its arena, hands it to a child (as to its writer process,
+    committing the last snapshot) and dies without removing it: the arena is kept while that
+    child lives, removed once it is gone too. A directory of that name without an owners file
+    (not one this engine made) is never removed."""
+    foreign = tmp_path / f"{ARENA_PREFIX}1-foreign"
+    foreign.mkdir()
+    trainer = forkserver.run([sys.executable, "-c", HAND_THE_ARENA_TO_A_CHILD, str(tmp_path)], capture_output=True,
+                             text=True, timeout=TIMEOUT)
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    path, holder = trainer.stdout.split()
+    try:
+        assert remove_orphaned_arena_directories(str(tmp_path)) == []
+        assert os.path.isdir(path)
+    finally:
+        os.kill(int(holder), signal.SIGKILL)
+    wait_for(lambda: not process_lives(int(holder)))
+    assert remove_orphaned_arena_directories(str(tmp_path)) == [path]
+    assert not os.path.exists(path) and foreign.is_dir()
+
+
+HAND_THE_ARENA_TO_A_CHILD = """
+import os, subprocess, sys
+from engine.checkpoint.snapshot_arena import make_arena_directory
+arena = make_arena_directory(root=sys.argv[1])
+holder = subprocess.Popen(["sleep", "600"], pass_fds=[arena.owner_descriptor], start_new_session=True,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(arena.path, holder.pid, flush=True)
+os._exit(0)
+"""

@@ -22,6 +22,7 @@ import sys
 
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # tests/ folders must not shadow the real packages
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (writer_switch), last
 
 import argparse
 import json
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import engine
 import engine.data
+from writer_switch import trainer_config
 
 SAMPLES, BATCH, SHARDS = 48, 4, 4
 BUFFER = 7  # examples in a Hugging Face shuffle buffer: it spans shards and batches
@@ -174,8 +176,8 @@ def train(kind: str, run_dir: str, epochs: int = 2, sleep: float = 0.0, resume: 
     random.seed(0)
     numpy.random.seed(0)
     model = Model()
-    config = engine.TrainerConfig(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
-                                  checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last))
+    config = trainer_config(max_epochs=epochs, run_dir=run_dir, progress_bar="off",
+                            checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=keep_last))
     mode = {"mode": kind.split("-", 1)[1]} if kind.startswith("combined") else {}
     result = engine.Trainer(config, callbacks=[Announce(sleep)]).fit(model, make_data(kind, run_dir), resume=resume, **mode)
     if out_dir:

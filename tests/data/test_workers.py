@@ -22,14 +22,19 @@ from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.data.position import EpochData
 from engine.data.workers import preemption_signals_blocked
+from kill_helpers import WITH_A_WRITER_PROCESS
 from resume_helpers import assert_same_run, copy_run_until
 from worker_training import AugmentedDataset, make_loader, seed_all, train
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(TESTS, "worker_training.py")
-# The repository root after tests/ on the path, so that tests/progress/ does not hide the
-# progress package from a script run out of tests/.
-ENVIRONMENT = dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
+
+
+def environment():
+    """The tests' environment (as a test may have changed it), with the repository root after
+    tests/ on the path, so that tests/progress/ does not hide the package from a script run out
+    of tests/."""
+    return dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
 
 
 def memory_url():
@@ -95,12 +100,13 @@ def test_resume_from_every_checkpoint_with_augmenting_workers_is_exact(persisten
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_process_group_then_resume_is_exact(tmp_path):
+@WITH_A_WRITER_PROCESS  # the writer process is in the group: both die, the resume cleans its arena up
+def test_sigkill_of_the_process_group_then_resume_is_exact(test_writer, tmp_path):
     reference = str(tmp_path / "reference")
     final = train(reference).cursor
     run_dir = str(tmp_path / "run")
     process = subprocess.Popen([sys.executable, SCRIPT, run_dir, "--sleep", "0.2"], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=ENVIRONMENT)
+                               stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=environment())
     try:
         assert process.stdout.readline().strip() == "training"
         while len(CheckpointStore(Storage(run_dir)).committed_names()) < 4:  # mid-epoch 0
@@ -176,7 +182,7 @@ print(sum(len(batch) for batch in loader), flush=True)
 def test_a_process_exits_with_a_preemption_safe_loaders_persistent_workers_never_closed():
     # Its workers ignore SIGTERM, which multiprocessing sends them at exit: they are stopped first.
     completed = subprocess.run([sys.executable, "-c", EXIT_WITH_PERSISTENT_WORKERS_OPEN], capture_output=True,
-                               text=True, timeout=120, env=ENVIRONMENT)
+                               text=True, timeout=120, env=environment())
     assert completed.returncode == 0 and completed.stdout.strip() == "4", completed.stderr[-2000:]
 
 

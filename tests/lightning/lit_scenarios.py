@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (writer_switch), last
+
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
@@ -16,6 +18,7 @@ import engine
 import engine.lightning
 import engine.loggers
 from lit_modules import build, loaders
+from writer_switch import trainer_config
 
 EPOCHS = 3
 
@@ -40,9 +43,8 @@ def loggers(name: str, run_dir: str) -> list[engine.loggers.Logger]:
 def train(name: str, run_dir: str, resume: str = "auto") -> engine.FitResult:
     model = build(name)
     train_loader, val_loader = loaders(name)
-    config = engine.TrainerConfig(max_epochs=EPOCHS, run_dir=run_dir, progress_bar="off",
-                                  val_every_n_steps=3 if name == "checkpointed" else None,
-                                  loggers=loggers(name, run_dir))
+    config = trainer_config(max_epochs=EPOCHS, run_dir=run_dir, progress_bar="off",
+                            val_every_n_steps=3 if name == "checkpointed" else None, loggers=loggers(name, run_dir))
     trainer = engine.lightning.Trainer(config, callbacks=callbacks(name, run_dir))
     return trainer.fit(model, train_loader, None if name == "gan" else val_loader, resume=resume)
 

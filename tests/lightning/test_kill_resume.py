@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from loggers.test_loggers import assert_same_logs
+from kill_helpers import killed_at_the_fault
 from resume_helpers import assert_same_run
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
@@ -82,13 +83,14 @@ def references(tmp_path_factory):
 def kill_and_resume(name, run_dir, rng, kills_wanted):
     """Start the training again and again, armed with a random fault until ``kills_wanted``
     kills, until a process finishes; returns the kills (a fault drawn past the run's end lets
-    it finish early)."""
+    it finish early; with a writer process a checkpoint_* point kills that process, and the
+    training process, which starts another, finishes)."""
     kills = 0
     for _ in range(kills_wanted + 2):
         process = train(name, run_dir, random_fault(name, rng, kills) if kills < kills_wanted else None)
         assert process.returncode in (0, -signal.SIGKILL), process.stderr[-3000:]
         if process.returncode == 0:
-            return kills
+            return kills + killed_at_the_fault(process.returncode, process.stderr)
         kills += 1
     raise AssertionError(f"{name}: {kills} kills, no finished run")
 

@@ -10,7 +10,7 @@ import pytest
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from progress import Cursor
-from kill_helpers import kill_at_random_instant, run_scenario, run_until_done
+from kill_helpers import kill_at_random_instant, killed_at_the_fault, run_scenario, run_until_done
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 
@@ -69,14 +69,15 @@ def test_kill_every_few_boundaries(name, tmp_path, references):
     assert_same_run(references(name), run_dir)
 
 
-def test_kill_with_asynchronous_checkpoints(tmp_path, references):
+def test_kill_with_asynchronous_checkpoints(tmp_path, references, test_writer):
     """SIGKILL while background writes are queued or in progress: a lost write only means an
     older resume point; the result is still exact. Each process dies midway through writing its
     fourth checkpoint (the writer is sequential, so three committed: every process moves the run
-    forward however slow the disk is next to training)."""
+    forward however slow the disk is next to training). With a writer process, that process is
+    the one killed there; the training process starts another (not armed) and ends the run."""
     run_dir = str(tmp_path / "run")
     kills = run_until_done("tbptt", run_dir, "checkpoint_before_manifest:4:sigkill", "--async")
-    assert kills >= 5
+    assert kills >= (1 if test_writer == "process" else 5)
     assert_same_run(references("tbptt"), run_dir)
 
 
@@ -118,16 +119,19 @@ COMMIT_STEPS = [
 @pytest.mark.parametrize("fault", COMMIT_STEPS)
 def test_kill_inside_the_commit_protocol(fault, tmp_path, references):
     """A kill between any two steps of a checkpoint write leaves the previous checkpoint
-    loadable, and the resumed run is exact."""
+    loadable, and the resumed run is exact. With a writer process, the writer is the process
+    killed there: the training process starts another, which commits what its slots still
+    hold, and ends the run; the run is exact."""
     run_dir = str(tmp_path / "run")
     process = run_scenario("tbptt", run_dir, fault)
-    assert process.returncode == -9, process.stderr[-2000:]
+    assert killed_at_the_fault(process.returncode, process.stderr), process.stderr[-2000:]
     store = CheckpointStore(Storage(run_dir))
     latest = store.latest()
     assert latest is not None
-    committed = fault.startswith(("checkpoint_after_rename", "checkpoint_retention"))
-    # the 5th checkpoint is batch 1, split 0 (batch 0 has splits 0-3); the 4th is batch 0, split 3
-    assert latest.progress.cursor == (Cursor(0, 1, 0, 0) if committed else Cursor(0, 0, 3, 0))
+    if process.returncode == -9:  # the training process wrote and died there
+        committed = fault.startswith(("checkpoint_after_rename", "checkpoint_retention"))
+        # the 5th checkpoint is batch 1, split 0 (batch 0 has splits 0-3); the 4th is batch 0, split 3
+        assert latest.progress.cursor == (Cursor(0, 1, 0, 0) if committed else Cursor(0, 0, 3, 0))
     result = train_with_checkpoints("tbptt", run_dir)
     assert result.resumed_from == latest.name
     assert_same_run(references("tbptt"), run_dir)

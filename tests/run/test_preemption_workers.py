@@ -17,14 +17,23 @@ from worker_training import train
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(TESTS, "worker_training.py")
-# The repository root after tests/ on the path: tests/progress/ must not hide the package.
-ENVIRONMENT = dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
 NO_PERIODIC_CHECKPOINT = 1000
 
 
+def environment():
+    """The repository root after tests/ on the path: tests/progress/ must not hide the package."""
+    return dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
-def test_sigterm_to_the_process_group_exits_75_with_a_checkpoint_and_resumes_exactly(persistent, tmp_path):
+@pytest.mark.parametrize("persistent, test_writer", [
+    (False, None), (True, None),
+    (False, "process"),  # the writer process is in the group too: it ignores the signal
+    pytest.param(True, "process", marks=pytest.mark.exhaustive),
+], indirect=["test_writer"], ids=["workers", "persistent_workers", "workers-writer-process",
+                                  "persistent_workers-writer-process"])
+def test_sigterm_to_the_process_group_exits_75_with_a_checkpoint_and_resumes_exactly(persistent, test_writer,
+                                                                                     tmp_path):
     reference = str(tmp_path / "reference")
     train(reference, persistent, every=NO_PERIODIC_CHECKPOINT)
     run_dir = str(tmp_path / "run")
@@ -32,7 +41,7 @@ def test_sigterm_to_the_process_group_exits_75_with_a_checkpoint_and_resumes_exa
     if persistent:
         command.append("--persistent")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True, env=ENVIRONMENT)  # its own group, as a batch job
+                               start_new_session=True, env=environment())  # its own group, as a batch job
     try:
         assert process.stdout.readline().strip() == "training"
         os.killpg(process.pid, signal.SIGTERM)  # what scancel does: the main process and its workers
@@ -43,6 +52,7 @@ def test_sigterm_to_the_process_group_exits_75_with_a_checkpoint_and_resumes_exa
             process.wait()
     assert process.returncode == 75, stderr[-3000:]
     assert "preempted by SIGTERM" in stderr and "killed by signal" not in stderr
+    assert "checkpoint writer process" not in stderr  # no writer process died of the signal
 
     names = CheckpointStore(Storage(run_dir)).committed_names()
     assert len(names) == 1  # the preemption checkpoint, no periodic one

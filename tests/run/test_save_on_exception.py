@@ -23,7 +23,8 @@ from resume_helpers import assert_same_run
 from scenarios import LossRecorder, SeqModel, train_with_checkpoints
 
 EVERY = 10  # splits between the policy's checkpoints (and one at each epoch end)
-SETUPS = {"no accumulation": {}, "accumulate_grad=4": {"accumulate_grad": 4}}
+# "asynchronous": the checkpoint saved before raising is committed before the note names it.
+SETUPS = {"no accumulation": {}, "accumulate_grad=4": {"accumulate_grad": 4}, "asynchronous": {"asynchronous": True}}
 
 
 @pytest.fixture(scope="module")

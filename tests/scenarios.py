@@ -315,6 +315,21 @@ class SlowDown(engine.Callback):
         time.sleep(self.seconds)
 
 
+class HoldWhile(engine.Callback):
+    """From the second split on, waits after each split while ``path`` exists (changes no
+    number): a test keeps the process alive, with the first split's checkpoint committed, as
+    long as it needs it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.splits = 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.splits += 1
+        while self.splits > 1 and os.path.exists(self.path):
+            time.sleep(0.02)
+
+
 def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str = "auto",
                            every: int = 1, keep_last: int | None = 3, asynchronous: bool = False,
                            callbacks: tuple = (), lease_expiry: float | None = None, **extra: Any) -> engine.FitResult:
@@ -367,6 +382,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=lambda value: value if value == "auto" else int(value), default=1,
                         help="checkpoint every N splits, or 'auto' (an overhead budget)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each split")
+    parser.add_argument("--hold-while", default=None, help="from the second split on, wait while this file exists")
     parser.add_argument("--keep-last", type=int, default=3, help="0 keeps every checkpoint")
     parser.add_argument("--lease-expiry", type=float, default=None)
     parser.add_argument("--local-tier", default=None, help="fast checkpoint tier directory")
@@ -378,7 +394,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)
-    callbacks = (AnnounceStart(), SlowDown(args.sleep)) if args.sleep else (AnnounceStart(),)
+    callbacks = (AnnounceStart(), *([SlowDown(args.sleep)] if args.sleep else []),
+                 *([HoldWhile(args.hold_while)] if args.hold_while else []))
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
                                     keep_last=args.keep_last or None, lease_expiry=args.lease_expiry, seed=args.seed,

@@ -281,13 +281,16 @@ def test_a_live_writer_in_another_pid_namespace_is_not_taken_over(tmp_path):
     train_with_checkpoints("tbptt", reference, epochs=3)
     run_dir = str(tmp_path / "run")
     # The holder's pid does not exist in the newcomer's namespace: pid-based liveness took it over.
-    first = start_in_namespace(run_dir, "--epochs", "3", "--sleep", "0.6", pid_one=False)
+    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
+    hold.touch()
+    first = start_in_namespace(run_dir, "--epochs", "3", "--hold-while", str(hold), pid_one=False)
     try:
         assert first.stdout.readline().startswith("training"), first.stderr.read()[-2000:]
         wait_for_checkpoints(run_dir, 1)
         second = subprocess.run(in_new_pid_namespace(sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "3"),
                                 capture_output=True, text=True, env=environment(None), timeout=300)
         first_still_running = first.poll() is None
+        hold.unlink()
         out, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:

@@ -51,12 +51,6 @@ NOT_WITH_A_WRITER_PROCESS = [
     # 40-kill bound trips, or the 300 s test timeout. Not a wrong result: each resume is exact.
     "tests/run/test_rollback.py::test_sigkill_at_random_instants_ends_bit_identical",
     "tests/data/test_streams.py::test_sigkills_at_random_instants_resume_a_stream_exactly",
-    # A second live run is refused at once with the thread writer; with a writer process the
-    # lease's lock is also the writer's, so the second waits (up to 60 s, docs/guarantees.md "A
-    # writer process") in case it is a restart waiting for a killed run's writer, and the first,
-    # shorter than that, has ended meanwhile. Neither ever writes while the other lives.
-    "tests/checkpoint/test_lease.py::test_second_process_is_refused_and_first_one_finishes_exactly",
-    "tests/checkpoint/test_lease.py::test_a_live_writer_in_another_pid_namespace_is_not_taken_over",
 ]
 
 

@@ -43,6 +43,10 @@ from engine.errors import CheckpointWriteError, WriterConflict
 
 LEASE_FILE = "writer.lease"
 LOCK_FILE = "writer.lock"
+# Held (flock) by the training process alone while its lease hands commits to a writer process,
+# which shares the lease's lock: a newcomer that finds writer.lock taken tells a live training
+# process (refused at once) from the writer process of a killed one finishing (waited for).
+TRAINER_LOCK_FILE = "trainer.lock"
 _LEASE_TEMPORARY = re.compile(r"writer\.lease\.[0-9]+\.tmp", re.ASCII)
 # How long a new writer waits for the writer process of a killed run (engine.checkpoint.
 # writer_process) to commit the last snapshot it received and exit, before WriterConflict.
@@ -95,6 +99,7 @@ class WriterLease:
         self.generation = 0
         self.previous_generation = 0
         self._lock_descriptor: int | None = None
+        self._trainer_descriptor: int | None = None
         self._beat = 0
         self._fences: list[tuple[int, int]] = []
         self._heartbeat: threading.Thread | None = None
@@ -209,6 +214,40 @@ class WriterLease:
             ) from None
         self._lock_descriptor = descriptor
         _LOCK_DESCRIPTORS.add(descriptor)
+        if self.uses_writer_process:
+            self._trainer_descriptor = self._lock_trainer_file()
+
+    def _lock_trainer_file(self) -> int | None:
+        """Lock :data:`TRAINER_LOCK_FILE` for this process alone (never passed to the writer
+        process; closed in forked children); None where it cannot be locked (the newcomer then
+        waits, as for a killed run)."""
+        try:
+            descriptor = os.open(self._storage.writable_path(TRAINER_LOCK_FILE),
+                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(descriptor)
+            return None
+        _LOCK_DESCRIPTORS.add(descriptor)
+        return descriptor
+
+    def _training_process_lives(self) -> bool:
+        """Whether the holder's training process still holds :data:`TRAINER_LOCK_FILE`."""
+        try:
+            descriptor = os.open(self._storage.writable_path(TRAINER_LOCK_FILE),
+                                 os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # none: a holder of an earlier version, or it never locked one
+            return False
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as error:
+            return error.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        finally:
+            os.close(descriptor)  # drops the shared lock taken to test it
+        return False
 
     def _lock_or_wait_for_writer_process(self, descriptor: int) -> None:
         """Take the flock; when a holder recorded a writer process (which outlives a killed
@@ -220,7 +259,8 @@ class WriterLease:
         except OSError as error:
             holder = self._read()
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or not holder \
-                    or holder.get("writer_process") is not True or holder.get("released") is True:
+                    or holder.get("writer_process") is not True or holder.get("released") is True \
+                    or self._training_process_lives():
                 raise
         print(f"splitloop: {self._storage.url} is held by {self._describe(holder)}, which writes through a writer "
               f"process; waiting up to {WRITER_PROCESS_DRAIN_SECONDS:.0f} s for it to commit its last checkpoint",
@@ -330,6 +370,10 @@ class WriterLease:
             self._unlock()
 
     def _unlock(self) -> None:
+        if self._trainer_descriptor is not None:
+            descriptor, self._trainer_descriptor = self._trainer_descriptor, None
+            _LOCK_DESCRIPTORS.discard(descriptor)
+            os.close(descriptor)
         if self._lock_descriptor is not None:
             descriptor, self._lock_descriptor = self._lock_descriptor, None
             _LOCK_DESCRIPTORS.discard(descriptor)

@@ -208,6 +208,36 @@ def test_second_process_is_refused_and_first_one_finishes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_process_is_refused_at_once_while_a_training_process_with_a_writer_process_lives(tmp_path):
+    """The writer process shares the lease's lock, so writer.lock alone cannot tell a live
+    training process from the writer of a killed one finishing its last commit (which a restart
+    waits for): the training process's own trainer.lock does, and the second is refused at once."""
+    reference = str(tmp_path / "reference")
+    train_with_checkpoints("tbptt", reference, epochs=2)
+    run_dir = str(tmp_path / "run")
+    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
+    hold.touch()
+    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process", "--hold-while", str(hold)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
+    try:
+        assert first.stdout.readline().startswith("training")
+        wait_for_checkpoints(run_dir, 1)
+        second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process"], capture_output=True,
+                                text=True, env=environment(None), timeout=120)
+        first_still_running = first.poll() is None
+        hold.unlink()
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 1 and "WriterConflict" in second.stderr, second.stderr[-2000:]
+    assert "waiting up to" not in second.stderr, second.stderr[-2000:]
+    assert first_still_running
+    assert first.returncode == 0, err[-2000:]
+    assert_same_run(reference, run_dir)
+
+
+@pytest.mark.slow
 def test_relaunch_after_the_first_writer_was_killed_takes_over(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=6)

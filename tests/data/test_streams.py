@@ -128,7 +128,9 @@ def test_a_stream_with_state_is_loaded_not_replayed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["stream-2", "hf_shuffled-2", "mixture-cycle", "combined-max_size_cycle"])
+@pytest.mark.parametrize("kind", [pytest.param("stream-2", marks=pytest.mark.exhaustive), "hf_shuffled-2",
+                                  pytest.param("mixture-cycle", marks=pytest.mark.exhaustive),
+                                  "combined-max_size_cycle"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):
     """SIGKILL at random instants (workers alive, mid-checkpoint, ...), resume each time: the
     samples each step saw and the final parameters equal the uninterrupted run's. hf_shuffled-2:

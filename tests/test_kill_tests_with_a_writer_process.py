@@ -43,15 +43,10 @@ KILL_TEST_FILES = [
     "tests/lightning/test_kill_resume.py",
 ]
 
-# What cannot hold with a writer process, and why.
-NOT_WITH_A_WRITER_PROCESS = [
-    # Kills within 1-1.5 s of each start: a writer process needs about as long to start (it
-    # imports torch), and with when_behind="wait" the second checkpoint of a start waits for it,
-    # so a start moves the run forward by one split (measured: one checkpoint per start) and the
-    # 40-kill bound trips, or the 300 s test timeout. Not a wrong result: each resume is exact.
-    "tests/run/test_rollback.py::test_sigkill_at_random_instants_ends_bit_identical",
-    "tests/data/test_streams.py::test_sigkills_at_random_instants_resume_a_stream_exactly",
-]
+# What cannot hold with a writer process, and why (none since the writer process starts without
+# torch: the random-instant kills of test_rollback and test_streams, whose starts waited for a
+# writer process importing torch, now pass).
+NOT_WITH_A_WRITER_PROCESS: list[str] = []
 
 
 @pytest.mark.exhaustive

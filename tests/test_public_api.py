@@ -113,8 +113,7 @@ def test_import_engine_imports_a_name_s_module_only_when_the_name_is_used():
               "assert not loaded, loaded\n"
               "trainer = engine.Trainer\n"
               "assert 'engine.trainer' in sys.modules and trainer.__name__ == 'Trainer'\n")
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 0, completed.stderr
+    _assert_runs(script)
 
 
 def test_import_engine_still_gives_the_engines_subpackages_on_use():
@@ -123,8 +122,7 @@ def test_import_engine_still_gives_the_engines_subpackages_on_use():
               "assert engine.loggers is sys.modules['engine.loggers'] and engine.faults is sys.modules['engine.faults']\n"
               "from engine import run\n"
               "assert run is sys.modules['engine.run']\n")
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 0, completed.stderr
+    _assert_runs(script)
 
 
 def test_an_unknown_engine_name_raises_attribute_error():
@@ -206,3 +204,9 @@ def test_engine_docstring_mentions_every_public_name():
     assert doc
     missing = [name for name in engine.__all__ if name not in doc]
     assert missing == []
+
+
+def _assert_runs(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (nothing of engine imported yet); it must succeed."""
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr

@@ -14,7 +14,7 @@ The modules, from the run's side down to the bytes (docs/concepts.md draws the p
 - Writing and reading: ``writer`` (synchronous and background writers; ``worker`` is their
   thread), ``commit`` (the commit request and the single-process committer), ``staged`` (the
   commit protocol), ``catalogue`` (listing, verifying, loading), ``store`` (the catalogue plus
-  committing and retention), ``retention`` (what to keep), ``lease`` (the writer lease and its
+  committing and retention), ``retention`` (what to keep), ``file_lock`` (a non-blocking flock), ``lease`` (the writer lease and its
   fence), ``metrics_log`` (``metrics.jsonl``, exactly once).
 - The run directory: ``storage`` (the protocol; ``storage_local``, ``storage_fsspec`` and
   ``storage_s3`` implement it, one chosen when a run dir is opened).

@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from engine.checkpoint.file_lock import try_lock
 from engine.checkpoint.manifest import MAX_GENERATION
 from engine.checkpoint.storage import Storage
 from engine.errors import CheckpointWriteError, WriterConflict
@@ -221,17 +222,10 @@ class WriterLease:
         """Lock :data:`TRAINER_LOCK_FILE` for this process alone (never passed to the writer
         process; closed in forked children); None where it cannot be locked (the newcomer then
         waits, as for a killed run)."""
-        try:
-            descriptor = os.open(self._storage.writable_path(TRAINER_LOCK_FILE),
-                                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(descriptor)
-            return None
-        _LOCK_DESCRIPTORS.add(descriptor)
+        descriptor = try_lock(self._storage.writable_path(TRAINER_LOCK_FILE),
+                              os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, fcntl.LOCK_EX)
+        if descriptor is not None:
+            _LOCK_DESCRIPTORS.add(descriptor)
         return descriptor
 
     def _training_process_lives(self) -> bool:

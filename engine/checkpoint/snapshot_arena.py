@@ -28,6 +28,7 @@ import struct
 import tempfile
 from typing import TYPE_CHECKING
 
+from engine.checkpoint.file_lock import try_lock
 from engine.checkpoint.lease import close_in_forked_children
 from engine.checkpoint.writer import SnapshotBuffers
 
@@ -98,15 +99,9 @@ def remove_orphaned_arena_directories(root: str | None = None) -> list[str]:
 def _remove_if_orphaned(directory: str) -> bool:
     """Remove ``directory`` if nobody holds its OWNERS_FILE (taken exclusively meanwhile, so no
     one can take it up); keep one without that file (another user's, or another version's)."""
-    try:
-        descriptor = os.open(os.path.join(directory, OWNERS_FILE), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    descriptor = try_lock(os.path.join(directory, OWNERS_FILE), os.O_RDONLY | os.O_CLOEXEC, fcntl.LOCK_EX)
+    if descriptor is None:  # a live process holds it, or it has none
         return False
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        return False  # a live process holds it
     try:
         shutil.rmtree(directory, ignore_errors=True)
     finally:

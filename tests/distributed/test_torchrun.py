@@ -98,7 +98,6 @@ def test_three_ranks_resume_exactly_after_a_sigkill(tmp_path: pathlib.Path) -> N
     helpers.assert_same_result(tmp_path / "reference", tmp_path / "killed", 3)
 
 
-@pytest.mark.exhaustive  # the refusal is tested in-process (test_elastic), and a torchrun refusal end to end there
 def test_resuming_hidden_state_carried_across_batches_on_another_world_size_is_refused(
         reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
     import shutil

@@ -169,16 +169,16 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def test_sigkilled_run_resumed_on_4_then_1_rank_trains_every_step_on_the_same_samples(
         reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """Grown, then shrunk below the first world size (the 2 -> 4 -> 1 -> 2 chain is exhaustive)."""
-    _resume_on_world_sizes([(2, 3), (4, 7), (1, None)], reference_run, tmp_path)
+    _assert_resumes_on_world_sizes_like_the_reference([(2, 3), (4, 7), (1, None)], reference_run, tmp_path)
 
 
 @pytest.mark.exhaustive
 def test_sigkilled_run_resumed_on_4_then_1_then_2_ranks_trains_every_step_on_the_same_samples(
         reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    _resume_on_world_sizes([(2, 3), (4, 7), (1, 10), (2, None)], reference_run, tmp_path)
+    _assert_resumes_on_world_sizes_like_the_reference([(2, 3), (4, 7), (1, 10), (2, None)], reference_run, tmp_path)
 
 
-def _resume_on_world_sizes(chain: list[tuple[int, int | None]], reference_run: pathlib.Path,
+def _assert_resumes_on_world_sizes_like_the_reference(chain: list[tuple[int, int | None]], reference_run: pathlib.Path,
                            tmp_path: pathlib.Path) -> None:
     """Run ``chain`` (ranks, the step after which rank 0 SIGKILLs itself; None: to the end) as
     attempts of one job and compare the samples of every step with the reference run's."""

@@ -411,8 +411,9 @@ class ProcessWriter:
 class LaunchedWriter:
     """A writer process started early (once the lease is taken: its start overlaps the run's
     own start), waiting for its configuration on stdin. It inherits the lease's lock
-    descriptor, the arena's owner descriptor and the write end of its events pipe; nothing else. The first one of a run makes the run's arena (``arena``: a restarted
-    one takes over the run's), after removing those that both their processes left behind."""
+    descriptor, the arena's owner descriptor and the write end of its events pipe; nothing
+    else. The first one of a run makes the run's arena (``arena``: a restarted one takes over
+    the run's), after removing those that both their processes left behind."""
 
     def __init__(self, lease: WriterLease, inherit_faults: bool = True, arena: ArenaDirectory | None = None) -> None:
         descriptor = lease.handover()["lock_descriptor"]

@@ -500,7 +500,7 @@ def test_retention_kept_the_anchor_older_than_the_last_two_checkpoints(tbptt_kil
         [(2, True), (0, False), (1, False)]  # keep_last=2, and the anchor of step 6
 
 
-def _resume_from_the_anchor(ranks: int, tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path,
+def _assert_resumes_from_the_anchor(ranks: int, tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path,
                             tmp_path: pathlib.Path) -> None:
     job = _copy_job(tbptt_killed, tmp_path)
     newest = inspect_run(str(job / "run"))["latest"]
@@ -518,13 +518,13 @@ def _resume_from_the_anchor(ranks: int, tbptt_reference: pathlib.Path, tbptt_kil
 
 def test_a_tbptt_run_killed_inside_a_batch_resumes_on_4_ranks_from_the_anchor(
         tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    _resume_from_the_anchor(4, tbptt_reference, tbptt_killed, tmp_path)
+    _assert_resumes_from_the_anchor(4, tbptt_reference, tbptt_killed, tmp_path)
 
 
 @pytest.mark.exhaustive  # the same fallback, shrinking
 def test_a_tbptt_run_killed_inside_a_batch_resumes_on_1_rank_from_the_anchor(
         tbptt_reference: pathlib.Path, tbptt_killed: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    _resume_from_the_anchor(1, tbptt_reference, tbptt_killed, tmp_path)
+    _assert_resumes_from_the_anchor(1, tbptt_reference, tbptt_killed, tmp_path)
 
 
 def test_resuming_a_checkpoint_inside_a_batch_by_name_on_another_world_size_is_refused(

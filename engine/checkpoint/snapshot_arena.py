@@ -20,6 +20,7 @@ and reports the old snapshot superseded. A reader never sees a torn snapshot.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import mmap
 import os
@@ -123,6 +124,35 @@ def generation_offset(tensor_bytes: int) -> int:
     return (tensor_bytes + _GENERATION_BYTES - 1) // _GENERATION_BYTES * _GENERATION_BYTES
 
 
+def _reserve(descriptor: int, size: int, path: str) -> None:
+    """Allocate a new slot file's ``size`` bytes now. A page of a sparse file in a full tmpfs
+    (a container's 64 MB ``/dev/shm``) is allocated when the copy first touches it, and then
+    the kernel kills the training process with SIGBUS; allocated here, a lack of room is an
+    OSError (ENOSPC) that fails this checkpoint like a full disk (``on_io_error``)."""
+    allocate = getattr(os, "posix_fallocate", None)  # not on macOS (its /tmp is a disk anyway)
+    if allocate is None:
+        return
+    try:
+        allocate(descriptor, 0, size)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a filesystem that cannot reserve (as before: pages come on first touch)
+        root = os.path.dirname(os.path.dirname(path))
+        raise OSError(error.errno, (
+            f"no room in {root} for a snapshot slot of the writer process ({size} bytes, {_free_bytes(root)} "
+            "free; a run has max_in_flight slots, two more with when_behind='skip'): make it larger "
+            "(docker run --shm-size=...) or use CheckpointConfig(writer='thread') "
+            f"({error.strerror})")) from error
+
+
+def _free_bytes(directory: str) -> str:
+    try:
+        status = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return str(status.f_bavail * status.f_frsize)
+
+
 class SlotFile:
     """One slot file mapped shared: its bytes, its generation, and the lock that guards both."""
 
@@ -132,10 +162,16 @@ class SlotFile:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         self._descriptor = os.open(path, flags, 0o600)
         self._generation_offset = generation_offset(tensor_bytes)
+        size = self._generation_offset + _GENERATION_BYTES
         if create:
-            os.ftruncate(self._descriptor, self._generation_offset + _GENERATION_BYTES)
-        self._mapping = mmap.mmap(self._descriptor, self._generation_offset + _GENERATION_BYTES, mmap.MAP_SHARED,
-                                  mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                os.ftruncate(self._descriptor, size)
+                _reserve(self._descriptor, size, path)
+            except BaseException:
+                os.close(self._descriptor)
+                os.unlink(path)
+                raise
+        self._mapping = mmap.mmap(self._descriptor, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         # The tensors' bytes as the writer process writes them (it has no torch to view them with).
         self.flat = memoryview(self._mapping)[:tensor_bytes]
 
@@ -184,8 +220,10 @@ class SharedSnapshotBuffers(SnapshotBuffers):
         return True if self.file is None else self.file.lock(wait)
 
     def publish(self, generation: int) -> None:
-        """Write the generation of the snapshot just copied in (last), and unlock."""
-        assert self.file is not None
+        """Write the generation of the snapshot just copied in (last), and unlock. Nothing to
+        do before a first file exists (its allocation failed)."""
+        if self.file is None:
+            return
         self.file.generation = generation
         self.file.unlock()
 

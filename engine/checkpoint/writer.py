@@ -91,6 +91,7 @@ class SnapshotBuffers:
         # The layout follows from the dtypes and shapes (engine.checkpoint.codec.encode_state).
         key = structure_key(tensors)
         if key != self._key or self._copy is None:
+            self._key, self._copy = None, None  # an allocation that fails leaves no half layout behind
             from_cuda = key[2]
             self._allocate(tensors, layout, pinned=any(from_cuda))
             self._copy = BulkCopy(self._views, from_cuda)

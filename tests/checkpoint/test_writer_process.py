@@ -4,6 +4,7 @@ SIGKILLed writer process is replaced and the run stays exact; structure changes 
 are laid out again."""
 
 import contextlib
+import errno
 import glob
 import os
 import re
@@ -379,3 +380,65 @@ holder = subprocess.Popen(["sleep", "600"], pass_fds=[arena.owner_descriptor], s
 print(arena.path, holder.pid, flush=True)
 os._exit(0)
 """
+
+
+# ---- a shared memory too small for the slots (a container's 64 MB /dev/shm) ----------------------
+def test_a_slot_that_does_not_fit_fails_its_checkpoint_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A slot file's pages are reserved when it is laid out: no room is an OSError naming the
+    remedies (not a SIGBUS at the first copy), no file is left, and the next snapshot lays the
+    slot out again and copies exactly."""
+    from engine.checkpoint import snapshot_arena
+    from engine.checkpoint.codec import encode_state
+
+    tensors = [torch.arange(5000, dtype=torch.float32), torch.ones(3, 7, dtype=torch.float64)]
+    encoded = encode_state({"a": tensors[0], "b": tensors[1]})
+    buffers = snapshot_arena.SharedSnapshotBuffers(str(tmp_path), 0)
+
+    def full(descriptor, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshot_arena.os, "posix_fallocate", full)
+        assert buffers.lock()
+        with pytest.raises(OSError, match=r"no room in .*writer='thread'") as error:
+            buffers.capture(encoded.tensors, encoded.layout)
+        assert error.value.errno == errno.ENOSPC
+        buffers.publish(-1)  # what a failed submit does: nothing to publish yet
+    assert os.listdir(tmp_path) == []
+    assert buffers.lock()
+    views = buffers.capture(encoded.tensors, encoded.layout)
+    buffers.publish(1)
+    assert all(torch.equal(view, tensor) for view, tensor in zip(views, tensors))
+    assert buffers.file is not None and buffers.file.generation == 1
+
+
+TRAIN_WITH_A_WRITER_PROCESS = """
+import sys, torch, engine
+class Wide(engine.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(256, 256)  # 263 KB of parameters: more than the tmpfs holds
+    def training_step(self, batch):
+        return self.layer(batch).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+config = engine.TrainerConfig(max_epochs=1, run_dir=sys.argv[1], progress_bar="off", checkpoint=engine.CheckpointConfig(
+    every_n_splits=1, asynchronous=True, writer="process"))
+engine.Trainer(config).fit(Wide(), [torch.ones(2, 256)] * 3)
+"""
+
+
+def test_a_writer_process_with_too_little_shared_memory_fails_with_a_clear_error(tmp_path):
+    """/dev/shm is a 128 KB tmpfs (in a mount namespace of the test's own): the training
+    process is not killed by SIGBUS when it copies its first snapshot; fit raises
+    CheckpointWriteError saying where room is missing and what to do."""
+    mount = "mount -t tmpfs -o size=128k tmpfs /dev/shm"
+    if subprocess.run(["unshare", "--mount", "sh", "-c", mount], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a new mount namespace here (needs root)")
+    run = subprocess.run(["unshare", "--mount", "sh", "-c", f'{mount} && exec "$0" -c "$1" "$2"', sys.executable,
+                          TRAIN_WITH_A_WRITER_PROCESS, str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=environment(None))
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    last_line = run.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("engine.errors.CheckpointWriteError: checkpoint not written: [Errno 28] no room in /dev/shm")
+    assert "--shm-size" in last_line and "writer='thread'" in last_line

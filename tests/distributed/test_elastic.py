@@ -150,8 +150,8 @@ def test_a_checkpoint_inside_a_batch_is_refused() -> None:
 def _torchrun(ranks: int, job: pathlib.Path, attempt: int, *args: str) -> subprocess.CompletedProcess:
     (job / "out").mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "--max-restarts=0", "--monitor-interval=0.2", SCRIPT, str(job / "run"), str(job / "out"), str(attempt),
-               *args]
+               "--max-restarts=0", "--monitor-interval=0.2", *helpers.rank_entry_point(SCRIPT, forked=True),
+               str(job / "run"), str(job / "out"), str(attempt), *args]
     return helpers.run(command, helpers.environment())
 
 

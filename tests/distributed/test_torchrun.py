@@ -103,7 +103,8 @@ def test_resuming_hidden_state_carried_across_batches_on_another_world_size_is_r
     import shutil
     shutil.copytree(reference_two / "run", tmp_path / "job" / "run")
     (tmp_path / "job" / "out").mkdir()
-    process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out"),
+    process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out",
+                                                  forked_ranks=True),
                           helpers.environment())
     assert process.returncode != 0
     assert "WorldSizeChangeRefused" in process.stderr and "world size 2" in process.stderr
@@ -166,7 +167,7 @@ def test_a_stop_one_rank_decides_is_recorded_alike_by_every_rank_and_ends_the_ru
     assert first is not None and first.progress.end is not None
     assert first.progress.end.reason == "rank-local stop after 5 splits"
     names, metrics = store.names(), (run_dir / "metrics.jsonl").read_bytes()
-    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, *args), helpers.environment())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, *args, forked_ranks=True), helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     steps = first.progress.records["flow.optimizer_steps"].total.completed
     assert f"rank 0 done: rank-local stop after 5 splits steps={steps}" in again.stdout

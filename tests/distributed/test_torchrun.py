@@ -20,6 +20,7 @@ from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import CheckpointIncompatible
 
+import forkserver
 import torchrun_helpers as helpers
 
 pytestmark = pytest.mark.slow
@@ -70,8 +71,9 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     rank, delay = rng.randrange(2), rng.uniform(0.0, 1.0)
     run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
     out_dir.mkdir(parents=True)
-    with subprocess.Popen(helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", max_restarts=2),
-                          env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+    command = helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", max_restarts=2, forked_ranks=True)
+    with forkserver.popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as job:
         helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
         time.sleep(delay)
         helpers.signal_worker(out_dir, rank, signal.SIGKILL)

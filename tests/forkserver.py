@@ -53,6 +53,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.profiler._cupti_monitor", "torch.uti
 PRELOAD += ("pytorch_lightning", "engine.lightning") if importlib.util.find_spec("pytorch_lightning") else ()
 PIPE = subprocess.PIPE
 DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
 _START_TIMEOUT = 120.0
 
 
@@ -216,7 +217,31 @@ class _Server:
         os.rmdir(self.directory)
 
 
-_server: _Server | None = None
+class _AttachedServer:
+    """The server of another process (a test's), whose socket :func:`address` gave: a process
+    that test started (a torchrun agent's rank relay, tests/distributed/rank_relay.py) forks
+    its own child from it."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def wait_ready(self) -> bool:
+        return True
+
+
+_server: _Server | _AttachedServer | None = None
+
+
+def address() -> str | None:
+    """The socket of this process's server (to hand to a process this one starts, see
+    :func:`attach`), or None when children cannot be forked here."""
+    return _server.address if available() and _server is not None else None
+
+
+def attach(server_address: str) -> None:
+    """Fork this process's children from the server at ``server_address`` (another process's)."""
+    global _server
+    _server = _AttachedServer(server_address)
 
 
 def available() -> bool:
@@ -232,7 +257,7 @@ def start() -> None:
         _get_server(wait=False)
 
 
-def _get_server(wait: bool = True) -> _Server | None:
+def _get_server(wait: bool = True) -> _Server | _AttachedServer | None:
     global _server
     if _server is None:
         _server = _Server()
@@ -268,7 +293,10 @@ def popen(args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | 
     handed: list[int] = [os.open(os.devnull, os.O_RDONLY)]
     opened.append(handed[0])
     for target, inherited in ((stdout, 1), (stderr, 2)):
-        if target == PIPE:
+        if target == STDOUT:  # stderr into whatever stdout is
+            handed.append(handed[1])
+            readers.append(None)
+        elif target == PIPE:
             read_end, write_end = os.pipe()
             opened.append(write_end)
             readers.append(os.fdopen(read_end, "r" if text else "rb"))
@@ -340,6 +368,7 @@ class SubprocessShim:
 
     PIPE = PIPE
     DEVNULL = DEVNULL
+    STDOUT = STDOUT
     TimeoutExpired = subprocess.TimeoutExpired
     CompletedProcess = subprocess.CompletedProcess
     run = staticmethod(run)

@@ -115,6 +115,16 @@ def test_an_uncaught_exception_prints_a_traceback_and_exits_1(probe):
     assert "ValueError: probe failed on purpose" in err
 
 
+def test_stderr_can_go_where_stdout_goes(probe, tmp_path):
+    with open(tmp_path / "log", "w") as log:
+        process = forkserver.popen([sys.executable, probe, "raise"], env=environment(), stdout=log,
+                                   stderr=forkserver.STDOUT)
+    assert process.wait(60) == 1
+    logged = (tmp_path / "log").read_text()
+    assert json.loads(logged.splitlines()[0])["name"] == "__main__"
+    assert "ValueError: probe failed on purpose" in logged
+
+
 def test_an_exited_child_stays_a_zombie_until_its_status_is_read(probe):
     """So a signal the test sends meanwhile can only reach this child, never a reused pid."""
     process = forkserver.popen([sys.executable, probe, "3"], env=environment(), stdout=subprocess.DEVNULL)
@@ -140,3 +150,60 @@ def test_without_the_server_children_are_plain_subprocesses(probe, monkeypatch):
     assert isinstance(process, subprocess.Popen)
     process.communicate(timeout=120)
     assert process.returncode == 0
+
+
+# ---- tests/distributed/rank_relay.py: a torchrun rank forked from the server -----------------
+
+RANK_RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed", "rank_relay.py")
+
+
+def start_relayed(probe, *args):
+    """The relay as torchrun starts a rank (a fresh process in a session of its own), the probe
+    forked behind it; (relay, the probe's pid)."""
+    relay = subprocess.Popen([sys.executable, RANK_RELAY, forkserver.address(), probe, *args], env=environment(),
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    seen = json.loads(relay.stdout.readline())
+    if args == ("wait",):
+        assert relay.stdout.readline() == "waiting\n"
+    return relay, seen["pid"]
+
+
+def test_a_relayed_rank_exits_with_the_code_of_its_training_process(probe):
+    relay, pid = start_relayed(probe, "7")
+    assert relay.wait(60) == 7
+    assert pid != relay.pid
+    relay.stdout.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_a_relayed_ranks_group_reaches_its_training_process(probe, signum):
+    """As torchrun ends a rank: a signal to the rank's process group (the relay's)."""
+    relay, pid = start_relayed(probe, "wait")
+    os.killpg(relay.pid, signum)
+    assert relay.wait(60) == -signum  # the probe died of it (default action), then the relay as it did
+    with pytest.raises(ProcessLookupError):  # reaped before the relay ended
+        os.kill(pid, 0)
+    relay.stdout.close()
+
+
+def test_a_sigkilled_training_process_is_a_sigkilled_rank(probe):
+    """A test's SIGKILL of the pid a rank wrote, or a fault point's, is seen by torchrun."""
+    relay, pid = start_relayed(probe, "wait")
+    os.kill(pid, signal.SIGKILL)
+    assert relay.wait(60) == -signal.SIGKILL
+    relay.stdout.close()
+
+
+def test_a_sigkilled_relay_takes_its_training_process_with_it(probe):
+    relay, pid = start_relayed(probe, "wait")
+    relay.kill()
+    assert relay.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "the training process outlived its relay"
+        time.sleep(0.01)
+    relay.stdout.close()

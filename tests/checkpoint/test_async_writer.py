@@ -78,7 +78,9 @@ def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp
 
 
 def test_wait_policy_bounds_snapshots_in_flight(monkeypatch, tmp_path):
-    paced = PacedWrites(monkeypatch)  # each write lasts until the next split ends
+    # Each write lasts until the next split ends; training waits for it (no split ends
+    # meanwhile), so each waited-for write ends after at_most_seconds: short, for the CI time.
+    paced = PacedWrites(monkeypatch, at_most_seconds=0.05)
     in_flight = []
     from engine.checkpoint import writer as writer_module
 

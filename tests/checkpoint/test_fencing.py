@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine
+import forkserver
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.lease import LEASE_FILE, WriterLease, read_fences
@@ -133,13 +134,13 @@ def test_a_writer_frozen_after_its_fence_check_cannot_change_the_run_after_a_tak
     train_with_checkpoints("tbptt", reference)
     run_dir = f"objectdir://{tmp_path}/run"
     common = ["--lease-expiry", "2", "--keep-last", "0"]
-    stale = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, *common, "--stop-after-fence", "5"],
+    stale = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, *common, "--stop-after-fence", "5"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
     try:
         assert stale.stdout.readline().startswith("training"), stale.stderr.read()[-2000:]
         assert stale.stdout.readline().startswith("frozen")
         wait_until_stopped(stale.pid)
-        newcomer = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, *common], capture_output=True,
+        newcomer = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, *common], capture_output=True,
                                   text=True, env=environment(None), timeout=300)
         assert newcomer.returncode == 0, newcomer.stderr[-2000:]
         assert "resumed_from=ckpt-0000000004" in newcomer.stdout
@@ -161,7 +162,7 @@ def test_a_writer_frozen_after_its_fence_check_cannot_change_the_run_after_a_tak
     assert CheckpointStore(Storage(run_dir)).latest().name == final
     assert read_metrics(run_dir) == metrics
     assert_same_run(reference, run_dir)
-    again = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir, *common], capture_output=True, text=True,
+    again = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, *common], capture_output=True, text=True,
                            env=environment(None), timeout=300)
     assert again.returncode == 0 and f"resumed_from={final}" in again.stdout, again.stderr[-2000:]
     assert read_metrics(run_dir) == metrics
@@ -174,13 +175,13 @@ def test_a_writer_frozen_after_its_fence_check_on_a_local_disk_keeps_the_lease(t
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference)
     run_dir = str(tmp_path / "run")
-    frozen = subprocess.Popen([sys.executable, SCRIPT, "tbptt", run_dir, "--stop-after-fence", "5"],
+    frozen = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--stop-after-fence", "5"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
     try:
         assert frozen.stdout.readline().startswith("training"), frozen.stderr.read()[-2000:]
         assert frozen.stdout.readline().startswith("frozen")
         wait_until_stopped(frozen.pid)
-        newcomer = subprocess.run([sys.executable, SCRIPT, "tbptt", run_dir], capture_output=True, text=True,
+        newcomer = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir], capture_output=True, text=True,
                                   env=environment(None), timeout=300)
         frozen.send_signal(signal.SIGCONT)
         out, err = frozen.communicate(timeout=300)

@@ -189,13 +189,16 @@ def test_second_process_is_refused_and_first_one_finishes_exactly(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=4)
     run_dir = str(tmp_path / "run")
-    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--sleep", "0.2"],
+    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
+    hold.touch()
+    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--hold-while", str(hold)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
     try:
         assert first.stdout.readline().startswith("training")
         second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"], capture_output=True,
                                 text=True, env=environment(None), timeout=120)
         first_still_running = first.poll() is None
+        hold.unlink()
         out, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:

@@ -5,7 +5,6 @@ The nesting limit holds on both sides, so the engine never writes a state it can
 import collections
 import json
 import re
-import subprocess
 import sys
 import zlib
 
@@ -20,6 +19,7 @@ from engine.checkpoint.manifest import Manifest
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.cli.commands import inspect_run
+import forkserver
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 
@@ -199,7 +199,7 @@ def test_malformed_newest_checkpoint_is_invalid_and_resume_falls_back(damage, re
 def test_inspect_in_a_real_process_reports_deep_tuples_instead_of_crashing(reference, tmp_path):
     run_dir = str(tmp_path / "run")
     newest, previous = _damaged_copy(reference, run_dir, damage_deep_tuples)
-    process = subprocess.run([sys.executable, "-m", "engine", "inspect", run_dir, "--json"],
+    process = forkserver.run([sys.executable, "-m", "engine", "inspect", run_dir, "--json"],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, (process.returncode, process.stderr[-2000:])
     report = json.loads(process.stdout)

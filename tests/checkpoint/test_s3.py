@@ -4,7 +4,6 @@ overwrites or deletes it; a writer that lost the lease never changes metrics.jso
 mid-checkpoint resume bit-exactly; the CLI reads them."""
 
 import json
-import subprocess
 import sys
 
 import fsspec
@@ -20,6 +19,7 @@ from engine.checkpoint.store import CheckpointStore
 from engine.cli.plot import plot_run, read_rows
 from engine.errors import ConfigError, WriterConflict
 from engine.checkpoint.metrics_log import METRICS_FILE, RESUMES_FILE, MetricsLog
+import forkserver
 from kill_helpers import environment, run_until_done
 from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run
@@ -267,7 +267,7 @@ def test_inspect_reads_an_s3_run_directory(s3_run_url):
     store = CheckpointStore(Storage(s3_run_url))
     older, newest = store.names()
     store.storage.remove_file(f"checkpoints/{newest}/{MANIFEST_FILE}")  # a torn newest one
-    process = subprocess.run([sys.executable, "-m", "engine", "inspect", s3_run_url, "--json"], capture_output=True,
+    process = forkserver.run([sys.executable, "-m", "engine", "inspect", s3_run_url, "--json"], capture_output=True,
                              text=True, env=environment(None), timeout=120)
     assert process.returncode == 0, process.stderr[-3000:]
     report = json.loads(process.stdout)

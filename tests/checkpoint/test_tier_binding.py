@@ -52,14 +52,17 @@ def another_bucket(s3_run_url):
 def test_a_tier_in_use_by_a_live_s3_run_is_refused_and_that_run_is_untouched(s3_run_url, reference, tmp_path):
     fast = str(tmp_path / "node" / "fast")
     live_run = another_bucket(s3_run_url)
+    hold = tmp_path / "hold"  # the live run waits after its second split while this file exists
+    hold.touch()
     with tempfile.TemporaryFile(mode="w+") as stderr:
         process = forkserver.popen([sys.executable, SCRIPT, "tbptt", live_run, "--local-tier", fast, "--durable-every", "4",
-                                    "--sleep", "0.25"], env=environment(None), stdout=subprocess.PIPE, stderr=stderr,
-                                   text=True)
+                                    "--hold-while", str(hold)], env=environment(None), stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True)
         try:
             assert process.stdout.readline().startswith("training")
             with pytest.raises(engine.ConfigError, match="fast tier of another run.*running now"):
                 train_with_checkpoints("tbptt", s3_run_url, tier=(fast, 4))
+            hold.unlink()
             process.wait(TIMEOUT)
             stderr.seek(0)
             assert process.returncode == 0, stderr.read()[-3000:]

@@ -5,7 +5,6 @@ holding one is INVALID (resume falls back to the previous one)."""
 
 import json
 import random
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
+import forkserver
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import train_with_checkpoints
 
@@ -167,7 +167,7 @@ def test_a_forged_rng_state_is_invalid_and_resume_falls_back_exactly(where, refe
     pick, described = WHERE[where]
     _forge_rng(run_dir, newest, pick, FORGED["torch_cpu"])
 
-    process = subprocess.run([sys.executable, "-m", "engine", "inspect", run_dir, "--json"],
+    process = forkserver.run([sys.executable, "-m", "engine", "inspect", run_dir, "--json"],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr[-2000:]
     report = json.loads(process.stdout)

@@ -202,7 +202,7 @@ def torchrun(tmp_path: pathlib.Path, name: str, kind: str, **env: str):
     """The stream script under a real torchrun with 2 ranks (one restart allowed)."""
     run_dir, out_dir = tmp_path / name / "run", tmp_path / name / "out"
     out_dir.mkdir(parents=True)
-    command = torchrun_helpers.torchrun_command(2, run_dir, out_dir, max_restarts=1)
+    command = torchrun_helpers.torchrun_command(2, run_dir, out_dir, max_restarts=1, forked_ranks=True)
     command[command.index(torchrun_helpers.SCRIPT):] = [SCRIPT, kind, str(run_dir), "--out", str(out_dir),
                                                          "--epochs", "1"]
     process = torchrun_helpers.run(command, torchrun_helpers.environment(**env))

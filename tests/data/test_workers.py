@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 import engine
+import forkserver
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from engine.data.position import EpochData
@@ -105,7 +106,7 @@ def test_sigkill_of_the_process_group_then_resume_is_exact(test_writer, tmp_path
     reference = str(tmp_path / "reference")
     final = train(reference).cursor
     run_dir = str(tmp_path / "run")
-    process = subprocess.Popen([sys.executable, SCRIPT, run_dir, "--sleep", "0.2"], stdout=subprocess.PIPE,
+    process = forkserver.popen([sys.executable, SCRIPT, run_dir, "--sleep", "0.2"], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True, start_new_session=True, env=environment())
     try:
         assert process.stdout.readline().strip() == "training"

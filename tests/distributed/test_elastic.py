@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+import forkserver
 import torchrun_helpers as helpers
 from engine.cli.commands import inspect_run
 from engine.data.position import EXHAUSTED, EpochData
@@ -150,8 +151,8 @@ def test_a_checkpoint_inside_a_batch_is_refused() -> None:
 def _torchrun(ranks: int, job: pathlib.Path, attempt: int, *args: str) -> subprocess.CompletedProcess:
     (job / "out").mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "--max-restarts=0", "--monitor-interval=0.2", SCRIPT, str(job / "run"), str(job / "out"), str(attempt),
-               *args]
+               "--max-restarts=0", "--monitor-interval=0.2", *helpers.rank_entry_point(SCRIPT, forked=True),
+               str(job / "run"), str(job / "out"), str(attempt), *args]
     return helpers.run(command, helpers.environment())
 
 
@@ -357,11 +358,13 @@ def _agent(job: pathlib.Path, port: int, log: pathlib.Path, hosts_store: bool) -
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
                f"--rdzv-conf=last_call_timeout=1,is_host={int(hosts_store)}", "--local-addr=127.0.0.1",
                "--max-restarts=0", "--monitor-interval=0.2",
-               SCRIPT, str(job / "run"), str(job / "out"), "w", "--pause-at-step", "3"]
+               *helpers.rank_entry_point(SCRIPT, forked=True), str(job / "run"), str(job / "out"), "w",
+               "--pause-at-step", "3"]
     # Without it the agents keep torch's shared rendezvous store across the membership change and
     # the next round waits forever for keys written to another store (torch 2.13; docs/distributed.md).
-    return subprocess.Popen(command, env=helpers.environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)
+    with log.open("w") as output:
+        return forkserver.popen(command, env=helpers.environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                                stdout=output, stderr=forkserver.STDOUT)
 
 
 def test_a_second_torchrun_agent_joining_mid_run_continues_on_the_larger_world(

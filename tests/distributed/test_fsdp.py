@@ -116,7 +116,8 @@ def test_adam_step_and_moments_after_a_resume_equal_the_uninterrupted_runs(refer
     flow = loaded.state["loops"]["flow"]
     assert flow["pending_backward"] == [True]
     assert all(isinstance(gradient, TensorShard) for gradient in flow["gradients"].values())
-    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT, forked_ranks=True),
+                        helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     steps = optimizer_steps(reference_two / "out")
     for rank in range(2):
@@ -171,7 +172,8 @@ def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(re
     assert job.returncode == 0, stderr[-4000:]
     stopped = [line.partition("; checkpoint ")[2] for line in stderr.splitlines() if line.startswith("splitloop: ")]
     assert len(stopped) == 2 and stopped[0] == stopped[1], stderr[-4000:]  # one boundary, one checkpoint
-    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT, forked_ranks=True),
+                        helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
@@ -231,15 +233,16 @@ def test_a_checkpoint_missing_one_ranks_part_is_invalid_and_resume_falls_back(re
     (run_dir / "checkpoints" / newest / "rank-00001.bin").unlink()
     validity = {info.name: info.valid for info in store.inspect()}
     assert validity[newest] is False and validity[store.names()[-2]] is True
-    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT), helpers.environment())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, script=SCRIPT, forked_ranks=True),
+                        helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
 def test_clipping_sharded_gradients_gives_the_numbers_of_unsharded_clipping(tmp_path: pathlib.Path) -> None:
     script = str(pathlib.Path(helpers.FSDP_SCRIPT).with_name("fsdp_clip.py"))
-    command = [helpers.sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script,
-               str(tmp_path / "clipped.pt")]
+    command = [helpers.sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               *helpers.rank_entry_point(script, forked=True), str(tmp_path / "clipped.pt")]
     process = helpers.run(command, helpers.environment())
     assert process.returncode == 0, process.stderr[-4000:]
     result = torch.load(tmp_path / "clipped.pt", weights_only=True)

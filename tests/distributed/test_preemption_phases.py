@@ -73,7 +73,8 @@ def assert_one_stop_and_one_checkpoint_for_it(job: pathlib.Path, status: int, st
 
 
 def resume_and_compare(reference: pathlib.Path, job: pathlib.Path) -> None:
-    process = helpers.run(helpers.torchrun_command(RANKS, job / "run", job / "out", *OPTIONS), helpers.environment())
+    process = helpers.run(helpers.torchrun_command(RANKS, job / "run", job / "out", *OPTIONS, forked_ranks=True),
+                          helpers.environment())
     assert process.returncode == 0, process.stderr[-4000:]
     helpers.assert_same_result(reference, job, RANKS)
 

@@ -35,7 +35,7 @@ def _torchrun(ranks: int, job: pathlib.Path, attempt: int, kill_after: int | Non
     (job / "out").mkdir(parents=True, exist_ok=True)
     env = {} if kill_after is None else {"KILLS": f"0/0/split_end_after_checkpoint:{kill_after}:sigkill"}
     command = helpers.torchrun_command(ranks, job / "run", job / "out", *OPTIONS, "--record-steps", str(attempt),
-                                       script=helpers.FSDP_SCRIPT)
+                                       script=helpers.FSDP_SCRIPT, forked_ranks=True)
     return helpers.run(command, helpers.environment(**env))
 
 

@@ -20,6 +20,7 @@ from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import CheckpointIncompatible
 
+import forkserver
 import torchrun_helpers as helpers
 
 pytestmark = pytest.mark.slow
@@ -70,8 +71,9 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     rank, delay = rng.randrange(2), rng.uniform(0.0, 1.0)
     run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
     out_dir.mkdir(parents=True)
-    with subprocess.Popen(helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", max_restarts=2),
-                          env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+    command = helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", max_restarts=2, forked_ranks=True)
+    with forkserver.popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as job:
         helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
         time.sleep(delay)
         helpers.signal_worker(out_dir, rank, signal.SIGKILL)
@@ -103,7 +105,8 @@ def test_resuming_hidden_state_carried_across_batches_on_another_world_size_is_r
     import shutil
     shutil.copytree(reference_two / "run", tmp_path / "job" / "run")
     (tmp_path / "job" / "out").mkdir()
-    process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out"),
+    process = helpers.run(helpers.torchrun_command(3, tmp_path / "job" / "run", tmp_path / "job" / "out",
+                                                  forked_ranks=True),
                           helpers.environment())
     assert process.returncode != 0
     assert "WorldSizeChangeRefused" in process.stderr and "world size 2" in process.stderr
@@ -166,7 +169,7 @@ def test_a_stop_one_rank_decides_is_recorded_alike_by_every_rank_and_ends_the_ru
     assert first is not None and first.progress.end is not None
     assert first.progress.end.reason == "rank-local stop after 5 splits"
     names, metrics = store.names(), (run_dir / "metrics.jsonl").read_bytes()
-    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, *args), helpers.environment())
+    again = helpers.run(helpers.torchrun_command(2, run_dir, out_dir, *args, forked_ranks=True), helpers.environment())
     assert again.returncode == 0, again.stderr[-4000:]
     steps = first.progress.records["flow.optimizer_steps"].total.completed
     assert f"rank 0 done: rank-local stop after 5 splits steps={steps}" in again.stdout

@@ -1,5 +1,10 @@
 """Start tests/distributed/dist_train.py (or another script, such as fsdp_train.py) under a real
-torchrun and read what it leaves."""
+torchrun and read what it leaves.
+
+The torchrun agent (``python -m torch.distributed.run``) is forked from the tests' fork server
+(tests/forkserver.py: torch imported once) when it is available, as the kill tests' processes
+are: a real process, its own pid, signalled and killed as a fresh one; the ranks it starts are
+fresh ``python`` processes, as under any torchrun."""
 
 from __future__ import annotations
 
@@ -16,16 +21,30 @@ import time
 
 import torch
 
+import forkserver
+
 SCRIPT = str(pathlib.Path(__file__).with_name("dist_train.py"))
 FSDP_SCRIPT = str(pathlib.Path(__file__).with_name("fsdp_train.py"))
+RANK_RELAY = str(pathlib.Path(__file__).with_name("rank_relay.py"))
 REPOSITORY = str(pathlib.Path(__file__).resolve().parents[2])
 TIMEOUT = 240
 
 
 def torchrun_command(ranks: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
-                     max_restarts: int = 0, script: str = SCRIPT) -> list[str]:
+                     max_restarts: int = 0, script: str = SCRIPT, forked_ranks: bool = False) -> list[str]:
+    """A torchrun job of ``ranks`` processes on this machine. ``forked_ranks``: each rank's
+    training process is forked from this test's fork server (tests/distributed/rank_relay.py),
+    for a job that runs to its end by itself (fault points included); a test that signals the
+    job, or looks at its processes, keeps fresh ranks (the default)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", script, str(run_dir), str(out_dir), *args]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *rank_entry_point(script, forked_ranks),
+            str(run_dir), str(out_dir), *args]
+
+
+def rank_entry_point(script: str, forked: bool) -> list[str]:
+    """``script``, or the relay that has it forked, when ``forked`` and a fork server is available."""
+    server = forkserver.address() if forked else None
+    return [script] if server is None else [RANK_RELAY, server, script]
 
 
 def free_port() -> int:
@@ -56,7 +75,7 @@ def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, **env: str) -> li
     started = []
     for node in range(nodes):
         with open(job / f"node-{node}.log", "a") as log:
-            started.append(subprocess.Popen(node_command(node, port, job / "run", job / "out", *args, nodes=nodes),
+            started.append(forkserver.popen(node_command(node, port, job / "run", job / "out", *args, nodes=nodes),
                                             env=environment(**env), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True))
     return started
@@ -90,16 +109,17 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 def run(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    return forkserver.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: int = 0, script: str = SCRIPT,
           **env: str) -> tuple[subprocess.CompletedProcess, pathlib.Path, pathlib.Path]:
-    """Run a whole torchrun job; (completed process, run dir, out dir)."""
+    """Run a whole torchrun job, its ranks forked (see :func:`torchrun_command`); (completed
+    process, run dir, out dir)."""
     run_dir, out_dir = tmp / name / "run", tmp / name / "out"
     out_dir.mkdir(parents=True)
-    process = run(torchrun_command(ranks, run_dir, out_dir, *args, max_restarts=max_restarts, script=script),
-                  environment(**env))
+    process = run(torchrun_command(ranks, run_dir, out_dir, *args, max_restarts=max_restarts, script=script,
+                                   forked_ranks=True), environment(**env))
     return process, run_dir, out_dir
 
 

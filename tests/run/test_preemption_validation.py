@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import forkserver
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from resume_helpers import assert_same_run
@@ -41,7 +42,7 @@ def run_and_signal_group_in_pause(run_dir: str, handshake: pathlib.Path, *option
     batch or a callback's loader, see ``options``), and return (exit status, stderr)."""
     handshake.mkdir()
     command = [sys.executable, SCRIPT, run_dir, "--handshake", str(handshake), *options]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    process = forkserver.popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=ENVIRONMENT)  # its own group, as a batch job
     try:
         while not (handshake / "validating").exists():

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import forkserver
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 from resume_helpers import assert_same_run, read_metrics
@@ -40,7 +41,7 @@ def test_sigterm_to_the_process_group_exits_75_with_a_checkpoint_and_resumes_exa
     command = [sys.executable, SCRIPT, run_dir, "--sleep", "0.2", "--every", str(NO_PERIODIC_CHECKPOINT)]
     if persistent:
         command.append("--persistent")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    process = forkserver.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=environment())  # its own group, as a batch job
     try:
         assert process.stdout.readline().strip() == "training"

@@ -17,6 +17,8 @@ import threading
 
 import engine
 from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.tiers import DurablePromoter
+from engine.checkpoint.writer import BackgroundWriter
 
 
 class PacedWrites:
@@ -25,12 +27,17 @@ class PacedWrites:
         self.at_most_seconds = at_most_seconds
         self._done = threading.Condition()
         self._splits_done = 0
-        self._in_flight = 0
+        # The worker threads in a paced write or copy, from its start until their worker marks
+        # itself idle: only then has the engine recorded when the work ended (``last_end``,
+        # which decides whether the next split overlapped it).
+        self._busy: set[threading.Thread] = set()
         paced = self
         # A fast tier's copies into the durable tier run in the background too: paced alike, so
         # that how many splits a copy overlaps does not depend on the disk and the load.
         for method in ("write", "copy_from"):
             monkeypatch.setattr(CheckpointStore, method, _paced(paced, getattr(CheckpointStore, method)))
+        for worker in (BackgroundWriter, DurablePromoter):
+            monkeypatch.setattr(worker, "_idle_locked", _ending(paced, worker._idle_locked))
         self.callback = _SplitEnds(self)
 
     def split_done(self) -> None:
@@ -40,18 +47,19 @@ class PacedWrites:
             self._done.notify_all()
 
     def wait_until_idle(self, timeout: float = 10.0) -> None:
-        """Block the caller (the training thread) until no paced write or copy is running: the
-        split after this call then overlaps only work started after it, however slow the disk."""
+        """Block the caller (the training thread) until no paced write or copy is running and
+        its worker has recorded its end: the split after this call then overlaps only work
+        started after it, however slow the disk and however the threads are scheduled."""
         with self._done:
-            self._done.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+            self._done.wait_for(lambda: not self._busy, timeout=timeout)
 
     def _started(self) -> None:
         with self._done:
-            self._in_flight += 1
+            self._busy.add(threading.current_thread())
 
     def _ended(self) -> None:
         with self._done:
-            self._in_flight -= 1
+            self._busy.discard(threading.current_thread())
             self._done.notify_all()
 
     def _wait_for_splits(self) -> None:
@@ -65,13 +73,18 @@ def _paced(paced: PacedWrites, original):
         if threading.current_thread() is threading.main_thread():
             return original(store, *args, **kwargs)
         paced._started()
-        try:
-            paced._wait_for_splits()
-            return original(store, *args, **kwargs)
-        finally:
-            paced._ended()
+        paced._wait_for_splits()
+        return original(store, *args, **kwargs)
 
     return background_work_waits_for_splits
+
+
+def _ending(paced: PacedWrites, original):
+    def idle_after_recording_the_end(worker):
+        original(worker)
+        paced._ended()
+
+    return idle_after_recording_the_end
 
 
 class _SplitEnds(engine.Callback):

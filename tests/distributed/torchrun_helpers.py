@@ -3,8 +3,10 @@ torchrun and read what it leaves.
 
 The torchrun agent (``python -m torch.distributed.run``) is forked from the tests' fork server
 (tests/forkserver.py: torch imported once) when it is available, as the kill tests' processes
-are: a real process, its own pid, signalled and killed as a fresh one; the ranks it starts are
-fresh ``python`` processes, as under any torchrun."""
+are: a real process, its own pid, signalled and killed as a fresh one. The ranks it starts are
+fresh ``python`` processes, as under any torchrun, unless a job asks for ``forked_ranks``
+(:func:`torchrun_command`): each rank is then tests/distributed/rank_relay.py, which has its
+training process forked from the same server."""
 
 from __future__ import annotations
 

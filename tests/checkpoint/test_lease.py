@@ -184,28 +184,40 @@ def test_a_writer_that_lost_the_lease_stops_before_committing(test_writer, tmp_p
     assert "restarting it" not in capfd.readouterr().err
 
 
+def second_run_while_the_first_is_held(tmp_path, run_dir, *args, after_a_checkpoint=False):
+    """Start the tbptt scenario in ``run_dir`` (``args`` added), held after its second split;
+    run a second one on the same run dir meanwhile (after the first's first checkpoint with
+    ``after_a_checkpoint``), then let the first finish. (second, whether the first was still
+    running when the second ended, the first's return code, its stderr)."""
+    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
+    hold.touch()
+    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, *args, "--hold-while", str(hold)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
+    try:
+        assert first.stdout.readline().startswith("training")
+        if after_a_checkpoint:
+            wait_for_checkpoints(run_dir, 1)
+        second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, *args], capture_output=True,
+                                text=True, env=environment(None), timeout=120)
+        first_still_running = first.poll() is None
+        hold.unlink()
+        _, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    return second, first_still_running, first.returncode, err
+
+
 @pytest.mark.slow
 def test_second_process_is_refused_and_first_one_finishes_exactly(tmp_path):
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=4)
     run_dir = str(tmp_path / "run")
-    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
-    hold.touch()
-    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4", "--hold-while", str(hold)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
-    try:
-        assert first.stdout.readline().startswith("training")
-        second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--epochs", "4"], capture_output=True,
-                                text=True, env=environment(None), timeout=120)
-        first_still_running = first.poll() is None
-        hold.unlink()
-        out, err = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    second, first_still_running, first_returncode, err = second_run_while_the_first_is_held(
+        tmp_path, run_dir, "--epochs", "4")
     assert second.returncode == 1 and "WriterConflict" in second.stderr, second.stderr[-2000:]
     assert first_still_running
-    assert first.returncode == 0, err[-2000:]
+    assert first_returncode == 0, err[-2000:]
     assert all(info.valid for info in CheckpointStore(Storage(run_dir)).inspect())
     assert_same_run(reference, run_dir)
 
@@ -218,25 +230,12 @@ def test_a_second_process_is_refused_at_once_while_a_training_process_with_a_wri
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference, epochs=2)
     run_dir = str(tmp_path / "run")
-    hold = tmp_path / "hold"  # the first process waits after its second split while this file exists
-    hold.touch()
-    first = forkserver.popen([sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process", "--hold-while", str(hold)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(None))
-    try:
-        assert first.stdout.readline().startswith("training")
-        wait_for_checkpoints(run_dir, 1)
-        second = forkserver.run([sys.executable, SCRIPT, "tbptt", run_dir, "--writer", "process"], capture_output=True,
-                                text=True, env=environment(None), timeout=120)
-        first_still_running = first.poll() is None
-        hold.unlink()
-        out, err = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
+    second, first_still_running, first_returncode, err = second_run_while_the_first_is_held(
+        tmp_path, run_dir, "--writer", "process", after_a_checkpoint=True)
     assert second.returncode == 1 and "WriterConflict" in second.stderr, second.stderr[-2000:]
     assert "waiting up to" not in second.stderr, second.stderr[-2000:]
     assert first_still_running
-    assert first.returncode == 0, err[-2000:]
+    assert first_returncode == 0, err[-2000:]
     assert_same_run(reference, run_dir)
 
 

@@ -63,6 +63,7 @@ the wall-time ratio auto-async / none and the interval reached.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -76,9 +77,9 @@ import torch
 import engine
 from checkpoint_overhead import (LARGE, SMALL, THREADS, Batch, LanguageModel, SplitClock, Workload,
                                  finish_round, fresh_model, interleaved_rounds, make_batches,
-                                 parse_arguments, same_parameters, scratch_directory)
-from engine.checkpoint.budget import OverheadBudget
+                                 parse_arguments, same_parameters, scratch_directory, smoke_workloads)
 from checkpoint_overhead import children_cpu_seconds
+from engine.checkpoint.budget import OverheadBudget
 from engine.checkpoint.policy import RunCheckpointer
 
 WAYS = ("none", "last-only", "auto-sync", "auto-async", "auto-process")
@@ -219,8 +220,10 @@ def report(workload: Workload, rounds: list[dict[str, RunResult]]) -> tuple[floa
     return median_ratio(rounds, "auto-async"), median_interval(rounds, "auto-async")
 
 
-def workloads(quick: bool) -> list[Workload]:
-    if quick:
+def workloads(arguments: argparse.Namespace) -> list[Workload]:
+    if arguments.smoke:
+        return smoke_workloads()
+    if arguments.quick:
         return [dataclasses.replace(SMALL, batches=8), dataclasses.replace(LARGE, batches=2)]
     return [dataclasses.replace(SMALL, batches=32), dataclasses.replace(LARGE, batches=5)]
 
@@ -233,7 +236,7 @@ def main() -> None:
     log.install()
     figures: dict[str, tuple[float, int]] = {}
     try:
-        for workload in workloads(arguments.quick):
+        for workload in workloads(arguments):
             splits = workload.batches * workload.sequence_length // workload.split_length
             print(f"{workload.label}: LSTM {workload.layers}x{workload.hidden}, {workload.batches} batches of "
                   f"{workload.batch_size}x{workload.sequence_length}, {splits} splits of {workload.split_length} per run")

@@ -26,7 +26,9 @@ filesystem, never /dev/shm, and removed at the end.
 Reproduce (from the repository root, in the environment of the README)::
 
     python benchmarks/checkpoint_io.py              # 1.5-2.5 minutes on 2 shared cores
-    python benchmarks/checkpoint_io.py --quick      # fewer repeats, 30-50 s, for tests
+    python benchmarks/checkpoint_io.py --quick      # fewer repeats, 30-50 s
+    python benchmarks/checkpoint_io.py --smoke      # every step once at 1 MB, the demo's resume only:
+                                                    # proves the script runs (CI); figures mean nothing
 
 The last line is ``write throughput ratio: X.XX (checkpoint / raw write, 100 MB state)``.
 """
@@ -51,14 +53,17 @@ import engine
 import progress
 from engine.checkpoint.checksum import checksum
 from engine.checkpoint.codec import encode_state
+from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.storage import Storage
 
 SIZES_MB = (100, 1)
+SMOKE_SIZES_MB = (1,)
 THREADS = 1
 SEED = 1234
 RAW_FILE = "raw.bin"
 RESUME_MODELS = ("demo", "small", "25M")
+SMOKE_RESUME_MODELS = ("demo",)
 
 StateTree = dict[str, Any]
 
@@ -125,7 +130,7 @@ def prepare_case(megabytes: int, work: str) -> WriteCase:
     progress_bytes = progress.encode_tree(progress.ProgressTree())
     store = CheckpointStore(Storage(os.path.join(work, f"run-{megabytes}mb")))
     encoded = encode_state(state)
-    kept = store.write(encoded, progress_bytes, cursor=None, generation=0)
+    kept = store.write(CommitRequest.of_state(encoded, progress_bytes, cursor=None, generation=0))
     total = sum(os.path.getsize(path) for path in checkpoint_files(store, kept))
     chunks = [*encoded.tensor_chunks(), encoded.header, progress_bytes]
     chunks.append(bytes(total - sum(chunk_size(chunk) for chunk in chunks)))  # the manifest's share
@@ -143,7 +148,7 @@ def time_checkpoint_write(case: WriteCase) -> float:
     os.sync()
     started = time.perf_counter()
     encoded = encode_state(case.state)
-    name = case.store.write(encoded, case.progress_bytes, cursor=None, generation=0)
+    name = case.store.write(CommitRequest.of_state(encoded, case.progress_bytes, cursor=None, generation=0))
     seconds = time.perf_counter() - started
     case.store.storage.remove_tree(f"checkpoints/{name}")
     return seconds
@@ -351,34 +356,36 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="interleaved write/load pairs (default 7, 3 with --quick)")
     parser.add_argument("--resume-repeats", type=int, default=None, help="interleaved resume pairs (default 5, 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, for tests")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--smoke", action="store_true",
+                        help="every step once at the smallest size (CI runs it; the figures mean nothing)")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
     parser.add_argument("--child", choices=["prepare", "resume", "fresh"], help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(RESUME_MODELS), default="demo", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.repeats is None:
-        arguments.repeats = 3 if arguments.quick else 7
+        arguments.repeats = 1 if arguments.smoke else 3 if arguments.quick else 7
     if arguments.resume_repeats is None:
-        arguments.resume_repeats = 1 if arguments.quick else 5
+        arguments.resume_repeats = 1 if arguments.quick or arguments.smoke else 5
     if arguments.repeats < 1 or arguments.resume_repeats < 1:
         parser.error("--repeats and --resume-repeats must be positive")
     return arguments
 
 
-def run_benchmark(arguments: argparse.Namespace, work: str) -> float:
-    """Every measurement; returns the write throughput ratio of the 100 MB state."""
+def run_benchmark(arguments: argparse.Namespace, work: str, sizes_mb: tuple[int, ...]) -> float:
+    """Every measurement; returns the write throughput ratio of the largest state."""
     ratios = {}
-    for megabytes in SIZES_MB:
+    for megabytes in sizes_mb:
         case = prepare_case(megabytes, work)
         print(f"state of about {megabytes} MB: {case.total_bytes / 1e6:.1f} MB on disk")
         ratios[megabytes], extra_seconds = report_write(case, arguments.repeats)
         report_breakdown(case, arguments.repeats, extra_seconds)
-        if megabytes == 100:
+        if megabytes == max(sizes_mb):
             report_load(case, arguments.repeats)
-    for model in RESUME_MODELS:
+    for model in SMOKE_RESUME_MODELS if arguments.smoke else RESUME_MODELS:
         report_resume(work, arguments.resume_repeats, model)
-    return ratios[100]
+    return ratios[max(sizes_mb)]
 
 
 def main() -> None:
@@ -389,11 +396,12 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     work = os.path.abspath(tempfile.mkdtemp(prefix="checkpoint_io-", dir=arguments.dir or os.getcwd()))
     print(f"temporary directory {work}, torch {torch.__version__}")
+    sizes_mb = SMOKE_SIZES_MB if arguments.smoke else SIZES_MB
     try:
-        ratio = run_benchmark(arguments, work)
+        ratio = run_benchmark(arguments, work, sizes_mb)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"write throughput ratio: {ratio:.2f} (checkpoint / raw write, 100 MB state)")
+    print(f"write throughput ratio: {ratio:.2f} (checkpoint / raw write, {max(sizes_mb)} MB state)")
 
 
 if __name__ == "__main__":

@@ -498,11 +498,12 @@ def parse_arguments(description: str = __doc__, default_repeats: int = 3) -> arg
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None,
                         help=f"interleaved rounds per model (default {default_repeats}, 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="one round of shorter runs, for tests")
+    parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
+    parser.add_argument("--smoke", action="store_true", help="every way once on tiny models (CI runs it; the figures mean nothing)")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
     arguments = parser.parse_args()
     if arguments.repeats is None:
-        arguments.repeats = 1 if arguments.quick else default_repeats
+        arguments.repeats = 1 if arguments.quick or arguments.smoke else default_repeats
     if arguments.repeats < 1:
         parser.error("--repeats must be positive")
     return arguments
@@ -534,8 +535,16 @@ def filesystem_type(path: str) -> str:
     return kind
 
 
-def workloads(quick: bool) -> list[Workload]:
-    if not quick:
+def smoke_workloads() -> list[Workload]:
+    """The two workloads at their smallest (``--smoke``): the "25M" label is kept, the model is not."""
+    return [dataclasses.replace(SMALL, batches=1, sequence_length=64),
+            dataclasses.replace(LARGE, vocabulary=64, embedding=16, hidden=16, batches=1, sequence_length=32)]
+
+
+def workloads(arguments: argparse.Namespace) -> list[Workload]:
+    if arguments.smoke:
+        return smoke_workloads()
+    if not arguments.quick:
         return [SMALL, LARGE]
     return [dataclasses.replace(SMALL, batches=3), dataclasses.replace(LARGE, batches=1, sequence_length=32)]
 
@@ -548,7 +557,7 @@ def main() -> None:
     timers.install()
     ratios: dict[str, dict[str, float]] = {}
     try:
-        for workload in workloads(arguments.quick):
+        for workload in workloads(arguments):
             splits = workload.batches * workload.sequence_length // workload.split_length
             parameters = sum(p.numel() for p in fresh_model(workload).parameters())
             print(f"{workload.label}: LSTM {workload.layers}x{workload.hidden}, {parameters / 1e6:.2f}M parameters, "
@@ -556,7 +565,7 @@ def main() -> None:
                   f"{splits} splits of {workload.split_length} per run")
             rounds = run_rounds(workload, arguments.repeats, work, timers)
             ratios[workload.label] = report_runs(workload, rounds)
-            report_blocking(workload, rounds, repeats=5 if arguments.quick else 9)
+            report_blocking(workload, rounds, repeats=1 if arguments.smoke else 5 if arguments.quick else 9)
     finally:
         timers.uninstall()
         shutil.rmtree(work, ignore_errors=True)

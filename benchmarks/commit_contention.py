@@ -41,86 +41,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
 import checkpoint_overhead as overhead
 
 KINDS = ("idle", "spin", "commit")
-SMALL_FILES = (("state.msgpack", 3800), ("progress.msgpack", 600), ("MANIFEST.json", 330))
-LOG_LINE = b'{"stage": "train", "loss": 4.1588}\n'
-
-
-# ---- the other process ---------------------------------------------------------------------------
-class Stop:
-    """Set by SIGTERM: the loop ends after its current iteration."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._request)
-
-    def _request(self, *_: object) -> None:
-        self.requested = True
-
-
-def spin(stop: Stop) -> int:
-    iterations = 0
-    while not stop.requested:
-        iterations += 1
-    return iterations
-
-
-def write_file(path: str, data: bytes) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(descriptor, data)
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def fsync_path(path: str, flags: int = os.O_RDONLY) -> None:
-    descriptor = os.open(path, flags)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def commit_loop(stop: Stop, root: str, tensor_bytes: int) -> int:
-    """Durable commits of a checkpoint of ``tensor_bytes`` into ``root`` until stopped; the count."""
-    tensors = os.urandom(tensor_bytes)
-    small = [(name, os.urandom(size)) for name, size in SMALL_FILES]
-    checkpoints, log = os.path.join(root, "checkpoints"), os.path.join(root, "metrics.jsonl")
-    os.makedirs(checkpoints)
-    committed: list[str] = []
-    while not stop.requested:
-        sequence = len(committed) + 1
-        staging = os.path.join(checkpoints, f"tmp-{sequence:010d}")
-        os.mkdir(staging)
-        write_file(os.path.join(staging, "tensors.bin"), tensors)
-        for name, data in small:
-            write_file(os.path.join(staging, name), data)
-        fsync_path(staging)
-        with open(log, "ab") as handle:
-            handle.write(LOG_LINE)
-            handle.flush()
-            os.fsync(handle.fileno())
-        final = os.path.join(checkpoints, f"ckpt-{sequence:010d}")
-        os.rename(staging, final)
-        fsync_path(checkpoints)
-        committed.append(final)
-        if len(committed) > 2:  # keep_last=2
-            shutil.rmtree(committed[-3])
-    return len(committed)
-
-
-def neighbour_main(kind: str, root: str, tensor_bytes: int) -> None:
-    stop = Stop()
-    print("ready", flush=True)
-    count = spin(stop) if kind == "spin" else commit_loop(stop, root, tensor_bytes)
-    print(count, flush=True)
 
 
 # ---- the training side ---------------------------------------------------------------------------
@@ -129,7 +55,8 @@ class Neighbour:
 
     def __init__(self, kind: str, root: str, tensor_bytes: int) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--neighbour", kind, root, str(tensor_bytes)],
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "commit_neighbour.py"),
+             kind, root, str(tensor_bytes)],
             stdout=subprocess.PIPE, text=True)
         assert self.process.stdout is not None
         if self.process.stdout.readline().strip() != "ready":
@@ -167,18 +94,15 @@ def timed_run(workload: overhead.Workload, kind: str, batches: list[overhead.Bat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 5, 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="one round of shorter runs, for tests")
+    parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
+    parser.add_argument("--smoke", action="store_true", help="one round of one batch (CI runs it; the figures mean nothing)")
     parser.add_argument("--dir", default=None, help="where to create the temporary directory (default: the current directory)")
-    parser.add_argument("--neighbour", nargs=3, metavar=("KIND", "DIR", "BYTES"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
-    if arguments.neighbour is not None:
-        kind, root, size = arguments.neighbour
-        return neighbour_main(kind, root, int(size))
-    repeats = arguments.repeats if arguments.repeats is not None else (1 if arguments.quick else 5)
+    repeats = arguments.repeats if arguments.repeats is not None else (1 if arguments.quick or arguments.smoke else 5)
     if repeats < 1:
         parser.error("--repeats must be positive")
     torch.set_num_threads(overhead.THREADS)
-    workload = dataclasses.replace(overhead.SMALL, batches=3 if arguments.quick else 20)
+    workload = dataclasses.replace(overhead.SMALL, batches=1 if arguments.smoke else 3 if arguments.quick else 20)
     work = overhead.scratch_directory("commit_contention-", arguments.dir)
     timers = overhead.CheckpointTimers()
     batches = overhead.make_batches(workload)

@@ -150,12 +150,13 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="interleaved pairs (default 7, 3 with --quick)")
     parser.add_argument("--batches", type=int, default=None, help="batches per run (default 40, 3 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="a small run for tests (seconds)")
+    parser.add_argument("--quick", action="store_true", help="a small run (seconds)")
+    parser.add_argument("--smoke", action="store_true", help="one pair of one-batch runs (CI runs it; the figures mean nothing)")
     arguments = parser.parse_args()
     if arguments.repeats is None:
-        arguments.repeats = 3 if arguments.quick else 7
+        arguments.repeats = 1 if arguments.smoke else 3 if arguments.quick else 7
     if arguments.batches is None:
-        arguments.batches = 3 if arguments.quick else 40
+        arguments.batches = 1 if arguments.smoke else 3 if arguments.quick else 40
     if arguments.repeats < 1 or arguments.batches < 1:
         parser.error("--repeats and --batches must be positive")
     return arguments

@@ -517,7 +517,7 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     device = entry.get("device", "cpu")
     if not isinstance(device, str):
         raise CheckpointCorrupt(f"{where}: device {device!r} is not a device name")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if nbytes != elements * itemsize:
         raise CheckpointCorrupt(f"{where}: declares {nbytes} bytes but shape {shape} of {entry['dtype']} needs {elements * itemsize}")
     if offset + nbytes > len(data):

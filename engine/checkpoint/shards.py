@@ -95,8 +95,9 @@ def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
     if any(name != REPLICATE and int(name[len(SHARD_PREFIX):]) >= len(global_shape) for name in names):
         raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} name a dimension its global shape "
                                 f"{global_shape} does not have")
-    if any(offset + size > whole for offset, size, whole in zip(offsets, local.shape, global_shape)):
-        raise CheckpointCorrupt(f"a shard of shape {tuple(local.shape)} at offsets {offsets} lies outside the "
+    local_shape = tuple(local.shape)
+    if any(offset + size > whole for offset, size, whole in zip(offsets, local_shape, global_shape)):
+        raise CheckpointCorrupt(f"a shard of shape {local_shape} at offsets {offsets} lies outside the "
                                 f"global shape {global_shape}")
     return TensorShard(local, global_shape, offsets, mesh_shape, tuple(names))
 
@@ -191,6 +192,11 @@ def _first_overlap(pieces: list[TensorShard]) -> TensorShard | None:
     of many ranks has as many pieces per tensor)."""
     if len(pieces) < 2 or not pieces[0].offsets:
         return None
+    if len(pieces) <= _OVERLAP_ROWS // 16:  # a few pieces: cheaper one pair at a time than in tensors
+        boxes = [tuple(slice(start, start + size) for start, size in zip(piece.offsets, piece.local.shape))
+                 for piece in pieces]
+        return next((pieces[later] for later in range(len(boxes)) for earlier in range(later)
+                     if _boxes_meet(boxes[earlier], boxes[later])), None)
     starts = torch.tensor([piece.offsets for piece in pieces], dtype=torch.int64)
     stops = starts + torch.tensor([tuple(piece.local.shape) for piece in pieces], dtype=torch.int64)
     later = torch.arange(len(pieces))

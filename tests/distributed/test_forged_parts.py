@@ -11,7 +11,6 @@ import dataclasses
 import json
 import pathlib
 import sys
-import zlib
 from typing import Any, Callable
 
 import pytest
@@ -21,16 +20,15 @@ import engine
 import forkserver
 import fsdp_train
 import torchrun_helpers as helpers
-from engine.checkpoint.codec import decode_state, encode_state
 from engine.checkpoint.shards import TensorShard
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.cli.commands import inspect_run
+from forged_checkpoints import MAIN, rank_part, replace_files, rewrite
 from resume_helpers import copy_run_until
 
 pytestmark = pytest.mark.slow
-MAIN = ("state.msgpack", "tensors.bin")
-RANK_1 = ("rank-00001.msgpack", "rank-00001.bin")
+RANK_1 = rank_part(1)
 WEIGHT = "embedding.weight"  # 15 rows of 8: rank 0 holds rows 0..7, rank 1 rows 8..14
 LOAD_UNDER_LIMIT = str(pathlib.Path(__file__).with_name("export_under_memory_limit.py"))
 
@@ -52,27 +50,8 @@ def _forged_copy(reference: pathlib.Path, run_dir: pathlib.Path,
     forged, previous = names[-2], names[-3]
     copy_run_until(str(reference / "run"), str(run_dir), forged)
     for files, edit in forgeries:
-        _rewrite(run_dir / "checkpoints" / forged, files, edit)
+        rewrite(run_dir / "checkpoints" / forged, files, edit)
     return forged, previous
-
-
-def _rewrite(checkpoint: pathlib.Path, files: tuple[str, str], edit: Callable[[Any], Any]) -> None:
-    """Decode a part, edit its tree, encode it again and record the new sizes and checksums in
-    the manifest: the forgery passes every size and checksum check."""
-    header_file, tensors_file = files
-    tree = decode_state((checkpoint / header_file).read_bytes(), bytearray((checkpoint / tensors_file).read_bytes()))
-    encoded = encode_state(edit(tree))
-    contents = {header_file: bytes(encoded.header),
-                tensors_file: b"".join(bytes(chunk) for chunk in encoded.tensor_chunks())}
-    _replace_files(checkpoint, contents)
-
-
-def _replace_files(checkpoint: pathlib.Path, contents: dict[str, bytes]) -> None:
-    manifest = json.loads((checkpoint / "MANIFEST.json").read_text())
-    for file_name, data in contents.items():
-        (checkpoint / file_name).write_bytes(data)
-        manifest["files"][file_name] = {"size": len(data), "crc32": zlib.crc32(data)}
-    (checkpoint / "MANIFEST.json").write_text(json.dumps(manifest))
 
 
 def _placed(**changes: Any) -> Callable[[Any], Any]:
@@ -128,7 +107,7 @@ FORGERIES: dict[str, tuple[list[tuple[tuple[str, str], Callable[[Any], Any]]], s
 
 
 def _garbage_part(run_dir: pathlib.Path, forged: str) -> None:
-    _replace_files(run_dir / "checkpoints" / forged, {"rank-00001.msgpack": b"\xc1 not msgpack"})
+    replace_files(run_dir / "checkpoints" / forged, {"rank-00001.msgpack": b"\xc1 not msgpack"})
 
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))

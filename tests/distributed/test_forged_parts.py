@@ -30,14 +30,16 @@ from resume_helpers import copy_run_until
 pytestmark = pytest.mark.slow
 RANK_1 = rank_part(1)
 WEIGHT = "embedding.weight"  # 15 rows of 8: rank 0 holds rows 0..7, rank 1 rows 8..14
+# One epoch of whole batches (no TBPTT), one optimizer step each: 4 steps, a checkpoint after each.
+OPTIONS = ("--epochs", "1", "--whole-batches", "--accumulate", "1")
 LOAD_UNDER_LIMIT = str(pathlib.Path(__file__).with_name("export_under_memory_limit.py"))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """An uninterrupted 2-rank sharded job of one epoch (a checkpoint every split, the last 3 kept)."""
+    """An uninterrupted 2-rank sharded job (a checkpoint every step, the last 3 kept)."""
     tmp = tmp_path_factory.mktemp("forged")
-    process, _, _ = helpers.train(tmp, "reference", 2, "--epochs", "1", script=helpers.FSDP_SCRIPT)
+    process, _, _ = helpers.train(tmp, "reference", 2, *OPTIONS, script=helpers.FSDP_SCRIPT)
     assert process.returncode == 0, process.stderr[-4000:]
     return tmp / "reference"
 
@@ -160,7 +162,7 @@ def test_a_two_rank_resume_over_a_forged_newest_checkpoint_takes_the_one_before_
     forgeries, _ = FORGERIES["offsets outside the tensor"]
     forged, previous = _forged_copy(reference, job / "run", forgeries)
     (job / "out").mkdir()
-    process = helpers.run(helpers.torchrun_command(2, job / "run", job / "out", "--epochs", "1",
+    process = helpers.run(helpers.torchrun_command(2, job / "run", job / "out", *OPTIONS,
                                                    script=helpers.FSDP_SCRIPT, forked_ranks=True),
                           helpers.environment())
     assert process.returncode == 0, process.stderr[-4000:]

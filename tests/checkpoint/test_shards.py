@@ -187,3 +187,22 @@ def test_overlapping_pieces_are_found_among_many(ranks: int) -> None:
     blocks[-2], blocks[-1] = (ranks - 3, 2), (ranks, 0)
     with pytest.raises(CheckpointCorrupt, match=f"two saved shards overlap at offsets \\[{ranks - 3}, 0\\]"):
         _rows(torch.randn(ranks, 3), blocks, mesh=(ranks,)).check_layout()
+
+
+def test_resharding_refuses_shards_that_do_not_tile_a_huge_global_shape_before_cutting_any_block() -> None:
+    # A 2-rank checkpoint resumed on 1 rank would cut a block of the whole recorded shape
+    # (2**38 x 3 float32: 3 TiB) out of the pieces: the layout is refused first.
+    from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
+    from engine.distributed.reshard import every_ranks_pieces
+
+    def part(offset: int) -> dict:
+        return {MODULE: {"w": TensorShard(torch.zeros(4, 3), (2 ** 38, 3), (offset, 0), (2,), ("shard:0",))},
+                OPTIMIZERS: []}
+
+    encoded = encode_state(part(4))
+    files = {"rank-00001.msgpack": bytearray(encoded.header),
+             "rank-00001.bin": bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks()))}
+    state = {SIGNATURE: {"world_size": 2, "sharded": True}, **part(0)}
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards hold 24 element\(s\) and do not "
+                                                r"cover the global shape \(274877906944, 3\)"):
+        every_ranks_pieces("ckpt", state, files)

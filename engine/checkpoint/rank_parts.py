@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from engine.checkpoint.catalogue import StateValidator
 from engine.checkpoint.codec import decode_state
 from engine.checkpoint.rank_files import is_rank_file, rank_files
-from engine.checkpoint.shards import SavedPieces, pair_pieces
+from engine.checkpoint.shards import SavedPieces, TensorShard, pair_pieces
 from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, OPTIMIZERS, RNG, SIGNATURE
 from engine.errors import CheckpointCorrupt
 
@@ -83,6 +83,10 @@ def check_rank_parts(name: str, state: Any, files: Mapping[str, bytearray], vali
         return
     world_size = saved_world_size(signature)
     _check_part_files(name, world_size, files)
+    module = state.get(MODULE)
+    if not is_sharded(signature) and isinstance(module, dict) and any(map(_is_shard, module.values())):
+        raise CheckpointCorrupt(f"{name}: its model holds sharded tensors but its signature does not record a "
+                                "sharded run")
     parts = [state]
     for rank in range(1, world_size):
         part = decode_rank_part(name, files, rank)
@@ -108,6 +112,10 @@ def _check_part_files(name: str, world_size: int, files: Mapping[str, bytearray]
     raise CheckpointCorrupt(f"{name}: written by {world_size} rank(s) (its signature), so it needs the parts of "
                             f"ranks 1..{world_size - 1} (rank-NNNNN.bin/.msgpack each); its manifest lists "
                             f"{shown or 'none'}")
+
+
+def _is_shard(value: Any) -> bool:
+    return isinstance(value, TensorShard)
 
 
 def _dropped(value: Any) -> None:

@@ -98,6 +98,8 @@ FORGERIES: dict[str, tuple[list[tuple[tuple[str, str], Callable[[Any], Any]]], s
     "a mesh of another size": ([(MAIN, _placed(mesh_shape=(4,))), (RANK_1, _placed(mesh_shape=(4,)))],
                                "device mesh of shape [4] (4 ranks) by 2 rank(s)"),
     "a larger world size": ([(MAIN, _signature(world_size=3))], "needs the parts of ranks 1..2"),
+    "a signature that hides the sharding": ([(MAIN, _signature(sharded=False))],
+                                            "its model holds sharded tensors but its signature does not record"),
     "a rank part without its shards": ([(RANK_1, _without("module"))], "a rank part has keys"),
     "a malformed RNG state in a rank part": ([(RANK_1, _rng)], "(the part of rank 1): the RNG state is malformed"),
     "a huge global shape": ([(files, _placed(global_shape=(2 ** 40, 8))) for files in (MAIN, RANK_1)],

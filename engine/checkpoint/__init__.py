@@ -10,7 +10,9 @@ The modules, from the run's side down to the bytes (docs/concepts.md draws the p
 - What a checkpoint holds: ``state_keys`` (the state tree's top-level keys), ``codec`` (state
   tree <-> msgpack + raw tensor bytes), ``manifest`` (the commit record with sizes and
   checksums), ``checksum``, ``rank_files`` and ``names`` (file and directory names),
-  ``fingerprint`` (a hash of the trained state).
+  ``rank_parts`` (what each rank's part holds, and the check of every part when a checkpoint is
+  loaded), ``shards`` (sharded tensors and their placements), ``bounds`` (the largest shapes a
+  file may describe), ``fingerprint`` (a hash of the trained state).
 - Writing and reading: ``writer`` (synchronous and background writers; ``worker`` is their
   thread), ``commit`` (the commit request and the single-process committer), ``staged`` (the
   commit protocol), ``catalogue`` (listing, verifying, loading), ``store`` (the catalogue plus

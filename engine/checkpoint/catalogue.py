@@ -150,7 +150,8 @@ class CheckpointCatalogue:
     # ---- reading ----------------------------------------------------------------------
     def load(self, name: str, validate: StateValidator | None = None) -> LoadedCheckpoint:
         """Verify every file against the manifest, decode, then ``validate(name, state)`` (the
-        run state's own checks). Raises CheckpointCorrupt (also for an I/O error, or a file
+        run state's own checks); a distributed checkpoint's rank parts are decoded and checked
+        too (engine.checkpoint.rank_parts). Raises CheckpointCorrupt (also for an I/O error, or a file
         where a directory belongs and the reverse)."""
         try:
             loaded = self._load(name, validate)
@@ -168,6 +169,7 @@ class CheckpointCatalogue:
     def _load(self, name: str, validate: StateValidator | None) -> LoadedCheckpoint:
         # Imported here: the writer process commits through this module and has no torch.
         from engine.checkpoint.codec import decode_state
+        from engine.checkpoint.rank_parts import check_rank_parts
 
         manifest, contents = self._read_verified(name)
         try:
@@ -180,8 +182,10 @@ class CheckpointCatalogue:
             raise CheckpointCorrupt(f"{name}: state.msgpack / tensors.bin: {error}") from error
         if validate is not None:
             validate(name, state)
-        extra = set(manifest.files) - set(DATA_FILES)
-        return LoadedCheckpoint(name, manifest, progress, state, {n: contents[n] for n in extra})
+        extra = {file_name: contents[file_name] for file_name in set(manifest.files) - set(DATA_FILES)}
+        # What is chosen must load on every rank: each part is decoded here, not first at restore.
+        check_rank_parts(name, state, extra, validate)
+        return LoadedCheckpoint(name, manifest, progress, state, extra)
 
     def _read_verified(self, name: str) -> tuple[Manifest, dict[str, bytearray]]:
         """The manifest and the data files of ``name``, each checked against the manifest."""

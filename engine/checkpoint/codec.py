@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 import torch
 
+from engine.checkpoint.bounds import MAX_DIMS, MAX_ELEMENTS, is_count
 from engine.checkpoint.encoded_state import EncodedState
 from engine.checkpoint.shards import TensorShard, is_dtensor, shard_from_plain, shard_of
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
@@ -45,10 +46,8 @@ _EXT_TENSOR = 1
 _EXT_TUPLE = 2
 _EXT_NAMEDTUPLE = 3
 _EXT_SHARD = 4
-_MAX_DIMS = 64
 _ENTRY_KEYS = {"dtype", "shape", "offset", "nbytes", "device"}
 _CUDA_DEVICE = re.compile(r"cuda(:\d{1,3})?")
-_MAX_ELEMENTS = 1 << 40
 MAX_NESTING = 100
 """The deepest nesting of dicts, lists and tuples a state tree may have (the top level is 1)."""
 
@@ -506,19 +505,19 @@ def _decode_tensor(entry: Any, index: int, data: bytearray | memoryview) -> torc
     if dtype is None:
         raise CheckpointCorrupt(f"{where}: unknown dtype {entry['dtype']!r}")
     shape = entry["shape"]
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(is_count(d) for d in shape):
         raise CheckpointCorrupt(f"{where}: malformed shape {shape!r}")
     elements = math.prod(shape)
     # A zero dimension makes the product 0 but torch still computes strides from the others.
-    if math.prod(max(d, 1) for d in shape) > _MAX_ELEMENTS:
+    if math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS:
         raise CheckpointCorrupt(f"{where}: shape {shape} is larger than any real tensor")
     offset, nbytes = entry["offset"], entry["nbytes"]
-    if not _is_count(offset) or not _is_count(nbytes) or elements > _MAX_ELEMENTS:
+    if not is_count(offset) or not is_count(nbytes) or elements > MAX_ELEMENTS:
         raise CheckpointCorrupt(f"{where}: malformed offset/size")
     device = entry.get("device", "cpu")
     if not isinstance(device, str):
         raise CheckpointCorrupt(f"{where}: device {device!r} is not a device name")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if nbytes != elements * itemsize:
         raise CheckpointCorrupt(f"{where}: declares {nbytes} bytes but shape {shape} of {entry['dtype']} needs {elements * itemsize}")
     if offset + nbytes > len(data):
@@ -543,6 +542,3 @@ def _to_recorded_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
             return tensor.to(device)
     return tensor
 
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < (1 << 62)

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+import re
+from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.checkpoint.bounds import MAX_DIMS, MAX_ELEMENTS, is_count
 from engine.errors import CheckpointCorrupt, CheckpointWriteError
 
 REPLICATE = "replicate"
 SHARD_PREFIX = "shard:"
+_SHARD_NAME = re.compile(r"shard:[0-9]{1,2}", re.ASCII)  # a dimension of at most MAX_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,9 @@ def shard_of(tensor: Any) -> TensorShard:
 
 
 def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
-    """A :class:`TensorShard` from a decoded placement record; CheckpointCorrupt if malformed."""
+    """A :class:`TensorShard` from a decoded placement record; CheckpointCorrupt if malformed.
+    Every size is bounded as a tensor-table entry is (engine.checkpoint.bounds): a global shape
+    is only ever allocated for after the shards are seen to cover it (:meth:`SavedPieces.check_layout`)."""
     if not isinstance(placement, dict) or set(placement) != {"global_shape", "offsets", "mesh_shape", "placements"}:
         raise CheckpointCorrupt(f"a sharded tensor's placement is malformed: {placement!r}")
     global_shape, offsets = _counts(placement, "global_shape"), _counts(placement, "offsets")
@@ -81,29 +86,31 @@ def shard_from_plain(local: torch.Tensor, placement: Any) -> TensorShard:
     names = placement["placements"]
     if not isinstance(names, list) or len(names) != len(mesh_shape) or not all(_is_placement(name) for name in names):
         raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} do not match its mesh shape {mesh_shape}")
+    if 0 in mesh_shape or math.prod(mesh_shape) > MAX_ELEMENTS:
+        raise CheckpointCorrupt(f"a sharded tensor's mesh shape {mesh_shape} is not the shape of a device mesh")
+    if math.prod(max(size, 1) for size in global_shape) > MAX_ELEMENTS:
+        raise CheckpointCorrupt(f"a sharded tensor's global shape {global_shape} is larger than any real tensor")
     if len(offsets) != len(global_shape) or local.dim() != len(global_shape):
         raise CheckpointCorrupt(f"a sharded tensor's offsets {offsets} do not match its global shape {global_shape}")
     if any(name != REPLICATE and int(name[len(SHARD_PREFIX):]) >= len(global_shape) for name in names):
         raise CheckpointCorrupt(f"a sharded tensor's placements {names!r} name a dimension its global shape "
                                 f"{global_shape} does not have")
-    if any(offset + size > whole for offset, size, whole in zip(offsets, local.shape, global_shape)):
-        raise CheckpointCorrupt(f"a shard of shape {tuple(local.shape)} at offsets {offsets} lies outside the "
+    local_shape = tuple(local.shape)
+    if any(offset + size > whole for offset, size, whole in zip(offsets, local_shape, global_shape)):
+        raise CheckpointCorrupt(f"a shard of shape {local_shape} at offsets {offsets} lies outside the "
                                 f"global shape {global_shape}")
     return TensorShard(local, global_shape, offsets, mesh_shape, tuple(names))
 
 
 def _counts(placement: dict[str, Any], key: str) -> tuple[int, ...]:
     value = placement[key]
-    if not isinstance(value, list) or not all(isinstance(item, int) and not isinstance(item, bool) and item >= 0
-                                              for item in value):
+    if not isinstance(value, list) or len(value) > MAX_DIMS or not all(is_count(item) for item in value):
         raise CheckpointCorrupt(f"a sharded tensor's {key} is malformed: {value!r}")
     return tuple(value)
 
 
 def _is_placement(name: object) -> bool:
-    if name == REPLICATE:
-        return True
-    return isinstance(name, str) and name.startswith(SHARD_PREFIX) and name[len(SHARD_PREFIX):].isdigit()
+    return name == REPLICATE or (isinstance(name, str) and _SHARD_NAME.fullmatch(name) is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +161,77 @@ class SavedPieces:
                                     f"{self.first.global_shape} in the block at offsets {list(offsets)} of shape {list(shape)}")
         return block
 
+    def check_layout(self) -> None:
+        """Check from the placements alone (no tensor is allocated, no byte read) that the
+        distinct pieces tile the global shape: pairwise disjoint, their volumes adding up to
+        its own. The global shape is then no larger than what the pieces hold. CheckpointCorrupt
+        when they do not."""
+        pieces = self._distinct_pieces()
+        shape = self.first.global_shape
+        held, whole = sum(math.prod(piece.local.shape) for piece in pieces), math.prod(shape)
+        if held != whole:
+            raise CheckpointCorrupt(f"{self.name}: the saved shards hold {held} element(s) and do not cover the "
+                                    f"global shape {shape} ({whole} elements)")
+        overlapping = _first_overlap(pieces)
+        if overlapping is not None:
+            raise CheckpointCorrupt(f"{self.name}: two saved shards overlap at offsets {list(overlapping.offsets)}")
+
     def _distinct_pieces(self) -> list[TensorShard]:
         """The pieces with copies of the same block (a replicated mesh dimension) left out."""
         distinct: dict[tuple[tuple[int, ...], tuple[int, ...]], TensorShard] = {}
         for piece in self.pieces:
             distinct.setdefault((piece.offsets, tuple(piece.local.shape)), piece)
         return list(distinct.values())
+
+
+_OVERLAP_ROWS = 256  # pieces compared with all others at once (bounds the comparison's memory)
+
+
+def _first_overlap(pieces: list[TensorShard]) -> TensorShard | None:
+    """A piece that overlaps an earlier one, or None; all pairs compared at once (a checkpoint
+    of many ranks has as many pieces per tensor)."""
+    if len(pieces) < 2 or not pieces[0].offsets:
+        return None
+    if len(pieces) <= _OVERLAP_ROWS // 16:  # a few pieces: cheaper one pair at a time than in tensors
+        boxes = [tuple(slice(start, start + size) for start, size in zip(piece.offsets, piece.local.shape))
+                 for piece in pieces]
+        return next((pieces[later] for later in range(len(boxes)) for earlier in range(later)
+                     if _boxes_meet(boxes[earlier], boxes[later])), None)
+    starts = torch.tensor([piece.offsets for piece in pieces], dtype=torch.int64)
+    stops = starts + torch.tensor([tuple(piece.local.shape) for piece in pieces], dtype=torch.int64)
+    later = torch.arange(len(pieces))
+    for first in range(0, len(pieces), _OVERLAP_ROWS):
+        rows = slice(first, first + _OVERLAP_ROWS)
+        meet = (torch.maximum(starts[rows, None], starts[None]) < torch.minimum(stops[rows, None], stops[None])).all(-1)
+        meet &= later[None] > later[rows, None]
+        if meet.any():
+            return pieces[int(meet.nonzero()[0, 1])]
+    return None
+
+
+def pair_pieces(path: str, values: list[Any], leaf: Callable[[Any], Any]) -> Any:
+    """One tree from the ranks' trees of the same shape (``values``: rank 0's first): the
+    shards of each tensor paired into one :class:`SavedPieces` (its layout checked), any other
+    leaf ``leaf(rank 0's value)`` (replicated). CheckpointCorrupt when the trees differ."""
+    first = values[0]
+    shards = [isinstance(value, TensorShard) for value in values]
+    if any(shards) and not all(shards):
+        raise CheckpointCorrupt(f"{path} is sharded in rank {shards.index(True)}'s part but not in "
+                                f"rank {shards.index(False)}'s")
+    if isinstance(first, TensorShard):
+        pieces = SavedPieces(path, tuple(values))
+        pieces.check_layout()
+        return pieces
+    if isinstance(first, dict):
+        if not all(isinstance(value, dict) and value.keys() == first.keys() for value in values):
+            raise CheckpointCorrupt(f"{path}: the ranks' parts hold different entries")
+        return {key: pair_pieces(f"{path}.{key}", [value[key] for value in values], leaf) for key in first}
+    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
+        if not all(type(value) is type(first) and len(value) == len(first) for value in values):
+            raise CheckpointCorrupt(f"{path}: the ranks' parts hold lists of different lengths")
+        paired = [pair_pieces(f"{path}[{index}]", [value[index] for value in values], leaf) for index in range(len(first))]
+        return paired if isinstance(first, list) else tuple(paired)
+    return leaf(first)
 
 
 def _boxes_meet(first: tuple[slice, ...], second: tuple[slice, ...]) -> bool:

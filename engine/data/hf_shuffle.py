@@ -19,7 +19,12 @@ of its paths: examples, and Arrow tables) with the same algorithm, yielding exac
 * ``source_done``: whether that stream ended (a resumed buffer does not read it again).
 
 A resumed buffer is re-created from these and the stream under it continues from its own saved
-position. The state is as large as the buffer's content (the examples themselves): it is
+position. A saved buffer is checked before it is used: when a checkpoint is chosen,
+:func:`check_saved_buffers` refuses one that is malformed or whose tables do not decode (the
+checkpoint is then invalid and resume takes an older one); when the stage first iterates it, it
+also refuses one holding more than ``buffer_size`` examples, and tables of another schema than
+the stream's first table (CheckpointIncompatible). Arrow bytes are never decoded before
+their row counts are read and found uncompressed (engine.data._arrow_ipc). The state is as large as the buffer's content (the examples themselves): it is
 copied each time the state is asked for, which a ``StatefulDataLoader`` worker does after each
 batch. The examples go into the checkpoint through the pickle-free codec: numbers, strings,
 bytes, ``None``, tensors and lists, tuples and dicts of them (Arrow tables as bytes).
@@ -31,6 +36,9 @@ import copy
 import json
 from typing import Any, Callable, Iterator
 
+from engine.data._arrow_ipc import IpcRefused, read_table
+from engine.errors import CheckpointCorrupt, CheckpointIncompatible
+
 _SAVED = "_splitloop_saves_buffer"
 # datasets' copy of plain state data (fast for plain values, deep for anything else): set when
 # the buffers are patched, so that this module never imports datasets itself.
@@ -40,6 +48,9 @@ STATE_KEY = "shuffle_buffer"
 REMEDY = ("the examples in a Hugging Face .shuffle() buffer are saved with the stream's state: make the stages "
           "before .shuffle() give Python numbers, strings, bytes, lists, dicts or tensors (docs/data.md)")
 """What to do when the examples in a shuffle buffer cannot go into a checkpoint."""
+_STAGE = "BufferShuffledExamplesIterable"  # the "type" datasets records in the stage's state
+_SAVED_KEYS = frozenset({"rng", "pending", "kept", "key", "source_done"})
+_BIT_GENERATORS = frozenset({"PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64"})
 
 
 def save_shuffle_buffers(iterable_dataset: Any) -> None:
@@ -130,12 +141,89 @@ def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> Any:
     return _load_into(self._state_dict, state_dict)
 
 
+def check_saved_buffers(name: str, data_state: Any) -> None:
+    """Refuse (CheckpointCorrupt, naming checkpoint ``name``) a checkpoint whose data state holds
+    a shuffle buffer that no stage could restore: malformed, or Arrow bytes that do not decode
+    (see :func:`_check_saved`). Run when a checkpoint is chosen, without any stream at hand."""
+    pending = [data_state]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            if value.get("type") == _STAGE and STATE_KEY in value:
+                try:
+                    _check_saved(value[STATE_KEY], None)
+                except ValueError as error:
+                    raise CheckpointCorrupt(f"{name}: a Hugging Face .shuffle() buffer in the data state: {error}") from error
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+
+
+def _check_saved(saved: Any, buffer_size: int | None) -> None:
+    """Refuse (ValueError, saying why) a saved buffer that :class:`_LiveBuffer` could not take:
+    other keys, a generator state numpy refuses, examples that are not (key, example) pairs,
+    Arrow bytes that are not an uncompressed IPC stream; with ``buffer_size``: more examples
+    than the buffer holds. (Its tables' schema is checked against the stream's first table.)"""
+    if saved is None or isinstance(saved, _LiveBuffer):
+        return
+    if not isinstance(saved, dict) or set(saved) != _SAVED_KEYS:
+        keys = sorted(map(str, saved)) if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"it has keys {keys}, expected {sorted(_SAVED_KEYS)}")
+    _check_generator_state(saved["rng"])
+    if not isinstance(saved["source_done"], bool):
+        raise ValueError(f"source_done is {saved['source_done']!r}, expected True or False")
+    examples = _pairs(saved["pending"], "pending")
+    kept = saved["kept"]
+    if kept is None or isinstance(kept, bytes):
+        limit = None if buffer_size is None else buffer_size - examples
+        try:
+            table = None if kept is None else read_table(kept, limit)
+        except IpcRefused as error:
+            raise ValueError(f"its kept tables: {error}") from error
+        examples += 0 if table is None else table.num_rows
+    else:
+        examples += _pairs(kept, "kept")
+    if buffer_size is not None and examples > buffer_size:
+        raise ValueError(f"it holds {examples} examples, more than its buffer_size of {buffer_size}")
+
+
+def _check_generator_state(text: Any) -> None:
+    """A NumPy bit generator's state as JSON text, which that bit generator takes."""
+    import numpy
+
+    try:
+        state = json.loads(text) if isinstance(text, str) else None
+        kind = state.get("bit_generator") if isinstance(state, dict) else None
+        if kind not in _BIT_GENERATORS:
+            raise ValueError(f"bit generator {kind!r}")
+        getattr(numpy.random, kind)().state = state
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as error:
+        raise ValueError(f"its generator state is malformed: {error}") from error
+
+
+def _pairs(items: Any, what: str) -> int:
+    """How many (key, example) pairs ``items`` holds; ValueError when it is something else."""
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, (list, tuple)) and len(item) == 2
+                                                       for item in items):
+        raise ValueError(f"its {what} examples are not a list of (key, example) pairs")
+    return len(items)
+
+
 def _open_buffer(self: Any, tables: bool) -> _LiveBuffer:
     """The buffer to iterate: the one the state holds (loaded, or live from an earlier
     iteration), else an empty one with the stage's generator; recorded in the state."""
     saved: Any = None if self._state_dict is None else self._state_dict.get(STATE_KEY)
     if isinstance(saved, _LiveBuffer):
         saved = copy.deepcopy(saved)
+    else:
+        # A loaded buffer: every way datasets loads a state (this stage's load_state_dict, or a
+        # stage after it merging the whole tree) leads here before the buffer is used.
+        try:
+            _check_saved(saved, self.buffer_size)
+        except ValueError as error:
+            raise CheckpointIncompatible(
+                f"the checkpoint's Hugging Face .shuffle(buffer_size={self.buffer_size}) buffer cannot be restored: "
+                f"{error}; resume from an older checkpoint by name, or pass resume='off'") from error
     buffer = _LiveBuffer(self.generator, saved, tables)
     if self._state_dict is not None:
         self._state_dict[STATE_KEY] = buffer
@@ -168,7 +256,14 @@ def _iter_tables(self: Any) -> Iterator[Any]:
     buffer = _open_buffer(self, tables=True)
     rng, tables = buffer.rng, buffer.kept
     length = sum(len(table) for table in tables)
+    loaded = tables[0].schema if tables else None  # a loaded buffer's: checked against the first table read
     for key, table in buffer.read(self.ex_iterable.iter_arrow()):
+        if loaded is not None and not table.schema.equals(loaded):
+            raise CheckpointIncompatible(
+                f"the checkpoint's Hugging Face .shuffle(buffer_size={self.buffer_size}) buffer holds tables of the "
+                f"schema {loaded}; the stream gives {table.schema}: resume from an older checkpoint by name, or "
+                "pass resume='off'")
+        loaded = None
         buffer.key = key
         tables.append(table)
         length += len(table)
@@ -197,10 +292,7 @@ def _tables_to_bytes(tables: list[Any]) -> bytes | None:
 
 
 def _tables_from_bytes(data: bytes | None) -> list[Any]:
-    if data is None:
-        return []
-    pa, _ = _arrow()
-    return [pa.ipc.open_stream(pa.py_buffer(data)).read_all()]
+    return [] if data is None else [read_table(data)]
 
 
 def _arrow() -> tuple[Any, Any]:

@@ -21,11 +21,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from engine.checkpoint.codec import decode_state
-from engine.checkpoint.rank_files import rank_files
-from engine.checkpoint.shards import SavedPieces, TensorShard
+from engine.checkpoint.rank_parts import decode_rank_part, saved_world_size
+from engine.checkpoint.shards import pair_pieces
 from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
-from engine.distributed.state_parts import saved_world_size
 from engine.errors import CheckpointCorrupt
 
 SHARDED_KEYS = (MODULE, OPTIMIZERS)
@@ -34,10 +32,7 @@ SHARDED_KEYS = (MODULE, OPTIMIZERS)
 def rank_part(name: str, files: Mapping[str, bytearray], rank: int) -> dict[str, Any]:
     """The decoded part of rank ``rank`` (> 0) from a checkpoint's rank files; CheckpointCorrupt
     when it is missing or holds no sharded state."""
-    tensors_file, header_file = rank_files(rank)
-    if tensors_file not in files or header_file not in files:
-        raise CheckpointCorrupt(f"{name}: the part of rank {rank} ({header_file}) is missing")
-    part = decode_state(bytes(files[header_file]), files[tensors_file])
+    part = decode_rank_part(name, files, rank)
     if not isinstance(part, dict) or not all(isinstance(part.get(key), (dict, list)) for key in SHARDED_KEYS):
         raise CheckpointCorrupt(f"{name}: the part of rank {rank} holds no module and optimizer state")
     return part
@@ -47,33 +42,14 @@ def every_ranks_pieces(name: str, state: Mapping[str, Any], files: Mapping[str, 
                        keys: Sequence[str] = SHARDED_KEYS) -> dict[str, Any]:
     """``state`` (rank 0's tree) with each shard under ``keys`` replaced by the
     :class:`SavedPieces` of every rank that wrote the checkpoint (the other ranks' parts are
-    read from ``files``, the checkpoint's rank files)."""
+    read from ``files``, the checkpoint's rank files), their layout checked."""
     world_size = saved_world_size(state[SIGNATURE])
     parts = [state] + [rank_part(name, files, rank) for rank in range(1, world_size)]
-    return {**state, **{key: _paired(f"{name}: {key}", [part[key] for part in parts]) for key in keys}}
+    return {**state, **{key: pair_pieces(f"{name}: {key}", [part[key] for part in parts], _copied) for key in keys}}
 
 
-def _paired(path: str, values: list[Any]) -> Any:
-    """One tree from the ranks' trees of the same shape: shards paired into SavedPieces, any
-    other leaf taken from rank 0 (replicated)."""
-    first = values[0]
-    shards = [isinstance(value, TensorShard) for value in values]
-    if any(shards) and not all(shards):
-        raise CheckpointCorrupt(f"{path} is sharded in rank {shards.index(True)}'s part but not in "
-                                f"rank {shards.index(False)}'s")
-    if isinstance(first, TensorShard):
-        return SavedPieces(path, tuple(values))
-    if isinstance(first, dict):
-        if not all(isinstance(value, dict) and value.keys() == first.keys() for value in values):
-            raise CheckpointCorrupt(f"{path}: the ranks' parts hold different entries")
-        return {key: _paired(f"{path}.{key}", [value[key] for value in values]) for key in first}
-    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
-        if not all(type(value) is type(first) and len(value) == len(first) for value in values):
-            raise CheckpointCorrupt(f"{path}: the ranks' parts hold lists of different lengths")
-        paired = [_paired(f"{path}[{index}]", [value[index] for value in values]) for index in range(len(first))]
-        return paired if isinstance(first, list) else tuple(paired)
-    if isinstance(first, torch.Tensor):
-        # A decoded tensor is a view of the bytes read, and the optimizer keeps what it loads
-        # (Adam's step): a copy lets every rank part be freed once the restore is done.
-        return first.clone()
-    return first
+def _copied(value: Any) -> Any:
+    """A replicated leaf: rank 0's. A decoded tensor is a view of the bytes read, and the
+    optimizer keeps what it loads (Adam's step): a copy lets every rank part be freed once the
+    restore is done."""
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -26,46 +26,20 @@ from typing import Any, Mapping
 import torch
 
 from engine.checkpoint.codec import tensor_bytes_view
-from engine.checkpoint.shards import is_dtensor
-from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, OPTIMIZERS, RNG, SCHEDULERS, SIGNATURE
-from engine.errors import CheckpointCorrupt, CheckpointIncompatible
-
-RANK_PART_KEYS = (RNG, LOOPS, CALLBACKS)
-REPLICATED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS)
-SHARDED_PART_KEYS = (MODULE, OPTIMIZERS)
-WORLD_SIZE = "world_size"
-SHARDED = "sharded"
 from engine.checkpoint.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
+# Declared in the checkpoint package, which checks every part when a checkpoint is chosen.
+from engine.checkpoint.rank_parts import (RANK_PART_KEYS, SHARDED, SHARDED_PART_KEYS, WORLD_SIZE,  # noqa: F401
+                                          is_sharded, rank_part_keys, saved_world_size, with_rank_part)
+from engine.checkpoint.shards import is_dtensor
+from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SCHEDULERS, SIGNATURE
+from engine.errors import CheckpointIncompatible
 
-
-def is_sharded(signature: Mapping[str, Any]) -> bool:
-    """Whether a run signature describes a sharded (FSDP2) run."""
-    return signature.get(SHARDED) is True
-
-
-def rank_part_keys(signature: Mapping[str, Any]) -> tuple[str, ...]:
-    """The keys each rank saves for itself: its streams and loops, and its shards when sharded."""
-    return RANK_PART_KEYS + SHARDED_PART_KEYS if is_sharded(signature) else RANK_PART_KEYS
+REPLICATED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS)
 
 
 def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
     """The per-rank keys of a full state tree."""
     return {key: state[key] for key in rank_part_keys(state[SIGNATURE])}
-
-
-def with_rank_part(name: str, state: Mapping[str, Any], part: Any) -> dict[str, Any]:
-    """The main state tree with this rank's own per-rank keys in place of rank 0's."""
-    expected = rank_part_keys(state[SIGNATURE])
-    if not isinstance(part, dict) or set(part) != set(expected):
-        keys = sorted(map(str, part)) if isinstance(part, dict) else type(part).__name__
-        raise CheckpointCorrupt(f"{name}: a rank part has keys {keys}, expected {sorted(expected)}")
-    return {**state, **part}
-
-
-def saved_world_size(signature: Mapping[str, Any]) -> int:
-    """The world size a checkpoint was written with (1 when its signature does not say)."""
-    value = signature.get(WORLD_SIZE, 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def check_world_size(name: str, signature: Mapping[str, Any], world_size: int) -> None:

@@ -34,7 +34,7 @@ from engine.checkpoint.codec import check_storable
 from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
                                          RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
-from engine.data.hf_shuffle import REMEDY as SHUFFLE_BUFFER_REMEDY, STATE_KEY as SHUFFLE_BUFFER_KEY
+from engine.data.hf_shuffle import REMEDY as SHUFFLE_BUFFER_REMEDY, STATE_KEY as SHUFFLE_BUFFER_KEY, check_saved_buffers
 from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
@@ -224,6 +224,7 @@ def validate(name: str, state: Any) -> None:
         _check_data_random_states(state[LOOPS]["data"])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as error:
         raise CheckpointCorrupt(f"{name}: the data position's random state is malformed: {error}") from error
+    check_saved_buffers(name, state[LOOPS]["data"])
     try:
         check_envelope_shape(state[ENVELOPE])
     except ValueError as error:

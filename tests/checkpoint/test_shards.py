@@ -80,6 +80,17 @@ def _header_with_shard(payload: object, tensors: int = 1) -> tuple[bytes, bytear
      "name a dimension its global shape \\(4,\\) does not have"),
     ([0, {"global_shape": [4], "offsets": [0]}], "placement is malformed"),
     ("not a list", "not \\[tensor index, placement\\]"),
+    # Read from a file: bounded like a tensor-table entry before anything is allocated for them.
+    ([0, {"global_shape": [2 ** 40, 8], "offsets": [0, 0], "mesh_shape": [2], "placements": ["shard:0"]}],
+     "global shape \\(1099511627776, 8\\) is larger than any real tensor"),
+    ([0, {"global_shape": [2 ** 62, 2 ** 62], "offsets": [0, 0], "mesh_shape": [2], "placements": ["shard:0"]}],
+     "global_shape is malformed"),
+    ([0, {"global_shape": [0, 2 ** 61, 2 ** 61], "offsets": [0, 0, 0], "mesh_shape": [2], "placements": ["shard:0"]}],
+     "larger than any real tensor"),
+    ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [0], "placements": ["shard:0"]}],
+     "not the shape of a device mesh"),
+    ([0, {"global_shape": [4], "offsets": [-1], "mesh_shape": [2], "placements": ["shard:0"]}], "offsets is malformed"),
+    ([0, {"global_shape": [4], "offsets": [0], "mesh_shape": [2], "placements": ["shard:\u00b2"]}], "placements"),
 ])
 def test_a_malformed_shard_is_refused_as_corrupt(payload: object, message: str) -> None:
     header, data = _header_with_shard(payload)
@@ -143,3 +154,55 @@ def test_saved_pieces_refuse_shards_that_overlap_each_other() -> None:
                                TensorShard(full[2:6], (7, 3), (2, 0), (2,), ("shard:0",))))
     with pytest.raises(CheckpointCorrupt, match=r"^w: two saved shards overlap at offsets \[2, 0\]$"):
         pieces.whole()
+
+
+def _rows(full: torch.Tensor, blocks: list[tuple[int, int]], mesh: tuple[int, ...] = (2,)) -> SavedPieces:
+    return SavedPieces("ckpt: module.w", tuple(TensorShard(full[offset:offset + size], tuple(full.shape), (offset, 0),
+                                                           mesh, ("shard:0",)) for offset, size in blocks))
+
+
+def test_the_layout_of_saved_pieces_is_checked_from_their_placements_alone() -> None:
+    full = torch.randn(7, 3)
+    _rows(full, [(0, 4), (4, 3)]).check_layout()
+    _rows(torch.randn(1, 3), [(0, 1), (1, 0)]).check_layout()  # an empty shard: more ranks than rows
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards hold 12 element\(s\) and do not "
+                                                r"cover the global shape \(7, 3\) \(21 elements\)$"):
+        _rows(full, [(0, 4)]).check_layout()
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: two saved shards overlap at offsets \[3, 0\]$"):
+        _rows(full, [(0, 4), (3, 3)], mesh=(3,)).check_layout()  # the volumes add up; a row is missing
+
+
+def test_a_huge_global_shape_the_shards_do_not_cover_is_refused_without_allocating_it() -> None:
+    shards = [TensorShard(torch.zeros(4, 3), (2 ** 38, 3), (offset, 0), (2,), ("shard:0",)) for offset in (0, 4)]
+    pieces = SavedPieces("w", tuple(shards))
+    with pytest.raises(CheckpointCorrupt, match=r"do not cover the global shape \(274877906944, 3\)"):
+        pieces.check_layout()  # whole() would ask torch for 3 TiB
+
+
+@pytest.mark.parametrize("ranks", [3, 40])  # compared pair by pair, and all at once in tensors
+def test_overlapping_pieces_are_found_among_many(ranks: int) -> None:
+    blocks = [(rank, 1) for rank in range(ranks)]
+    _rows(torch.randn(ranks, 3), blocks, mesh=(ranks,)).check_layout()
+    # One rank's block grown over its neighbour's row, the last rank's emptied: the volumes still add up.
+    blocks[-2], blocks[-1] = (ranks - 3, 2), (ranks, 0)
+    with pytest.raises(CheckpointCorrupt, match=f"two saved shards overlap at offsets \\[{ranks - 3}, 0\\]"):
+        _rows(torch.randn(ranks, 3), blocks, mesh=(ranks,)).check_layout()
+
+
+def test_resharding_refuses_shards_that_do_not_tile_a_huge_global_shape_before_cutting_any_block() -> None:
+    # A 2-rank checkpoint resumed on 1 rank would cut a block of the whole recorded shape
+    # (2**38 x 3 float32: 3 TiB) out of the pieces: the layout is refused first.
+    from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
+    from engine.distributed.reshard import every_ranks_pieces
+
+    def part(offset: int) -> dict:
+        return {MODULE: {"w": TensorShard(torch.zeros(4, 3), (2 ** 38, 3), (offset, 0), (2,), ("shard:0",))},
+                OPTIMIZERS: []}
+
+    encoded = encode_state(part(4))
+    files = {"rank-00001.msgpack": bytearray(encoded.header),
+             "rank-00001.bin": bytearray(b"".join(bytes(chunk) for chunk in encoded.tensor_chunks()))}
+    state = {SIGNATURE: {"world_size": 2, "sharded": True}, **part(0)}
+    with pytest.raises(CheckpointCorrupt, match=r"^ckpt: module.w: the saved shards hold 24 element\(s\) and do not "
+                                                r"cover the global shape \(274877906944, 3\)"):
+        every_ranks_pieces("ckpt", state, files)

@@ -225,3 +225,13 @@ def test_a_datamodule_that_is_not_one_and_no_data_are_refused():
     refused(engine.ConfigError, "datamodule must be a LightningDataModule, got list", datamodule=[1],
             train_dataloaders=None)
     refused(engine.ConfigError, "fit: no training data", train_dataloaders=None)
+
+
+class ConfiguresAnUnsupportedCallback(Plain):
+    def configure_callbacks(self):
+        return [LearningRateMonitor()]
+
+
+def test_an_unsupported_callback_from_configure_callbacks_is_refused_up_front():
+    refused(engine.ConfigError, "the Lightning callback LearningRateMonitor is not supported",
+            model=ConfiguresAnUnsupportedCallback())

@@ -23,7 +23,10 @@ from engine.cli.commands import inspect_run, run_inspect
 from lit_modules import FEATURES, LinearOnly, vectors
 
 HOOKS = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_train_batch_end",
-         "on_validation_epoch_start", "on_validation_epoch_end", "on_train_epoch_end", "on_train_end", "on_fit_end")
+         "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
+         "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end", "on_train_end", "on_fit_end",
+         "on_test_start", "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end", "on_test_epoch_end",
+         "on_test_end")
 
 
 def recording(hook):
@@ -222,8 +225,25 @@ def test_validate_and_test_return_batch_size_weighted_means():
     validated = trainer.validate(model, val)
     inferred = sum(value * size for value, size in model.validated) / sum(size for _, size in model.validated)
     assert validated == [{"val_loss": inferred}] and len(model.validated) == 3
-    assert [call[0] for call in model.calls] == ["on_validation_epoch_start", "on_validation_epoch_end"]
     assert trainer.test(model, val) == validated and model.training
+
+
+def test_validate_and_test_call_lightnings_hooks_in_its_order_after_fit(tmp_path):
+    train, val = data()
+    lightning = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                           enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    adapter = engine.lightning.Trainer(engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path), progress_bar="off"))
+    calls = []
+    for trainer in (lightning, adapter):
+        torch.manual_seed(0)
+        model = WithTestStep()
+        trainer.fit(model, train)
+        model.calls.clear()
+        trainer.validate(model, val)
+        trainer.test(model, val)
+        calls.append(model.calls)
+    assert calls[0] == calls[1]
+    assert calls[1][0] == ("on_validation_start", 1, 3) and calls[1][-1] == ("on_test_end", 1, 3)
 
 
 def test_importing_engine_never_imports_lightning():
@@ -298,3 +318,16 @@ def test_without_lightning_installed_the_import_says_what_to_install(monkeypatch
     monkeypatch.delitem(sys.modules, "engine.lightning._packages")
     with pytest.raises(ImportError, match=r"engine.lightning needs PyTorch Lightning: pip install 'splitloop\[lightning\]'"):
         importlib.import_module("engine.lightning._packages")
+
+
+class StopsEarly(HookRecorder):
+    def configure_callbacks(self):
+        return pl.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)
+
+
+def test_configure_callbacks_callbacks_replace_the_trainers_of_their_class_as_in_lightning(tmp_path):
+    train, val = data()
+    patient = pl.callbacks.EarlyStopping(monitor="val_loss", patience=50)
+    result = adapter_fit(StopsEarly(), tmp_path, epochs=4, callbacks=[patient], train_dataloaders=train,
+                         val_dataloaders=val)
+    assert "early stopping" in result.stop_reason and len(rows(tmp_path, "val")) == 2  # the module's, not patient

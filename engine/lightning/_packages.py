@@ -65,5 +65,6 @@ def require_lightning_module(model: object) -> None:
 
 
 def require_datamodule(value: object) -> None:
-    if not derives_from(value, "LightningDataModule"):
+    """Refuse a ``datamodule`` that is not a LightningDataModule (None, no datamodule, is fine)."""
+    if value is not None and not derives_from(value, "LightningDataModule"):
         raise ConfigError(f"fit: datamodule must be a LightningDataModule, got {type(value).__name__}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Iterable, Iterator, NoReturn, Sequence
 
 import torch
@@ -24,6 +23,7 @@ from engine.loops.logged import MetricLogger, reduce_recordings
 from engine.result import FitResult
 from engine.trainer import Trainer as EngineTrainer
 from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
+from engine import user_warnings
 
 # The LightningModule methods that reach Lightning's trainer, answered by the bridge while it runs.
 _BRIDGED_METHODS = {"log": "log", "log_dict": "log_dict", "optimizers": "lightning_optimizers",
@@ -110,7 +110,7 @@ class Trainer:
             lambda: refuse_unsupported_hooks(model),
             lambda: refuse_unsupported_config(self.config, model),
             lambda: hyperparameters_of(model),  # not plain data
-            lambda: datamodule is None or require_datamodule(datamodule),
+            lambda: require_datamodule(datamodule),
             lambda: translated.append(translate_callbacks(_with_model_callbacks(model, self._callbacks), self.config)),
             lambda: bridges.append(LightningBridge(model)),  # a TBPTT step without hiddens
         ])
@@ -152,7 +152,7 @@ class Trainer:
                   datamodule: Any) -> list[dict[str, float]]:
         require_lightning_module(model)
         refuse_together([lambda: refuse_unsupported_hooks(model, UNSUPPORTED_EVALUATION_HOOKS),
-                         lambda: datamodule is None or require_datamodule(datamodule)])
+                         lambda: require_datamodule(datamodule)])
         if datamodule is not None:
             datamodule.prepare_data()
             datamodule.setup("validate" if hook == VALIDATION else "test")
@@ -188,7 +188,7 @@ def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None
     val = val if val is not None else _loader(model, datamodule, "val_dataloader")
     if val is not None and not overrides(model, "validation_step"):
         # As Lightning does (it warns too): no validation_step, no validation loop.
-        warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used", stacklevel=4)
+        user_warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used")
         return train, None
     return train, val
 

@@ -21,11 +21,11 @@ import importlib.util
 import os
 import re
 import time
-import warnings
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from engine.errors import ConfigError
 from engine.loggers.base import Logger, Row, local_path, refuse_existing
+from engine import user_warnings
 
 if TYPE_CHECKING:  # pragma: no cover - the import is optional and happens when a run starts
     from torch.utils.tensorboard import SummaryWriter
@@ -125,5 +125,5 @@ def _wait_past_newest_event_file(log_dir: str) -> None:
     while int(time.time()) <= max(seconds) and time.monotonic() < deadline:
         time.sleep(0.02)
     if int(time.time()) <= max(seconds):
-        warnings.warn(f"{log_dir} holds an event file created at {max(seconds)}, later than this machine's clock; "
-                      "TensorBoard may read this run's scalars before it (check the clocks)", stacklevel=4)
+        user_warnings.warn(f"{log_dir} holds an event file created at {max(seconds)}, later than this machine's clock; "
+                           "TensorBoard may read this run's scalars before it (check the clocks)")

@@ -20,7 +20,6 @@ to commit with it.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +28,7 @@ from engine.checkpoint.checkpointing import BoundaryMark, Checkpointing
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.errors import CheckpointError
 from engine.run import state as run_state
+from engine import user_warnings
 from progress import Cursor, ProgressTree, decode_tree, encode_tree
 
 
@@ -152,7 +152,7 @@ def _note(error: BaseException, text: str) -> None:
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(f"splitloop: {text}")
     else:  # pragma: no cover - Python 3.10
-        warnings.warn(f"splitloop: {text}", stacklevel=4)
+        user_warnings.warn(f"splitloop: {text}")
 
 
 def _scheduler_epochs(parts: run_state.RunParts) -> list[object]:

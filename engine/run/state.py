@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -46,6 +45,7 @@ from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_sta
 from engine.loops.compiled import live_keys, plain_state
 from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
 from engine.run.overrides import BuiltSettings, built_settings
+from engine import user_warnings
 from progress import ProgressSchemaError, ProgressTree, encode_tree
 
 LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
@@ -338,4 +338,4 @@ def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> Non
             callback.load_state_dict(saved[key])
     dropped = [key for key, state in saved.items() if key not in current and state]
     if dropped:
-        warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used", stacklevel=5)
+        user_warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used")

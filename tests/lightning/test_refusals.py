@@ -235,3 +235,26 @@ class ConfiguresAnUnsupportedCallback(Plain):
 def test_an_unsupported_callback_from_configure_callbacks_is_refused_up_front():
     refused(engine.ConfigError, "the Lightning callback LearningRateMonitor is not supported",
             model=ConfiguresAnUnsupportedCallback())
+
+
+class LightningNamedCallback(engine.Callback):
+    """An engine.Callback written with Lightning's hook names, which the engine never calls."""
+
+    def on_train_batch_end(self, view):
+        pass
+
+    def on_epoch_ends(self, view):
+        pass
+
+    def on_split_end(self, view):  # an engine hook: fine
+        pass
+
+
+@pytest.mark.parametrize("make_trainer", [engine.Trainer, engine.lightning.Trainer], ids=["engine", "lightning"])
+def test_an_engine_callback_method_named_like_a_hook_it_is_not_is_refused_with_the_hook_meant(make_trainer):
+    with pytest.raises(engine.ConfigError) as raised:
+        make_trainer(engine.TrainerConfig(progress_bar="off"), callbacks=[LightningNamedCallback()])
+    message = str(raised.value)
+    assert "LightningNamedCallback.on_train_batch_end is not an engine.Callback hook and would never be called; did " \
+           "you mean on_split_end?" in message and "on_epoch_ends is not an engine.Callback hook" in message
+    assert "did you mean on_epoch_end?" in message and "\n" not in message and "on_split_end is not" not in message

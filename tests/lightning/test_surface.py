@@ -331,3 +331,15 @@ def test_configure_callbacks_callbacks_replace_the_trainers_of_their_class_as_in
     result = adapter_fit(StopsEarly(), tmp_path, epochs=4, callbacks=[patient], train_dataloaders=train,
                          val_dataloaders=val)
     assert "early stopping" in result.stop_reason and len(rows(tmp_path, "val")) == 2  # the module's, not patient
+
+
+class ClaimsMoreBatches(list):
+    def __len__(self):
+        return 99
+
+
+def test_the_engines_warnings_point_at_the_users_line_through_the_adapter(tmp_path):
+    batches = ClaimsMoreBatches(data()[0])
+    with pytest.warns(UserWarning, match=r"len\(train_data\) is 99 but epoch 0 yielded 3 batches") as caught:
+        adapter_fit(LinearOnly(), tmp_path, epochs=1, train_dataloaders=batches)
+    assert {warning.filename for warning in caught if "len(train_data)" in str(warning.message)} == {__file__}

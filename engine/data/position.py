@@ -27,9 +27,8 @@ from engine.data.hf_streams import repair_state_loading
 from engine.data.streams import data_name, drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import (WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, run_epoch_seed,
                                  shut_down_workers)
-from engine.errors import DataError
+from engine.errors import DataError, warn as warn_user
 from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
-from engine import user_warnings
 
 EXHAUSTED = object()
 _NO_BATCH = object()
@@ -268,7 +267,7 @@ class EpochData:
         if self._map_style:
             return _open_skipping_loader(self.loader, skip)
         if not self._warned_fast_forward:
-            user_warnings.warn(
+            warn_user(
                 f"resuming {self.name} by drawing and dropping {skip:,} batches (it costs as long as reading "
                 "them): it is neither a DataLoader over a map-style dataset nor a loader or IterableDataset with "
                 "state_dict() (docs/data.md)")

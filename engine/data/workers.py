@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from engine import user_warnings
+from engine.errors import warn as warn_user
 from engine.data.streams import data_name, over_stream_with_state
 
 try:  # NumPy is optional
@@ -211,15 +211,15 @@ class WorkerLoader:
 def _warn_if_not_exact(loader: DataLoader[Any], stateful: bool, given: Any) -> None:
     if stateful and over_stream_with_state(given):
         stream = type(given.dataset).__name__
-        user_warnings.warn(
+        warn_user(
             f"{data_name(given)} has num_workers={loader.num_workers} and {stream} has a state_dict(): random numbers "
             f"drawn in its worker processes are restored on resume only as far as {stream}.state_dict() restores them")
     elif stateful:
-        user_warnings.warn(
+        warn_user(
             f"{type(given).__name__} has num_workers={loader.num_workers} and its own state_dict(): random numbers "
             "drawn in its worker processes are restored on resume only as far as its state_dict restores them")
     elif isinstance(loader.dataset, IterableDataset) and loader.persistent_workers:
-        user_warnings.warn(
+        warn_user(
             f"DataLoader over the IterableDataset {type(loader.dataset).__name__} with persistent_workers=True: "
             "random numbers drawn in its worker processes are not restored on resume (the resumed run starts new "
             "workers); use persistent_workers=False, or draw no random numbers in the workers")

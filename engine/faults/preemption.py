@@ -14,7 +14,7 @@ import threading
 from types import FrameType
 from typing import Any, Iterable
 
-from engine import user_warnings
+from engine.errors import warn as warn_user
 
 
 class PreemptionWatcher:
@@ -28,7 +28,7 @@ class PreemptionWatcher:
     def __enter__(self) -> "PreemptionWatcher":
         if threading.current_thread() is not threading.main_thread():
             if self._signals:
-                user_warnings.warn("fit runs outside the main thread: preemption signals are not handled")
+                warn_user("fit runs outside the main thread: preemption signals are not handled")
             return self
         for number in self._signals:
             self._previous[number] = signal.signal(number, self._record)

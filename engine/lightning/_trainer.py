@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator, NoReturn, Sequence
 import torch
 
 from engine.config import TrainerConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, warn as warn_user
 from engine.lightning._bridge import LightningBridge
 from engine.lightning._callbacks import Translated, translate_callbacks
 from engine.lightning._hooks import LightningHooks, hyperparameters_of
@@ -23,7 +23,6 @@ from engine.loops.logged import MetricLogger, reduce_recordings
 from engine.result import FitResult
 from engine.trainer import Trainer as EngineTrainer
 from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
-from engine import user_warnings
 
 # The LightningModule methods that reach Lightning's trainer, answered by the bridge while it runs.
 _BRIDGED_METHODS = {"log": "log", "log_dict": "log_dict", "optimizers": "lightning_optimizers",
@@ -188,7 +187,7 @@ def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None
     val = val if val is not None else _loader(model, datamodule, "val_dataloader")
     if val is not None and not overrides(model, "validation_step"):
         # As Lightning does (it warns too): no validation_step, no validation loop.
-        user_warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used")
+        warn_user(f"{type(model).__name__} has no validation_step: the validation data is not used")
         return train, None
     return train, val
 

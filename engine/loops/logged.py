@@ -27,8 +27,7 @@ from typing import Any, Literal, Sequence
 import msgpack
 import torch
 
-from engine.errors import ModuleContractError
-from engine import user_warnings
+from engine.errors import ModuleContractError, warn as warn_user
 
 Reduce = Literal["mean", "sum", "max", "min", "last"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min", "last")
@@ -213,7 +212,7 @@ class MetricLogger:
             if name in self._names[other]:
                 # A warning, not an error: code written for frameworks where this is common keeps
                 # training; metrics.jsonl keeps both (each line names its stage).
-                user_warnings.warn(
+                warn_user(
                     f"log({name!r}) in {stage}: the name was logged in {other} too, so the two overwrite each "
                     "other in the latest values that monitor, EarlyStopping and FitResult.metrics read; use "
                     "different names in training and validation (e.g. 'train_acc' and 'val_acc'; validation's "

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from engine import user_warnings
+from engine.errors import warn as warn_user
 
 EnvelopeValue = str | bool | None
 
@@ -68,5 +68,5 @@ def warn_on_envelope_change(name: str, saved: Mapping[str, EnvelopeValue],
     """One warning naming every difference; nothing when the envelopes agree."""
     differences = envelope_differences(saved, current)
     if differences:
-        user_warnings.warn(f"{name} was written under other numerics settings; the resumed run may not be "
-                           "bit-identical to an uninterrupted one: " + "; ".join(differences))
+        warn_user(f"{name} was written under other numerics settings; the resumed run may not be "
+                  "bit-identical to an uninterrupted one: " + "; ".join(differences))

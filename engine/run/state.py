@@ -38,14 +38,14 @@ from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.distributed import global_order
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError,
+                           warn as warn_user)
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.loops.optim_setup import OptimizerSetup
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 from engine.loops.compiled import live_keys, plain_state
 from engine.run.envelope import capture_envelope, check_envelope_shape, warn_on_envelope_change
 from engine.run.overrides import BuiltSettings, built_settings
-from engine import user_warnings
 from progress import ProgressSchemaError, ProgressTree, encode_tree
 
 LOOP_KEYS = frozenset({"flow", "split", "data", "logged", "evaluation"})
@@ -338,4 +338,4 @@ def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> Non
             callback.load_state_dict(saved[key])
     dropped = [key for key, state in saved.items() if key not in current and state]
     if dropped:
-        user_warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used")
+        warn_user(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used")

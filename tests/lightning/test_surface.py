@@ -110,6 +110,27 @@ def test_log_writes_lightnings_names_and_batch_size_weighted_means(tmp_path):
     assert [size for _, size in model.validated] == [8, 8, 4]
 
 
+class LogsOnStepInValidation(HookRecorder):
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.layer(x).pow(2).mean()
+        self.log("val_loss", loss, on_step=True)
+        self.log("val_worst", loss, on_step=True, on_epoch=False, reduce_fx="max")
+        self.validated.append((float(loss), len(x)))
+
+
+def test_on_step_in_validation_step_is_one_value_per_pass(tmp_path):
+    torch.manual_seed(0)
+    model = LogsOnStepInValidation()
+    train, val = data()
+    adapter_fit(model, tmp_path, epochs=2, train_dataloaders=train, val_dataloaders=val)
+    passes = [model.validated[:3], model.validated[3:]]
+    means = [sum(value * size for value, size in batches) / sum(size for _, size in batches) for batches in passes]
+    assert [row["metrics"] for row in rows(tmp_path, "val")] == [
+        {"val_loss": mean, "val_loss_epoch": mean, "val_worst": max(value for value, _ in batches)}
+        for mean, batches in zip(means, passes)]
+
+
 class StopsItself(HookRecorder):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)

@@ -135,10 +135,12 @@ def test_many_random_kills(references, name, seed, tmp_path):
 
 # Lightning's demos unchanged, and modules in the shape of Lightning's basics examples (predict_step,
 # self.log(on_step=True) in validation_step, test and validation-batch hooks, configure_callbacks).
+# By default the demo whose overrides the adapter used to skip, and the basics shape with every new
+# hook; the transformer and the classifier (the same hooks) are killed in the exhaustive run.
 EXAMPLES = ("boring", "transformer", "example_autoencoder", "classifier")
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", ("boring", "example_autoencoder"))
 def test_lightnings_examples_sigkilled_resume_to_the_uninterrupted_run(references, name, tmp_path):
     check_kills(references, name, tmp_path, seed=0, kills_wanted=1)
 

@@ -55,6 +55,7 @@ class LightningBridge(Module):
         self._splits_in_batch = 1
         self._passes_batch_idx = _takes_batch_idx(lightning_module.training_step)
         self._evaluation_takes_batch_idx: dict[str, bool] = {}  # read once per hook, not per batch
+        self._splits_its_own_way = overrides(lightning_module, "tbptt_split_batch")
         if self.tbptt_split_length is not None:
             _require_hiddens(lightning_module)
 
@@ -78,7 +79,7 @@ class LightningBridge(Module):
         if not self.training:  # Lightning 1.x validated whole batches, never split
             return [batch]
         model = self.lightning_module
-        splits = (model.tbptt_split_batch(batch, split_length) if overrides(model, "tbptt_split_batch")
+        splits = (model.tbptt_split_batch(batch, split_length) if self._splits_its_own_way
                   else split_along_time(batch, split_length, 1))
         self._splits_in_batch = len(splits)
         return splits

@@ -12,6 +12,7 @@ from typing import Callable, Iterable
 
 from engine.config import TrainerConfig
 from engine.errors import ConfigError, EngineError, ModuleContractError
+from engine.lightning._logging import TEST, VALIDATION
 from engine.lightning._packages import overrides
 
 # LightningModule hooks that Lightning's fit calls and the engine's loops have no place for, and
@@ -40,19 +41,23 @@ UNSUPPORTED_FIT_HOOKS = {
     "validation_step_end": "removed in Lightning 2.0; finish the step in validation_step",
 }
 
-# What Lightning's validate() / test() call and engine.lightning.Trainer's do not.
-UNSUPPORTED_EVALUATION_HOOKS = {
-    "on_validation_model_eval": "the adapter puts the module in eval mode itself",
-    "on_validation_model_train": "the adapter restores the training mode itself",
-    "on_test_model_eval": "the adapter puts the module in eval mode itself",
-    "on_test_model_train": "the adapter restores the training mode itself",
+# What Lightning's validate() and test() call and engine.lightning.Trainer's do not, by stage.
+_EVALUATION_HOOKS = {
     "transfer_batch_to_device": "the adapter moves batches to the module's device itself",
     "on_before_batch_transfer": "transform batches in the dataset or collate_fn",
     "on_after_batch_transfer": "transform batches in the dataset or collate_fn",
     "configure_model": "build the layers in __init__",
-    "test_epoch_end": "removed in Lightning 2.0; use on_test_epoch_end",
-    "validation_epoch_end": "removed in Lightning 2.0; use on_validation_epoch_end",
-    "validation_step_end": "removed in Lightning 2.0; finish the step in validation_step",
+}
+UNSUPPORTED_EVALUATION_HOOKS = {
+    VALIDATION: {**_EVALUATION_HOOKS,
+                 "on_validation_model_eval": "the adapter puts the module in eval mode itself",
+                 "on_validation_model_train": "the adapter restores the training mode itself",
+                 "validation_epoch_end": "removed in Lightning 2.0; use on_validation_epoch_end",
+                 "validation_step_end": "removed in Lightning 2.0; finish the step in validation_step"},
+    TEST: {**_EVALUATION_HOOKS,
+           "on_test_model_eval": "the adapter puts the module in eval mode itself",
+           "on_test_model_train": "the adapter restores the training mode itself",
+           "test_epoch_end": "removed in Lightning 2.0; use on_test_epoch_end"},
 }
 
 

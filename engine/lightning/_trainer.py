@@ -150,7 +150,7 @@ class Trainer:
     def _evaluate(self, model: Any, hook: str, dataloaders: Iterable[Any] | None,
                   datamodule: Any) -> list[dict[str, float]]:
         require_lightning_module(model)
-        refuse_together([lambda: refuse_unsupported_hooks(model, UNSUPPORTED_EVALUATION_HOOKS),
+        refuse_together([lambda: refuse_unsupported_hooks(model, UNSUPPORTED_EVALUATION_HOOKS[hook]),
                          lambda: require_datamodule(datamodule)])
         if datamodule is not None:
             datamodule.prepare_data()

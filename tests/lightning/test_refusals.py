@@ -52,14 +52,20 @@ def test_an_unsupported_hook_is_refused_by_name(hook):
             model=with_method(hook, lambda self, *args, **kwargs: None))
 
 
-@pytest.mark.parametrize("hook", sorted(UNSUPPORTED_EVALUATION_HOOKS))
-def test_a_hook_validate_and_test_cannot_call_is_refused_there_by_name(hook):
+@pytest.mark.parametrize("stage, hook", [(stage, hook) for stage, hooks in sorted(UNSUPPORTED_EVALUATION_HOOKS.items())
+                                         for hook in sorted(hooks)])
+def test_a_hook_validate_or_test_cannot_call_is_refused_there_by_name(stage, hook):
     model = with_method(hook, lambda self, *args, **kwargs: None)
     trainer = engine.lightning.Trainer(engine.TrainerConfig(progress_bar="off"))
-    for evaluate in (trainer.validate, trainer.test):
-        with pytest.raises(engine.ModuleContractError, match=f"Overrides_{hook}.{hook}: not supported") as raised:
-            evaluate(model, loader())
-        assert "\n" not in str(raised.value)
+    evaluate = trainer.validate if stage == "validation_step" else trainer.test
+    with pytest.raises(engine.ModuleContractError, match=f"Overrides_{hook}.{hook}: not supported") as raised:
+        evaluate(model, loader())
+    assert "\n" not in str(raised.value)
+
+
+def test_test_hooks_do_not_stop_validate():
+    model = with_method("on_test_model_eval", lambda self: None)
+    assert engine.lightning.Trainer(engine.TrainerConfig(progress_bar="off")).validate(model, loader()) == [{}]
 
 
 class EverythingWrong(Plain):

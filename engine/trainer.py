@@ -11,6 +11,7 @@ import torch
 
 from engine import faults
 from engine.callbacks import Callback
+from engine.callbacks.hook_names import refuse_misnamed_hooks
 from engine.config import TrainerConfig
 from engine.data.combined import combine_loaders
 from engine.data.checks import check_batch_source, check_reiterable, check_val_data
@@ -57,6 +58,7 @@ class Trainer:
         for callback in callbacks:
             if not isinstance(callback, Callback):
                 raise ConfigError(f"Trainer: callbacks must subclass engine.Callback, got {type(callback).__name__}")
+        refuse_misnamed_hooks(callbacks, "Trainer")
         self.callbacks = list(callbacks)
 
     def fit(self, module: torch.nn.Module, train_data: Iterable[Any], val_data: Iterable[Any] | None = None,

@@ -27,10 +27,10 @@ Worker processes started with ``fork`` (the Linux default) inherit the repair.
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Callable
 
 from engine.data.hf_shuffle import save_shuffle_buffers
+from engine.errors import warn as warn_user
 
 _REPAIRED = "_splitloop_repaired"
 
@@ -55,9 +55,8 @@ def repair_state_loading(value: Any) -> None:
     if _shuffle_buffer_known(datasets.__version__):
         save_shuffle_buffers(iterable_dataset)
     elif _has_shuffle_buffer(value):
-        warnings.warn(f"datasets {datasets.__version__}: the content of a .shuffle() buffer is not saved (checked with "
-                      f"datasets 5.2 to 5.x): a resume refills it, and the examples after it differ (docs/data.md)",
-                      stacklevel=3)
+        warn_user(f"datasets {datasets.__version__}: the content of a .shuffle() buffer is not saved (checked with "
+                  f"datasets 5.2 to 5.x): a resume refills it, and the examples after it differ (docs/data.md)")
 
 
 def _state_before_iterating(stream: Any) -> dict[str, Any]:

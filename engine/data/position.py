@@ -18,7 +18,6 @@ alive through a preemption signal (see :mod:`engine.data.workers`).
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -28,7 +27,7 @@ from engine.data.hf_streams import repair_state_loading
 from engine.data.streams import data_name, drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import (WorkerLoader, epoch_seed, has_workers, preemption_signals_blocked, run_epoch_seed,
                                  shut_down_workers)
-from engine.errors import DataError
+from engine.errors import DataError, warn as warn_user
 from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
 
 EXHAUSTED = object()
@@ -166,7 +165,8 @@ class EpochData:
         self._per_rank_seeds = False  # resumed from a checkpoint written before the base existed
         self._workers: WorkerLoader | None = None
         if has_workers(loader):
-            self._workers = WorkerLoader(loader, self._worker_signals, self._stateful)  # type: ignore[arg-type]
+            self._workers = WorkerLoader(loader, self._worker_signals, self._stateful,  # type: ignore[arg-type]
+                                         given=self.source)
             loader = self._workers.loader
         self.loader: Any = loader
         self._worker_iterators: list[Iterator[Any]] = []
@@ -267,12 +267,10 @@ class EpochData:
         if self._map_style:
             return _open_skipping_loader(self.loader, skip)
         if not self._warned_fast_forward:
-            warnings.warn(
+            warn_user(
                 f"resuming {self.name} by drawing and dropping {skip:,} batches (it costs as long as reading "
                 "them): it is neither a DataLoader over a map-style dataset nor a loader or IterableDataset with "
-                "state_dict() (docs/data.md)",
-                stacklevel=2,
-            )
+                "state_dict() (docs/data.md)")
             self._warned_fast_forward = True
         iterator = iter(self.loader)
         drop_batches(iterator, skip)

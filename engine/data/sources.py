@@ -9,7 +9,6 @@ replayed, its items drawn and dropped (one warning says so).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any, Iterable, Iterator
 
@@ -19,6 +18,7 @@ from engine.data.hf_streams import repair_state_loading
 from engine.data.rng import capture_global_rng, restore_global_rng
 from engine.data.streams import drop_batches, has_state, over_stream_with_state, with_saved_position
 from engine.data.workers import has_workers, shut_down_workers
+from engine.errors import warn as warn_user
 
 EXHAUSTED = object()
 
@@ -84,8 +84,8 @@ class Source:
             return self._reopen()
         if isinstance(self.iterable, Sequence):
             return iter(self.iterable[skip:])
-        warnings.warn(f"resuming source {self.name!r} ({type(self.iterable).__name__}) by drawing and dropping "
-                      f"{skip:,} items: it has no state_dict() and is not a sequence (docs/data.md)", stacklevel=4)
+        warn_user(f"resuming source {self.name!r} ({type(self.iterable).__name__}) by drawing and dropping "
+                  f"{skip:,} items: it has no state_dict() and is not a sequence (docs/data.md)")
         iterator = iter(self.iterable)
         drop_batches(iterator, skip)
         return iterator

@@ -38,12 +38,14 @@ import hashlib
 import random
 import signal
 import struct
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from engine.errors import warn as warn_user
+from engine.data.streams import data_name, over_stream_with_state
 
 try:  # NumPy is optional
     import numpy
@@ -185,7 +187,10 @@ class WorkerLoader:
     """The private copy of a DataLoader with workers, and the sampler that seeds its samples
     (None when its samples cannot be seeded: an IterableDataset, a loader with its own state)."""
 
-    def __init__(self, loader: DataLoader[Any], signals: Sequence[int], stateful: bool, seed_samples: bool = True) -> None:
+    def __init__(self, loader: DataLoader[Any], signals: Sequence[int], stateful: bool, seed_samples: bool = True,
+                 given: Any = None) -> None:
+        """``given``: the data as the user passed it, which warnings name (``loader`` may be the
+        StatefulDataLoader the engine built around a plain DataLoader over a stream with state)."""
         private = copy.copy(loader)
         object.__setattr__(private, "_iterator", None)
         self.persistent = bool(loader.persistent_workers)
@@ -200,23 +205,24 @@ class WorkerLoader:
         private.worker_init_fn = WorkerInit(signals, loader.worker_init_fn, unwrap_dataset=self.sampler is not None)
         self.loader = private
         if seed_samples:
-            _warn_if_not_exact(loader, stateful)
+            _warn_if_not_exact(loader, stateful, loader if given is None else given)
 
 
-def _warn_if_not_exact(loader: DataLoader[Any], stateful: bool) -> None:
-    if stateful:
-        warnings.warn(
-            f"{type(loader).__name__} has num_workers={loader.num_workers} and its own state_dict(): random numbers "
-            "drawn in its worker processes are restored on resume only as far as its state_dict restores them",
-            stacklevel=4,
-        )
+def _warn_if_not_exact(loader: DataLoader[Any], stateful: bool, given: Any) -> None:
+    if stateful and over_stream_with_state(given):
+        stream = type(given.dataset).__name__
+        warn_user(
+            f"{data_name(given)} has num_workers={loader.num_workers} and {stream} has a state_dict(): random numbers "
+            f"drawn in its worker processes are restored on resume only as far as {stream}.state_dict() restores them")
+    elif stateful:
+        warn_user(
+            f"{type(given).__name__} has num_workers={loader.num_workers} and its own state_dict(): random numbers "
+            "drawn in its worker processes are restored on resume only as far as its state_dict restores them")
     elif isinstance(loader.dataset, IterableDataset) and loader.persistent_workers:
-        warnings.warn(
+        warn_user(
             f"DataLoader over the IterableDataset {type(loader.dataset).__name__} with persistent_workers=True: "
             "random numbers drawn in its worker processes are not restored on resume (the resumed run starts new "
-            "workers); use persistent_workers=False, or draw no random numbers in the workers",
-            stacklevel=4,
-        )
+            "workers); use persistent_workers=False, or draw no random numbers in the workers")
 
 
 @contextlib.contextmanager

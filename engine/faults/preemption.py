@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import signal
 import threading
-import warnings
 from types import FrameType
 from typing import Any, Iterable
+
+from engine.errors import warn as warn_user
 
 
 class PreemptionWatcher:
@@ -27,7 +28,7 @@ class PreemptionWatcher:
     def __enter__(self) -> "PreemptionWatcher":
         if threading.current_thread() is not threading.main_thread():
             if self._signals:
-                warnings.warn("fit runs outside the main thread: preemption signals are not handled", stacklevel=3)
+                warn_user("fit runs outside the main thread: preemption signals are not handled")
             return self
         for number in self._signals:
             self._previous[number] = signal.signal(number, self._record)

@@ -17,9 +17,12 @@ import torch
 
 from engine.data.splitting import Batch, split_along_time
 from engine.errors import ModuleContractError
-from engine.lightning._logging import TRAINING, LightningLog
-from engine.lightning._packages import is_lightning_class
+from engine.lightning._logging import TEST, TRAINING, VALIDATION, LightningLog
+from engine.lightning._packages import overrides
 from engine.module import Module
+
+
+_STAGES = {VALIDATION: "validation", TEST: "test"}  # the step's name -> its hooks' stage
 
 
 @dataclasses.dataclass
@@ -29,17 +32,11 @@ class LightningProgress:
     current_epoch: int = 0
     global_step: int = 0
     epoch_started: bool = False
-    validation_started: bool = False
-    validation_batch: int = 0
+    evaluation_started: bool = False  # in a validation (or test) pass
+    evaluation_batch: int = 0
     should_stop: bool = False
     last_manual_loss: torch.Tensor | None = None
     batch_end: tuple[Any, Any, int] | None = None  # (outputs, batch, batch_idx) once the batch's last split ran
-
-
-def overrides(model: object, name: str) -> bool:
-    """Whether the user's class (not Lightning) defines ``name``."""
-    owner = next((klass for klass in type(model).__mro__ if name in vars(klass)), None)
-    return owner is not None and not is_lightning_class(owner)
 
 
 class LightningBridge(Module):
@@ -58,6 +55,7 @@ class LightningBridge(Module):
         self._splits_in_batch = 1
         self._passes_batch_idx = _takes_batch_idx(lightning_module.training_step)
         self._evaluation_takes_batch_idx: dict[str, bool] = {}  # read once per hook, not per batch
+        self._splits_its_own_way = overrides(lightning_module, "tbptt_split_batch")
         if self.tbptt_split_length is not None:
             _require_hiddens(lightning_module)
 
@@ -81,7 +79,7 @@ class LightningBridge(Module):
         if not self.training:  # Lightning 1.x validated whole batches, never split
             return [batch]
         model = self.lightning_module
-        splits = (model.tbptt_split_batch(batch, split_length) if overrides(model, "tbptt_split_batch")
+        splits = (model.tbptt_split_batch(batch, split_length) if self._splits_its_own_way
                   else split_along_time(batch, split_length, 1))
         self._splits_in_batch = len(splits)
         return splits
@@ -119,17 +117,32 @@ class LightningBridge(Module):
         return self.evaluation_step("validation_step", batch, hidden)
 
     def evaluation_step(self, hook: str, batch: Batch, hidden: Any = None) -> object:
-        """One batch of ``validation_step`` / ``test_step``; Lightning ignores what they return."""
+        """One batch of ``validation_step`` / ``test_step`` between ``on_{stage}_batch_start`` and
+        ``on_{stage}_batch_end``, the first of a pass after ``on_{stage}_start`` and
+        ``on_{stage}_epoch_start``, as Lightning calls them; what the step returns goes to
+        ``on_{stage}_batch_end`` only (Lightning logs nothing of it)."""
         model, progress = self.lightning_module, self.progress
-        if hook == "validation_step" and not progress.validation_started:
-            progress.validation_started, progress.validation_batch = True, 0
-            model.on_validation_epoch_start()
+        stage = _STAGES[hook]
+        if not progress.evaluation_started:
+            progress.evaluation_started, progress.evaluation_batch = True, 0
+            getattr(model, f"on_{stage}_start")()
+            getattr(model, f"on_{stage}_epoch_start")()
+        batch_idx = progress.evaluation_batch
+        getattr(model, f"on_{stage}_batch_start")(batch, batch_idx)
         step = getattr(model, hook)
         takes_batch_idx = self._evaluation_takes_batch_idx.setdefault(hook, _takes_batch_idx(step))
         with self.running(hook, batch):
-            step(batch, progress.validation_batch) if takes_batch_idx else step(batch)
-        progress.validation_batch += 1
+            output = step(batch, batch_idx) if takes_batch_idx else step(batch)
+        getattr(model, f"on_{stage}_batch_end")(output, batch, batch_idx)
+        progress.evaluation_batch += 1
         return (None, None) if self.tbptt_split_length is not None else None
+
+    def end_evaluation(self, hook: str) -> None:
+        """The end of a validation (or test) pass: ``on_{stage}_epoch_end``, then ``on_{stage}_end``."""
+        stage = _STAGES[hook]
+        self.progress.evaluation_started = False
+        getattr(self.lightning_module, f"on_{stage}_epoch_end")()
+        getattr(self.lightning_module, f"on_{stage}_end")()
 
     def _require_optimizer_idx(self) -> None:
         """Lightning 2.x needs manual optimization for several optimizers; a 1.x step takes ``optimizer_idx``."""

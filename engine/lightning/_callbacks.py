@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from engine.callbacks import Callback
 from engine.callbacks.early_stopping import EarlyStopping
+from engine.callbacks.hook_names import refuse_misnamed_hooks
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.errors import ConfigError
 from engine.lightning._packages import derives_from
@@ -43,6 +44,7 @@ def translate_callbacks(callbacks: Sequence[object], config: TrainerConfig) -> T
     checkpoint, engine_callbacks, seen_model_checkpoint = config.checkpoint, [], False
     for callback in callbacks:
         if isinstance(callback, Callback):
+            refuse_misnamed_hooks([callback], "engine.lightning.Trainer")
             engine_callbacks.append(callback)
         elif derives_from(callback, "ModelCheckpoint"):
             if seen_model_checkpoint:

@@ -4,7 +4,8 @@ callback (its state is saved in every checkpoint, pickle-free):
 - ``on_fit_start``: ``on_fit_start``, ``on_train_start`` (again after a resume, as Lightning does
   on a new ``fit``); the optimizer-step hooks (``global_step``, ``on_before_optimizer_step``);
 - ``on_split_end``: ``on_train_batch_end`` after the last split of a batch;
-- ``on_validation_end``: ``on_validation_epoch_end``;
+- ``on_validation_end``: ``on_validation_epoch_end``, ``on_validation_end`` (the bridge calls
+  ``on_validation_start``, ``on_validation_epoch_start`` and the batch hooks in the pass);
 - ``on_epoch_end``: ``on_train_epoch_end`` (after the epoch's validation, as in Lightning 2.x);
 - ``state_dict``: the hyperparameters, ``on_save_checkpoint``'s additions, the datamodule's state;
   ``load_state_dict`` gives them back through ``on_load_checkpoint`` / ``load_state_dict``.
@@ -17,7 +18,9 @@ from typing import Any
 
 from engine.callbacks import Callback, RunView
 from engine.checkpoint.state_keys import HYPERPARAMETERS
-from engine.lightning._bridge import LightningBridge, overrides
+from engine.lightning._bridge import LightningBridge
+from engine.lightning._logging import VALIDATION
+from engine.lightning._packages import overrides
 from engine.lightning._plain import plain_data
 from engine.lightning._trainer_view import TrainerView
 
@@ -67,9 +70,7 @@ class LightningHooks(Callback):
         self._stop_if_asked(view)
 
     def on_validation_end(self, view: RunView) -> None:
-        progress = self._bridge.progress
-        progress.validation_started = False
-        self._model.on_validation_epoch_end()
+        self._bridge.end_evaluation(VALIDATION)
         self._stop_if_asked(view)
 
     def on_epoch_end(self, view: RunView) -> None:

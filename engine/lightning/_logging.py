@@ -7,7 +7,11 @@ Names, as Lightning gives them to its loggers:
 - training, ``on_epoch`` only: ``name`` in the epoch's row, the mean weighted by ``batch_size``;
 - training, both: ``name_step`` in the split's row, ``name_epoch`` and ``name`` in the epoch's row
   (``name`` is what Lightning's callbacks monitor);
-- validation (``on_epoch``, the default): ``name`` in the pass's row, weighted by ``batch_size``.
+- validation (``on_epoch``, the default): ``name`` in the pass's row, weighted by ``batch_size``;
+  with ``on_step=True`` too, ``name_epoch`` beside it (Lightning's name for the pass value of a
+  value logged on both); with ``on_step=True, on_epoch=False``, ``name`` alone. A pass has one
+  row: values logged ``on_step`` in validation are reduced over the pass like the others, not
+  written per batch.
 """
 
 from __future__ import annotations
@@ -72,10 +76,9 @@ class LightningLog:
         number = _synced(value) if sync_dist else value
         weight = batch_size if batch_size is not None else batch_size_of(self.batch)
         if self.hook != TRAINING:
-            if on_step:
-                raise ModuleContractError(f"self.log({name!r}, on_step=True) in {self.hook}: engine.lightning "
-                                          "writes one row per validation pass; drop on_step")
             sink.log(name, number, reduce, weight=weight)
+            if on_step and on_epoch is not False:  # Lightning's epoch name of a forked value, as in training
+                sink.log(f"{name}_epoch", number, reduce, weight=weight)
             return
         step = True if on_step is None else on_step
         epoch = False if on_epoch is None else on_epoch

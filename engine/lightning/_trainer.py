@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from typing import Any, Iterable, Iterator, NoReturn, Sequence
 
 import torch
 
 from engine.config import TrainerConfig
-from engine.errors import ConfigError
-from engine.lightning._bridge import LightningBridge, overrides
-from engine.lightning._callbacks import translate_callbacks
+from engine.errors import ConfigError, warn as warn_user
+from engine.lightning._bridge import LightningBridge
+from engine.lightning._callbacks import Translated, translate_callbacks
 from engine.lightning._hooks import LightningHooks, hyperparameters_of
 from engine.lightning._logging import TEST, VALIDATION
-from engine.lightning._packages import require_datamodule, require_lightning_module
-from engine.lightning._refusals import refuse_unsupported_config, refuse_unsupported_hooks
+from engine.lightning._packages import overrides, require_datamodule, require_lightning_module
+from engine.lightning._refusals import (UNSUPPORTED_EVALUATION_HOOKS, refuse_together, refuse_unsupported_config,
+                                        refuse_unsupported_hooks)
 from engine.lightning._trainer_view import TrainerView
 from engine.loops.device import move_to_device
 from engine.loops.logged import MetricLogger, reduce_recordings
@@ -59,10 +59,30 @@ class Trainer:
         if not isinstance(self.config, TrainerConfig):
             raise ConfigError(f"engine.lightning.Trainer: config must be an engine.TrainerConfig, got "
                               f"{type(config).__name__}")
-        translated = translate_callbacks(list(callbacks), self.config)
-        self._engine_config = dataclasses.replace(self.config, checkpoint=translated.checkpoint) \
-            if translated.checkpoint is not self.config.checkpoint else self.config
-        self._engine_callbacks = translated.callbacks
+        self._callbacks = list(callbacks)
+        translate_callbacks(self._callbacks, self.config)  # refused here already, as Lightning's Trainer does
+        self._trainer_view: TrainerView | None = None  # the last fit's, which the module keeps after it
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps of the last ``fit`` (all optimizers together), as Lightning counts them; 0 before."""
+        return 0 if self._trainer_view is None else self._trainer_view.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        """Epochs completed by the last ``fit``, as Lightning's ``current_epoch`` after it; 0 before."""
+        return 0 if self._trainer_view is None else self._trainer_view.current_epoch
+
+    @property
+    def callback_metrics(self) -> dict[str, torch.Tensor]:
+        """The newest value of every name logged in the last ``fit``."""
+        return {} if self._trainer_view is None else self._trainer_view.callback_metrics
+
+    def predict(self, *args: object, **kwargs: object) -> NoReturn:
+        """Not supported: prediction needs none of the engine's guarantees; see the error."""
+        raise ConfigError("engine.lightning.Trainer.predict: not supported (prediction needs no checkpoints); run "
+                          "predict_step yourself: model.eval(); with torch.no_grad(): outputs = "
+                          "[model.predict_step(batch, batch_idx) for batch_idx, batch in enumerate(loader)]")
 
     def fit(self, model: torch.nn.Module, train_dataloaders: Iterable[Any] | None = None,
             val_dataloaders: Iterable[Any] | None = None, datamodule: Any = None, resume: str = "auto",
@@ -83,15 +103,22 @@ class Trainer:
     def _fit(self, model: Any, train_dataloaders: Iterable[Any] | None, val_dataloaders: Iterable[Any] | None,
              datamodule: Any, resume: str) -> FitResult:
         require_lightning_module(model)
-        refuse_unsupported_hooks(model)
-        refuse_unsupported_config(self._engine_config, model)
-        hyperparameters_of(model)  # refused up front when not plain data
-        if datamodule is not None:
-            require_datamodule(datamodule)
-        bridge = LightningBridge(model)
-        trainer_view = TrainerView(bridge, self._engine_config, datamodule)
+        translated: list[Translated] = []
+        bridges: list[LightningBridge] = []
+        refuse_together([  # every refusal the module and its settings earn, in one message, before anything runs
+            lambda: refuse_unsupported_hooks(model),
+            lambda: refuse_unsupported_config(self.config, model),
+            lambda: hyperparameters_of(model),  # not plain data
+            lambda: require_datamodule(datamodule),
+            lambda: translated.append(translate_callbacks(_with_model_callbacks(model, self._callbacks), self.config)),
+            lambda: bridges.append(LightningBridge(model)),  # a TBPTT step without hiddens
+        ])
+        engine_config = dataclasses.replace(self.config, checkpoint=translated[0].checkpoint)
+        bridge = bridges[0]
+        trainer_view = TrainerView(bridge, engine_config, datamodule)
+        self._trainer_view = trainer_view
         hooks = LightningHooks(bridge, trainer_view, datamodule)
-        with _attached(bridge, trainer_view):
+        with _attached(bridge, trainer_view, keep_trainer=True):
             stages = [owner for owner in (datamodule, model) if owner is not None]
             for owner in stages:
                 owner.prepare_data()
@@ -99,7 +126,7 @@ class Trainer:
                 owner.setup("fit")
             train, val = _fit_data(model, train_dataloaders, val_dataloaders, datamodule)
             try:
-                result = EngineTrainer(self._engine_config, [hooks, *self._engine_callbacks]).fit(
+                result = EngineTrainer(engine_config, [hooks, *translated[0].callbacks]).fit(
                     bridge, train, val, resume=resume)
             finally:
                 hooks.close()
@@ -123,8 +150,9 @@ class Trainer:
     def _evaluate(self, model: Any, hook: str, dataloaders: Iterable[Any] | None,
                   datamodule: Any) -> list[dict[str, float]]:
         require_lightning_module(model)
+        refuse_together([lambda: refuse_unsupported_hooks(model, UNSUPPORTED_EVALUATION_HOOKS[hook]),
+                         lambda: require_datamodule(datamodule)])
         if datamodule is not None:
-            require_datamodule(datamodule)
             datamodule.prepare_data()
             datamodule.setup("validate" if hook == VALIDATION else "test")
         method = "val_dataloader" if hook == VALIDATION else "test_dataloader"
@@ -132,6 +160,8 @@ class Trainer:
         if data is None:
             raise ConfigError(f"{hook.replace('_step', '')}: no data; pass dataloaders= or a datamodule with {method}()")
         bridge = LightningBridge(model)
+        if self._trainer_view is not None:  # the module still sees the last fit's epoch and step
+            bridge.progress.current_epoch, bridge.progress.global_step = self.current_epoch, self.global_step
         logger = bridge._engine_logger = MetricLogger()
         device = next(model.parameters()).device
         with _attached(bridge, TrainerView(bridge, self.config, datamodule)), torch.no_grad():
@@ -141,8 +171,7 @@ class Trainer:
             try:
                 for batch in data:
                     bridge.evaluation_step(hook, move_to_device(batch, device))
-                if hook == VALIDATION:
-                    model.on_validation_epoch_end()
+                bridge.end_evaluation(hook)
             finally:
                 values = reduce_recordings([logger.end_evaluation()])
                 model.train(was_training)
@@ -158,7 +187,7 @@ def _fit_data(model: Any, train: Iterable[Any] | None, val: Iterable[Any] | None
     val = val if val is not None else _loader(model, datamodule, "val_dataloader")
     if val is not None and not overrides(model, "validation_step"):
         # As Lightning does (it warns too): no validation_step, no validation loop.
-        warnings.warn(f"{type(model).__name__} has no validation_step: the validation data is not used", stacklevel=4)
+        warn_user(f"{type(model).__name__} has no validation_step: the validation data is not used")
         return train, None
     return train, val
 
@@ -171,11 +200,29 @@ def _loader(model: Any, datamodule: Any, method: str) -> Any:
     return None
 
 
+def _with_model_callbacks(model: Any, callbacks: list[object]) -> list[object]:
+    """The trainer's callbacks with what the module's ``configure_callbacks()`` returns, as
+    Lightning's fit attaches them: a returned callback replaces the trainer's of its class (or a
+    base class of it)."""
+    if not overrides(model, "configure_callbacks"):
+        return callbacks
+    returned = model.configure_callbacks()
+    if not returned:
+        return callbacks
+    returned = list(returned) if isinstance(returned, Sequence) else [returned]
+    replaced = {type(callback) for callback in callbacks
+                if any(issubclass(type(new), type(callback)) for new in returned)}
+    return [callback for callback in callbacks if type(callback) not in replaced] + returned
+
+
 @contextlib.contextmanager
-def _attached(bridge: LightningBridge, trainer_view: TrainerView) -> Iterator[None]:
+def _attached(bridge: LightningBridge, trainer_view: TrainerView, keep_trainer: bool = False) -> Iterator[None]:
     """Point the LightningModule's trainer-facing methods and ``self.trainer`` at the bridge
-    for the run, and take them back after it."""
+    for the run, and take them back after it; ``keep_trainer`` leaves ``self.trainer`` (and
+    the datamodule's) on the finished run, as Lightning's fit does, so ``global_step`` and
+    ``current_epoch`` read its end. Otherwise the module goes back to its previous trainer."""
     model: Any = bridge.lightning_module
+    previous = model._trainer, getattr(trainer_view.datamodule, "trainer", None)
     for name, bridged in _BRIDGED_METHODS.items():
         source = bridge.log_sink if name in ("log", "log_dict") else bridge
         setattr(model, name, getattr(source, bridged))
@@ -187,6 +234,7 @@ def _attached(bridge: LightningBridge, trainer_view: TrainerView) -> Iterator[No
     finally:
         for name in _BRIDGED_METHODS:
             model.__dict__.pop(name, None)
-        model.trainer = None
-        if trainer_view.datamodule is not None:
-            trainer_view.datamodule.trainer = None
+        if not keep_trainer:
+            model.trainer = previous[0]
+            if trainer_view.datamodule is not None:
+                trainer_view.datamodule.trainer = previous[1]

@@ -16,12 +16,13 @@ class TrainerView:
     ``current_epoch``, ``global_step``, ``max_epochs``, ``max_steps``, ``is_global_zero``,
     ``world_size``, ``global_rank``, ``local_rank``, ``callback_metrics``, ``logged_metrics``,
     ``optimizers`` and ``should_stop`` (setting it stops the run at the next boundary, with a
-    checkpoint)."""
+    checkpoint). The module keeps it after ``fit``, as it keeps Lightning's trainer."""
 
     logger = None
     loggers: list[Any] = []
     sanity_checking = False
     barebones = False
+    _results = None  # self.log outside a step (after fit) is Lightning's own "not registered" error
 
     def __init__(self, bridge: LightningBridge, config: TrainerConfig, datamodule: Any = None) -> None:
         self._bridge = bridge

@@ -12,10 +12,9 @@ resumed run appends the rows that follow, exactly once.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Callable, Sequence
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, warn as warn_user
 
 Row = dict[str, object]
 
@@ -84,8 +83,8 @@ class LoggerSet:
         try:
             call()
         except Exception as error:  # noqa: BLE001 - any failure of a logger only warns
-            warnings.warn(f"{logger!r} could not {action}: {type(error).__name__}: {error}; training goes on "
-                          "(metrics.jsonl keeps every row)", stacklevel=2)
+            warn_user(f"{logger!r} could not {action}: {type(error).__name__}: {error}; training goes on "
+                      "(metrics.jsonl keeps every row)")
 
 
 def local_path(owner: str, field: str, value: object) -> str:

@@ -21,10 +21,9 @@ import importlib.util
 import os
 import re
 import time
-import warnings
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, warn as warn_user
 from engine.loggers.base import Logger, Row, local_path, refuse_existing
 
 if TYPE_CHECKING:  # pragma: no cover - the import is optional and happens when a run starts
@@ -125,5 +124,5 @@ def _wait_past_newest_event_file(log_dir: str) -> None:
     while int(time.time()) <= max(seconds) and time.monotonic() < deadline:
         time.sleep(0.02)
     if int(time.time()) <= max(seconds):
-        warnings.warn(f"{log_dir} holds an event file created at {max(seconds)}, later than this machine's clock; "
-                      "TensorBoard may read this run's scalars before it (check the clocks)", stacklevel=4)
+        warn_user(f"{log_dir} holds an event file created at {max(seconds)}, later than this machine's clock; "
+                  "TensorBoard may read this run's scalars before it (check the clocks)")

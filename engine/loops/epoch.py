@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 from engine import faults
 from engine.data.position import EXHAUSTED, EpochData
-from engine.errors import DataError
+from engine.errors import DataError, warn as warn_user
 from engine.loops.anomaly import AnomalyHistory
 from engine.loops.context import Position, StopState
 from engine.loops.contracts import BatchRunner, Losses
@@ -88,8 +87,8 @@ class EpochLoop:
         length = self.data.length
         if length is not None and batches != length and not self._warned_length:
             self._warned_length = True
-            warnings.warn(f"len(train_data) is {length} but epoch {epoch} yielded {batches} batches: make __len__ "
-                          "return the number of batches __iter__ yields", stacklevel=2)
+            warn_user(f"len(train_data) is {length} but epoch {epoch} yielded {batches} batches: make __len__ "
+                      "return the number of batches __iter__ yields")
 
     def end_epoch(self) -> None:
         """Cascade the end of the epoch to the levels below (after its last batch)."""

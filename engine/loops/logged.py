@@ -22,13 +22,12 @@ whose order is the backend's), so it is the same bits on every rank and every re
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal, Sequence
 
 import msgpack
 import torch
 
-from engine.errors import ModuleContractError
+from engine.errors import ModuleContractError, warn as warn_user
 
 Reduce = Literal["mean", "sum", "max", "min", "last"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min", "last")
@@ -213,11 +212,11 @@ class MetricLogger:
             if name in self._names[other]:
                 # A warning, not an error: code written for frameworks where this is common keeps
                 # training; metrics.jsonl keeps both (each line names its stage).
-                warnings.warn(
+                warn_user(
                     f"log({name!r}) in {stage}: the name was logged in {other} too, so the two overwrite each "
                     "other in the latest values that monitor, EarlyStopping and FitResult.metrics read; use "
                     "different names in training and validation (e.g. 'train_acc' and 'val_acc'; validation's "
-                    "returned loss is logged as 'val_loss')", stacklevel=3)
+                    "returned loss is logged as 'val_loss')")
             self._names[stage].add(name)
         if self.evaluation is not None:
             self.evaluation.add(name, number, reduce, weight)

@@ -9,10 +9,11 @@ difference, and does not refuse (the checkpoint itself is sound). See docs/devic
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping
 
 import torch
+
+from engine.errors import warn as warn_user
 
 EnvelopeValue = str | bool | None
 
@@ -67,5 +68,5 @@ def warn_on_envelope_change(name: str, saved: Mapping[str, EnvelopeValue],
     """One warning naming every difference; nothing when the envelopes agree."""
     differences = envelope_differences(saved, current)
     if differences:
-        warnings.warn(f"{name} was written under other numerics settings; the resumed run may not be "
-                      "bit-identical to an uninterrupted one: " + "; ".join(differences), stacklevel=5)
+        warn_user(f"{name} was written under other numerics settings; the resumed run may not be "
+                  "bit-identical to an uninterrupted one: " + "; ".join(differences))

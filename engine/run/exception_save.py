@@ -20,14 +20,13 @@ to commit with it.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Iterator
 
 import torch
 
 from engine.checkpoint.checkpointing import BoundaryMark, Checkpointing
 from engine.checkpoint.metrics_log import MetricsLog
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, warn as warn_user
 from engine.run import state as run_state
 from progress import Cursor, ProgressTree, decode_tree, encode_tree
 
@@ -152,7 +151,7 @@ def _note(error: BaseException, text: str) -> None:
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(f"splitloop: {text}")
     else:  # pragma: no cover - Python 3.10
-        warnings.warn(f"splitloop: {text}", stacklevel=4)
+        warn_user(f"splitloop: {text}")
 
 
 def _scheduler_epochs(parts: run_state.RunParts) -> list[object]:

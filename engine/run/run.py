@@ -18,7 +18,6 @@ and the loops go on (engine.run.rollback).
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
-from engine.errors import ConfigError, ModuleContractError
+from engine.errors import ConfigError, ModuleContractError, warn as warn_user
 from engine.loops.context import Position, StopState
 from engine.loops.stop import run_end, split_boundary_stop_reason
 from engine.loops.tree import Boundaries, LoopTree, build_loops
@@ -194,7 +193,7 @@ class FitRun:
         faults.reach("after_rollback")
         self._save(force=True)
         self.rollbacks.publish(history.records)
-        warnings.warn(f"splitloop: {record.describe()}", stacklevel=2)
+        warn_user(f"splitloop: {record.describe()}")
 
     def _start(self, resume: str) -> None:
         """Restore the checkpoint ``resume`` chooses (engine.run.start) or start fresh, then

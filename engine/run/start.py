@@ -9,7 +9,6 @@ behind, and restores the run's parts; :class:`~engine.run.run.FitRun` takes the 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING
 
 from engine.checkpoint.abandoned import describe_names
@@ -26,6 +25,7 @@ from engine.run import state as run_state
 from engine.run.display import Display
 from engine.checkpoint.metrics_log import MetricsLog
 from engine.run.overrides import BuiltSettings, overridden_settings
+from engine.errors import warn as warn_user
 from progress import RunEnd
 
 if TYPE_CHECKING:
@@ -105,13 +105,13 @@ class RunStart:
         skipped = self._checkpoints.abandon_newer_than(anchor.name)
         redone = units_completed_in(fallback.newest_progress) - units_completed_in(anchor.progress)
         before = saved_world_size(anchor.state[SIGNATURE])
-        warnings.warn(
+        warn_user(
             f"splitloop: resuming on {self._parts.world_size} process(es): the newest checkpoint, {fallback.newest} "
             f"(world size {before}), was taken inside a batch or an open gradient-accumulation window, whose "
             f"per-rank part cannot move to another world size; resuming from {anchor.name}, the newest checkpoint "
             f"at a batch boundary, and redoing {redone} split(s) of step work; the newer checkpoint(s) "
             f"{describe_names(skipped)} are left behind: resume one by name with {before} process(es) to return to "
-            f"it; they are {self._fate_of_abandoned()}", stacklevel=6)
+            f"it; they are {self._fate_of_abandoned()}")
         return AnchorResume(fallback.newest, skipped, redone)
 
     def _resume_end(self, end: RunEnd | None) -> str | None:
@@ -133,9 +133,9 @@ class RunStart:
         newer = self._checkpoints.abandon_newer_than(name)
         if not newer:
             return
-        warnings.warn(f"resume={name!r}: {self._config.run_dir} holds {len(newer)} newer checkpoint(s), "
-                      f"{describe_names(newer)}, of the history this run branches off; resume='auto' no longer "
-                      f"returns to them; they are {self._fate_of_abandoned()}", stacklevel=6)
+        warn_user(f"resume={name!r}: {self._config.run_dir} holds {len(newer)} newer checkpoint(s), "
+                  f"{describe_names(newer)}, of the history this run branches off; resume='auto' no longer "
+                  f"returns to them; they are {self._fate_of_abandoned()}")
 
     def _fate_of_abandoned(self) -> str:
         """What becomes of the checkpoints a resume from an older one abandons."""
@@ -153,10 +153,9 @@ class RunStart:
         assert self._config.checkpoint is not None  # only a run with checkpoints has some
         keep_last = self._config.checkpoint.keep_last
         if keep_last is not None:
-            warnings.warn(f"resume='off': starting a fresh run in {self._config.run_dir}, which holds {len(existing)} "
-                          f"checkpoint(s) of an earlier run (newest {existing[-1]}); retention (keep_last={keep_last}) "
-                          "deletes them as this run commits new ones. To keep them, stop now and use another run_dir",
-                          stacklevel=6)
+            warn_user(f"resume='off': starting a fresh run in {self._config.run_dir}, which holds {len(existing)} "
+                      f"checkpoint(s) of an earlier run (newest {existing[-1]}); retention (keep_last={keep_last}) "
+                      "deletes them as this run commits new ones. To keep them, stop now and use another run_dir")
 
     def _start_fresh(self) -> None:
         self._metrics.start_fresh()
@@ -182,5 +181,5 @@ def _overridden(name: str, overridden: list[str]) -> str | None:
     text = (f"{name} overrides what configure_optimizers built: {'; '.join(overridden)}; the run goes on with the "
             "checkpoint's values (to change them on resume, set them in a callback's on_fit_start: "
             "docs/guarantees.md, Changing hyper-parameters on resume)")
-    warnings.warn(text, stacklevel=5)
+    warn_user(text)
     return text

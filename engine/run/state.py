@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -39,7 +38,8 @@ from engine.checkpoint.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.distributed import global_order
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError
+from engine.errors import (CheckpointCorrupt, CheckpointError, CheckpointIncompatible, CheckpointWriteError, DataError,
+                           warn as warn_user)
 from engine.loops.tree import LoopTree, tbptt_split_length
 from engine.loops.optim_setup import OptimizerSetup
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
@@ -339,4 +339,4 @@ def _restore_callbacks(name: str, saved: dict[str, Any], parts: RunParts) -> Non
             callback.load_state_dict(saved[key])
     dropped = [key for key, state in saved.items() if key not in current and state]
     if dropped:
-        warnings.warn(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used", stacklevel=5)
+        warn_user(f"{name} holds state for callbacks this run does not have: {dropped}; it is not used")

@@ -270,6 +270,32 @@ def test_a_setup_that_cannot_be_exact_warns_once_per_fit(setup):
     assert sum(message in str(w.message) for w in caught) == 1
 
 
+class StreamWithState(IterableDataset):
+    """A stream with state_dict(), in a plain DataLoader: the engine iterates it through a
+    StatefulDataLoader the user never made."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        yield from (torch.tensor([float(index)]) for index in range(info.id, 8, info.num_workers))
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_warning_names_the_data_as_given_at_the_line_of_the_users_fit():
+    loader = DataLoader(StreamWithState(), batch_size=2, num_workers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(StreamModel(), loader)
+    (warning,) = [w for w in caught if "num_workers=2" in str(w.message)]
+    assert str(warning.message).startswith("DataLoader over StreamWithState has num_workers=2 and StreamWithState has "
+                                           "a state_dict()") and "StatefulDataLoader" not in str(warning.message)
+    assert warning.filename == __file__
+
+
 def test_iterable_dataset_with_fresh_workers_does_not_warn():
     loader = DataLoader(RandomStream(), batch_size=2, num_workers=2)
     with warnings.catch_warnings():

@@ -1,10 +1,18 @@
 """LightningModules written the way Lightning's documentation writes them (nothing of the engine
-in them), their data, and how the tests train them through engine.lightning.Trainer."""
+in them; on ``pytorch_lightning``, and on ``lightning.pytorch`` as Lightning's examples are),
+Lightning's demo modules, their data, and how the tests train them through
+engine.lightning.Trainer."""
 
 from __future__ import annotations
 
+import os
+import random
+
+import lightning.pytorch as L
 import torch
 import pytorch_lightning as pl
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.demos import BoringModel, LightningTransformer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -179,6 +187,131 @@ class LitGRULM(pl.LightningModule):
                 "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss", "interval": "epoch", "frequency": 1}}
 
 
+class LitExampleAutoEncoder(L.LightningModule):
+    """An autoencoder in the shape of Lightning's basics examples: a forward for inference, a
+    shared step, ``self.log(..., on_step=True)`` in validation_step and test_step, a
+    predict_step, the test and validation-batch hooks, and its own callbacks from
+    configure_callbacks (EarlyStopping's min_delta ends the run after its second validation)."""
+
+    def __init__(self, hidden: int = 8, lr: float = 1e-2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        self.decoder = nn.Sequential(nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, FEATURES))
+        self.seen = []  # what the hooks were given, for the in-process tests
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+    def _shared_step(self, batch):
+        x, _ = batch
+        return F.mse_loss(self(x), x)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._shared_step(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self._shared_step(batch)
+        self.log("val_loss", loss, on_step=True)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._shared_step(batch), on_step=True)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return self(batch[0])
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append(("on_validation_batch_end", float(outputs), batch_idx))
+
+    def on_test_epoch_end(self):
+        self.seen.append(("on_test_epoch_end", self.global_step))
+
+    def configure_callbacks(self):
+        return [EarlyStopping(monitor="val_loss", patience=1, min_delta=1.0),
+                ModelCheckpoint(monitor="val_loss", save_top_k=1)]
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class Backbone(nn.Module):
+    """A small feature extractor handed to the classifier, as the backbone example does."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU())
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class LitBackboneClassifier(L.LightningModule):
+    """A classifier in the shape of Lightning's backbone example: a backbone module, a linear
+    head, cross entropy, ``self.log(..., on_step=True)`` in validation_step, test_step and a
+    predict_step, and a validation batch hook."""
+
+    def __init__(self, backbone=None, classes: int = 3, lr: float = 0.1):
+        super().__init__()
+        self.save_hyperparameters(ignore=["backbone"])
+        self.backbone = backbone if backbone is not None else Backbone()
+        self.head = nn.Linear(16, classes)
+        self.seen = []
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("valid_loss", F.cross_entropy(self(x), y), on_step=True, on_epoch=False)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=None):
+        return self(batch[0]).argmax(dim=1)
+
+    def on_validation_batch_start(self, batch, batch_idx):
+        self.seen.append(("on_validation_batch_start", batch_idx, len(batch[0])))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+# Lightning's demo modules, unchanged: BoringModel brings its own data; LightningTransformer reads
+# ./data/wikitext-2.txt (written by write_wikitext, so it never downloads).
+TRANSFORMER_WORDS = 12
+
+
+def write_wikitext(directory: str) -> None:
+    """A tiny wikitext-2.txt in ``directory``/data: every word of TRANSFORMER_WORDS in the first line."""
+    words = [f"w{index}" for index in range(TRANSFORMER_WORDS)]
+    generator = random.Random(0)
+    lines = [" ".join(words)] + [" ".join(generator.choice(words) for _ in range(20)) for _ in range(6)]
+    os.makedirs(os.path.join(directory, "data"), exist_ok=True)
+    with open(os.path.join(directory, "data", "wikitext-2.txt"), "w") as file:
+        file.write("\n".join(lines) + "\n")
+
+
+def transformer():
+    return LightningTransformer(vocab_size=TRANSFORMER_WORDS + 1)  # and "<eos>"
+
+
+def labelled(samples: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(samples, FEATURES, generator=generator),
+                         torch.randint(0, 3, (samples,), generator=generator))
+
+
 def tokens(samples: int, seed: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     text = torch.randint(0, VOCAB, (samples, TIME + 1), generator=generator)
@@ -199,13 +332,15 @@ def sequences(samples: int, seed: int) -> TensorDataset:
 def loaders(name: str, shuffle: bool = True) -> tuple[DataLoader, DataLoader]:
     """Training (40 samples in batches of 8, shuffled) and validation data (20 samples: the last
     batch is smaller, so epoch means are weighted)."""
-    make = {"tbptt": sequences, "gru_lm": tokens}.get(name, vectors)
+    make = {"tbptt": sequences, "gru_lm": tokens, "classifier": labelled}.get(name, vectors)
     return (DataLoader(make(40, 1), batch_size=8, shuffle=shuffle),
             DataLoader(make(20, 2), batch_size=8))
 
 
 MODULES = {"autoencoder": LitAutoEncoder, "checkpointed": LitAutoEncoder, "gan": LitGAN, "tbptt": LitTBPTT,
-           "gru_lm": LitGRULM, "clipped": LitManualClipped}
+           "gru_lm": LitGRULM, "clipped": LitManualClipped, "example_autoencoder": LitExampleAutoEncoder,
+           "classifier": LitBackboneClassifier, "boring": BoringModel, "transformer": transformer}
+OWN_DATA = ("boring", "transformer")  # Lightning's demos: their train_dataloader() / val_dataloader()
 
 
 def build(name: str, seed: int = 7) -> pl.LightningModule:

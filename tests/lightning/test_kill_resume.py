@@ -1,6 +1,7 @@
 """Each LightningModule of lit_modules (an autoencoder, the same with ModelCheckpoint(save_top_k=2)
 and EarlyStopping, a manual-optimization GAN, a Lightning 1.x TBPTT module, a GRU language model
-with ReduceLROnPlateau monitoring val_loss), trained through engine.lightning.Trainer in real
+with ReduceLROnPlateau monitoring val_loss; Lightning's demo BoringModel and LightningTransformer,
+and modules in the shape of Lightning's basics examples), trained through engine.lightning.Trainer in real
 processes that are SIGKILLed at random instants (random fault points and arrival counts: inside
 steps, between backward and step, at split ends, inside validation, inside checkpoint writes) and
 started again until one finishes: its weights, optimizer and scheduler state, every row of
@@ -49,6 +50,8 @@ def random_fault(name, rng, kills_so_far):
     """A random fault point and arrival; a module that validates is killed inside validation first."""
     if name == "gan":  # manual optimization: the engine runs no backward of its own
         point = rng.choice([point for point in TRAINING_POINTS if point != "after_backward"])
+    elif name == "transformer":  # no validation
+        point = rng.choice(TRAINING_POINTS)
     else:
         point = "validation_batch_end" if kills_so_far == 0 else rng.choice(TRAINING_POINTS + ("validation_batch_end",))
     # An epoch ends only a few times in a run: an arrival past the end would never kill.
@@ -69,15 +72,24 @@ def assert_same_best(reference, run_dir):
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    done = {}
-    for name in NAMES:
-        run_dir = str(tmp_path_factory.mktemp(f"reference-{name}"))
+class References(dict):
+    """Each module's uninterrupted run, trained when a test first asks for it."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self._tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name):
+        run_dir = str(self._tmp_path_factory.mktemp(f"reference-{name}"))
         process = train(name, run_dir)
         assert process.returncode == 0, process.stderr[-3000:]
-        done[name] = run_dir
-    return done
+        self[name] = run_dir
+        return run_dir
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return References(tmp_path_factory)
 
 
 def kill_and_resume(name, run_dir, rng, kills_wanted):
@@ -102,6 +114,9 @@ def check_kills(references, name, tmp_path, seed, kills_wanted):
     if name == "checkpointed":
         assert len(best_checkpoints(run_dir)) == 2
         assert_same_best(references[name], run_dir)
+    if name == "example_autoencoder":  # configure_callbacks' ModelCheckpoint(save_top_k=1)
+        assert len(best_checkpoints(run_dir)) == 1
+        assert_same_best(references[name], run_dir)
     if name == "gru_lm":  # TensorBoard scalars and the CSV hold every step once, as uninterrupted
         assert_same_logs(references[name], run_dir)
 
@@ -116,6 +131,25 @@ def test_sigkilled_at_random_instants_the_resumed_run_equals_an_uninterrupted_on
 @pytest.mark.parametrize("name", NAMES)
 def test_many_random_kills(references, name, seed, tmp_path):
     check_kills(references, name, tmp_path, seed, kills_wanted=6)
+
+
+# Lightning's demos unchanged, and modules in the shape of Lightning's basics examples (predict_step,
+# self.log(on_step=True) in validation_step, test and validation-batch hooks, configure_callbacks).
+# By default the demo whose overrides the adapter used to skip, and the basics shape with every new
+# hook; the transformer and the classifier (the same hooks) are killed in the exhaustive run.
+EXAMPLES = ("boring", "transformer", "example_autoencoder", "classifier")
+
+
+@pytest.mark.parametrize("name", ("boring", "example_autoencoder"))
+def test_lightnings_examples_sigkilled_resume_to_the_uninterrupted_run(references, name, tmp_path):
+    check_kills(references, name, tmp_path, seed=0, kills_wanted=1)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("seed", range(1, 4))
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_lightnings_examples_many_random_kills(references, name, seed, tmp_path):
+    check_kills(references, name, tmp_path, seed, kills_wanted=4)
 
 
 def test_a_preempted_run_exits_to_be_requeued_and_resumes_to_the_uninterrupted_one(references, tmp_path):

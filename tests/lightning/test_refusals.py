@@ -13,7 +13,7 @@ from torch import nn
 
 import engine
 import engine.lightning
-from engine.lightning._refusals import UNSUPPORTED_HOOKS
+from engine.lightning._refusals import UNSUPPORTED_EVALUATION_HOOKS, UNSUPPORTED_FIT_HOOKS
 from lit_modules import FEATURES, LinearOnly, vectors
 from torch.utils.data import DataLoader
 
@@ -39,16 +39,53 @@ def refused(error_type, match, make_trainer=None, model=None, run_dir=None, up_f
     message = str(raised.value)
     assert match in message and "\n" not in message, message
     assert up_front == all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return message
 
 
 def with_method(name, function):
     return type(f"Overrides_{name}", (Plain,), {name: function})()
 
 
-@pytest.mark.parametrize("hook", sorted(UNSUPPORTED_HOOKS))
+@pytest.mark.parametrize("hook", sorted(UNSUPPORTED_FIT_HOOKS))
 def test_an_unsupported_hook_is_refused_by_name(hook):
     refused(engine.ModuleContractError, f"Overrides_{hook}.{hook}: not supported by engine.lightning",
             model=with_method(hook, lambda self, *args, **kwargs: None))
+
+
+@pytest.mark.parametrize("stage, hook", [(stage, hook) for stage, hooks in sorted(UNSUPPORTED_EVALUATION_HOOKS.items())
+                                         for hook in sorted(hooks)])
+def test_a_hook_validate_or_test_cannot_call_is_refused_there_by_name(stage, hook):
+    model = with_method(hook, lambda self, *args, **kwargs: None)
+    trainer = engine.lightning.Trainer(engine.TrainerConfig(progress_bar="off"))
+    evaluate = trainer.validate if stage == "validation_step" else trainer.test
+    with pytest.raises(engine.ModuleContractError, match=f"Overrides_{hook}.{hook}: not supported") as raised:
+        evaluate(model, loader())
+    assert "\n" not in str(raised.value)
+
+
+def test_test_hooks_do_not_stop_validate():
+    model = with_method("on_test_model_eval", lambda self: None)
+    assert engine.lightning.Trainer(engine.TrainerConfig(progress_bar="off")).validate(model, loader()) == [{}]
+
+
+class EverythingWrong(Plain):
+    """Three refusals at once: fixing one must not merely reveal the next."""
+
+    truncated_bptt_steps = 2
+
+    def __init__(self, block=None):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def test_every_refusal_comes_before_training_in_one_message(tmp_path):
+    message = refused(engine.ModuleContractError, "EverythingWrong.backward: not supported by engine.lightning",
+                      model=EverythingWrong(block=nn.Linear(1, 1)), run_dir=str(tmp_path))
+    assert all(part in message for part in ("EverythingWrong.backward", "hparams['block'] is a Linear",
+                                             "truncated_bptt_steps is set but training_step has no 'hiddens'"))
 
 
 @pytest.mark.parametrize("callback, match", [
@@ -118,11 +155,6 @@ class LogsInAHook(Plain):
         self.log("lr", 0.1)
 
 
-class LogsOnStepInValidation(Plain):
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.layer(batch[0]).mean(), on_step=True)
-
-
 class UnknownReduction(Plain):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -164,8 +196,6 @@ def sequences_loader():
     (NoDictWithHiddens(), engine.ModuleContractError, "with truncated_bptt_steps return {'loss': loss, 'hiddens'",
      {"train_dataloaders": sequences_loader()}),
     (LogsInAHook(), engine.ModuleContractError, "self.log('lr') in a hook", {}),
-    (LogsOnStepInValidation(), engine.ModuleContractError, "self.log('val_loss', on_step=True) in validation_step",
-     {"val_dataloaders": loader(), "up_front": False}),
     (UnknownReduction(), engine.ModuleContractError, "reduce_fx=<built-in method median", {}),
     (LogsAMetricObject(), engine.ModuleContractError, "self.log('mean_loss', <MeanMetric metric object>)", {}),
     (ModuleHyperparameter(block=nn.Linear(1, 1)), engine.ModuleContractError, "hparams['block'] is a Linear", {}),
@@ -201,3 +231,36 @@ def test_a_datamodule_that_is_not_one_and_no_data_are_refused():
     refused(engine.ConfigError, "datamodule must be a LightningDataModule, got list", datamodule=[1],
             train_dataloaders=None)
     refused(engine.ConfigError, "fit: no training data", train_dataloaders=None)
+
+
+class ConfiguresAnUnsupportedCallback(Plain):
+    def configure_callbacks(self):
+        return [LearningRateMonitor()]
+
+
+def test_an_unsupported_callback_from_configure_callbacks_is_refused_up_front():
+    refused(engine.ConfigError, "the Lightning callback LearningRateMonitor is not supported",
+            model=ConfiguresAnUnsupportedCallback())
+
+
+class LightningNamedCallback(engine.Callback):
+    """An engine.Callback written with Lightning's hook names, which the engine never calls."""
+
+    def on_train_batch_end(self, view):
+        pass
+
+    def on_epoch_ends(self, view):
+        pass
+
+    def on_split_end(self, view):  # an engine hook: fine
+        pass
+
+
+@pytest.mark.parametrize("make_trainer", [engine.Trainer, engine.lightning.Trainer], ids=["engine", "lightning"])
+def test_an_engine_callback_method_named_like_a_hook_it_is_not_is_refused_with_the_hook_meant(make_trainer):
+    with pytest.raises(engine.ConfigError) as raised:
+        make_trainer(engine.TrainerConfig(progress_bar="off"), callbacks=[LightningNamedCallback()])
+    message = str(raised.value)
+    assert "LightningNamedCallback.on_train_batch_end is not an engine.Callback hook and would never be called; did " \
+           "you mean on_split_end?" in message and "on_epoch_ends is not an engine.Callback hook" in message
+    assert "did you mean on_epoch_end?" in message and "\n" not in message and "on_split_end is not" not in message

@@ -23,7 +23,10 @@ from engine.cli.commands import inspect_run, run_inspect
 from lit_modules import FEATURES, LinearOnly, vectors
 
 HOOKS = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start", "on_train_batch_end",
-         "on_validation_epoch_start", "on_validation_epoch_end", "on_train_epoch_end", "on_train_end", "on_fit_end")
+         "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
+         "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end", "on_train_end", "on_fit_end",
+         "on_test_start", "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end", "on_test_epoch_end",
+         "on_test_end")
 
 
 def recording(hook):
@@ -105,6 +108,27 @@ def test_log_writes_lightnings_names_and_batch_size_weighted_means(tmp_path):
     inferred = sum(value * size for value, size in model.validated) / sum(size for _, size in model.validated)
     assert validation["metrics"] == {"val_loss": inferred}
     assert [size for _, size in model.validated] == [8, 8, 4]
+
+
+class LogsOnStepInValidation(HookRecorder):
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.layer(x).pow(2).mean()
+        self.log("val_loss", loss, on_step=True)
+        self.log("val_worst", loss, on_step=True, on_epoch=False, reduce_fx="max")
+        self.validated.append((float(loss), len(x)))
+
+
+def test_on_step_in_validation_step_is_one_value_per_pass(tmp_path):
+    torch.manual_seed(0)
+    model = LogsOnStepInValidation()
+    train, val = data()
+    adapter_fit(model, tmp_path, epochs=2, train_dataloaders=train, val_dataloaders=val)
+    passes = [model.validated[:3], model.validated[3:]]
+    means = [sum(value * size for value, size in batches) / sum(size for _, size in batches) for batches in passes]
+    assert [row["metrics"] for row in rows(tmp_path, "val")] == [
+        {"val_loss": mean, "val_loss_epoch": mean, "val_worst": max(value for value, _ in batches)}
+        for mean, batches in zip(means, passes)]
 
 
 class StopsItself(HookRecorder):
@@ -222,8 +246,25 @@ def test_validate_and_test_return_batch_size_weighted_means():
     validated = trainer.validate(model, val)
     inferred = sum(value * size for value, size in model.validated) / sum(size for _, size in model.validated)
     assert validated == [{"val_loss": inferred}] and len(model.validated) == 3
-    assert [call[0] for call in model.calls] == ["on_validation_epoch_start", "on_validation_epoch_end"]
     assert trainer.test(model, val) == validated and model.training
+
+
+def test_validate_and_test_call_lightnings_hooks_in_its_order_after_fit(tmp_path):
+    train, val = data()
+    lightning = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                           enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    adapter = engine.lightning.Trainer(engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path), progress_bar="off"))
+    calls = []
+    for trainer in (lightning, adapter):
+        torch.manual_seed(0)
+        model = WithTestStep()
+        trainer.fit(model, train)
+        model.calls.clear()
+        trainer.validate(model, val)
+        trainer.test(model, val)
+        calls.append(model.calls)
+    assert calls[0] == calls[1]
+    assert calls[1][0] == ("on_validation_start", 1, 3) and calls[1][-1] == ("on_test_end", 1, 3)
 
 
 def test_importing_engine_never_imports_lightning():
@@ -298,3 +339,28 @@ def test_without_lightning_installed_the_import_says_what_to_install(monkeypatch
     monkeypatch.delitem(sys.modules, "engine.lightning._packages")
     with pytest.raises(ImportError, match=r"engine.lightning needs PyTorch Lightning: pip install 'splitloop\[lightning\]'"):
         importlib.import_module("engine.lightning._packages")
+
+
+class StopsEarly(HookRecorder):
+    def configure_callbacks(self):
+        return pl.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)
+
+
+def test_configure_callbacks_callbacks_replace_the_trainers_of_their_class_as_in_lightning(tmp_path):
+    train, val = data()
+    patient = pl.callbacks.EarlyStopping(monitor="val_loss", patience=50)
+    result = adapter_fit(StopsEarly(), tmp_path, epochs=4, callbacks=[patient], train_dataloaders=train,
+                         val_dataloaders=val)
+    assert "early stopping" in result.stop_reason and len(rows(tmp_path, "val")) == 2  # the module's, not patient
+
+
+class ClaimsMoreBatches(list):
+    def __len__(self):
+        return 99
+
+
+def test_the_engines_warnings_point_at_the_users_line_through_the_adapter(tmp_path):
+    batches = ClaimsMoreBatches(data()[0])
+    with pytest.warns(UserWarning, match=r"len\(train_data\) is 99 but epoch 0 yielded 3 batches") as caught:
+        adapter_fit(LinearOnly(), tmp_path, epochs=1, train_dataloaders=batches)
+    assert {warning.filename for warning in caught if "len(train_data)" in str(warning.message)} == {__file__}

@@ -1,0 +1,99 @@
+"""The ranks of one try of a torchrun group meet on torchrun's agent store
+(engine.distributed.group_start), in this process: a TCPStore standing for the agent's and one
+thread per rank. Whatever restart count each rank's agent gave it, the ranks of a try share one
+namespace, a later try another, and a rank that does not arrive is named within the bound."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import time
+from typing import Callable, TypeVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.config import TrainerConfig
+from engine.distributed import environment, group_start
+from engine.errors import ConfigError, GroupStartTimeout
+
+BOUND = datetime.timedelta(seconds=20)  # a regression fails within it, never in torch's 30 minutes
+Result = TypeVar("Result")
+
+
+@pytest.fixture
+def agent_store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=BOUND)
+
+
+def torchrun_environment(store: dist.TCPStore, rank: int, world_size: int, restart: int) -> dict[str, str]:
+    """A worker's environment as torchrun's agent sets it (the variables the engine reads)."""
+    return {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port), "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "job"}
+
+
+def on_every_rank(work: Callable[[int], Result], ranks: list[int], stagger: float = 0.0) -> dict[int, Result]:
+    """``work(rank)`` for each rank in a thread of its own, started in the order of ``ranks``,
+    ``stagger`` seconds apart."""
+    with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
+        futures = {}
+        for rank in ranks:
+            futures[rank] = pool.submit(work, rank)
+            time.sleep(stagger)
+        return {rank: future.result(timeout=2 * BOUND.total_seconds()) for rank, future in futures.items()}
+
+
+def handshake(store: dist.TCPStore, ranks: list[int], stagger: float = 0.0) -> dict[int, str]:
+    def work(rank: int) -> str:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=BOUND)
+        return group_start.agree_on_token(client, rank, len(ranks), BOUND)
+    return on_every_rank(work, ranks, stagger)
+
+
+def test_every_rank_of_a_try_takes_one_token_and_the_next_try_another_whatever_the_stale_keys(
+        agent_store: dist.TCPStore) -> None:
+    tries = [handshake(agent_store, [0, 1, 2]),
+             # rank 0 first: it finds the hello keys of the first try's ranks, answers them (nobody
+             # reads those answers) and waits for this try's
+             handshake(agent_store, [0, 2, 1], stagger=0.2),
+             # rank 0 last: the others must not take the earlier tries' answers for its
+             handshake(agent_store, [2, 1, 0], stagger=0.2)]
+    tokens = [set(tokens_of_try.values()) for tokens_of_try in tries]
+    assert [len(agreed) for agreed in tokens] == [1, 1, 1]
+    assert len(set.union(*tokens)) == 3
+
+
+def test_ranks_whose_agents_counted_different_restarts_share_the_namespace_of_their_try(
+        agent_store: dist.TCPStore) -> None:
+    # Two nodes after one worker was SIGKILLed: its agent counts a restart, the other none.
+    restarts = {0: 0, 1: 1}
+
+    def store_of(rank: int) -> dist.Store:
+        store = environment._store_of_this_try(torchrun_environment(agent_store, rank, 2, restarts[rank]), BOUND)
+        assert store is not None
+        return store
+
+    stores = on_every_rank(store_of, [0, 1])
+    stores[0].set("seen", "rank 0's value")
+    stores[1].wait(["seen"], datetime.timedelta(seconds=5))  # the same namespace, or this times out
+    assert stores[1].get("seen") == b"rank 0's value"
+
+
+@pytest.mark.parametrize("rank, message", [
+    (0, r"did not start within 0.5 s \(TrainerConfig.start_timeout\): rank\(s\) \[1, 2\] of 3 did not arrive"),
+    (2, r"did not start within 0.5 s \(TrainerConfig.start_timeout\): rank 2 got no answer from rank 0"),
+], ids=["rank-0-alone", "rank-2-alone"])
+def test_a_rank_that_does_not_arrive_is_named_within_the_start_timeout(agent_store: dist.TCPStore, rank: int,
+                                                                      message: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(GroupStartTimeout, match=message):
+        environment.join(torch.device("cpu"), torchrun_environment(agent_store, rank, 3, 0), start_timeout=0.5)
+    assert time.monotonic() - started < 10
+    assert not dist.is_initialized()
+
+
+def test_start_timeout_must_be_a_positive_number_of_seconds() -> None:
+    with pytest.raises(ConfigError, match=r"TrainerConfig.start_timeout: expected a positive finite number"):
+        TrainerConfig(start_timeout=0)

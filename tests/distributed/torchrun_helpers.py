@@ -57,20 +57,23 @@ def free_port() -> int:
 
 
 def node_command(node: int, port: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
-                 nodes: int = 2, processes_per_node: int = 1, max_restarts: int = 0) -> list[str]:
+                 nodes: int = 2, processes_per_node: int = 1, max_restarts: int = 0,
+                 forked_ranks: bool = False) -> list[str]:
     """One "node" of a job of ``nodes``: its own torchrun agent, joined to the others by a c10d
     rendezvous on 127.0.0.1:``port`` that node 0 hosts (as ``--rdzv-endpoint=$HEAD:29500`` in
     docs/distributed.md's several-nodes recipe). No restarts by default: a node that dies fails
     the job, and the test restarts every agent, as a scheduler requeues the job; with
-    ``max_restarts`` the agents restart their workers after a worker fails."""
+    ``max_restarts`` the agents restart their workers after a worker fails. ``forked_ranks``: as
+    for :func:`torchrun_command`."""
     host = "true" if node == 0 else "false"
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
             f"--nproc-per-node={processes_per_node}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",
-            f"--rdzv-conf=is_host={host},join_timeout={TIMEOUT}", SCRIPT, str(run_dir), str(out_dir), *args]
+            f"--rdzv-conf=is_host={host},join_timeout={TIMEOUT}", *rank_entry_point(SCRIPT, forked_ranks),
+            str(run_dir), str(out_dir), *args]
 
 
-def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, max_restarts: int = 0,
+def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, max_restarts: int = 0, forked_ranks: bool = False,
                 **env: str) -> list[subprocess.Popen]:
     """Every node's agent of one try of the job in ``job`` (run/, out/), each in a session of
     its own (a machine of its own), node 0 (the rendezvous host) first; their output is
@@ -79,7 +82,8 @@ def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, max_restarts: int
     port = free_port()
     started = []
     for node in range(nodes):
-        command = node_command(node, port, job / "run", job / "out", *args, nodes=nodes, max_restarts=max_restarts)
+        command = node_command(node, port, job / "run", job / "out", *args, nodes=nodes, max_restarts=max_restarts,
+                               forked_ranks=forked_ranks)
         with open(job / f"node-{node}.log", "a") as log:
             started.append(forkserver.popen(command, env=environment(**env), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True))

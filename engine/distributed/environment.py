@@ -126,7 +126,7 @@ def init_process_group(device: torch.device | str = "cpu", start_timeout: float 
     for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if name not in environ:
             raise ConfigError(f"WORLD_SIZE={environ['WORLD_SIZE']} but {name} is not set: launch with torchrun "
-                              "(see docs/distributed.md) or call torch.distributed.init_process_group yourself")
+                              "(see docs/distributed.md) or start the process group yourself")
     store = _store_of_this_try(environ, timeout)
     # Without torchrun's agent store, env:// starts a store of its own for this try.
     _start_group(device, timeout, None if store is None else (store, _int_variable(environ, "RANK", 0),
@@ -135,8 +135,9 @@ def init_process_group(device: torch.device | str = "cpu", start_timeout: float 
 
 def _start_group(device: torch.device, timeout: datetime.timedelta,
                  store: tuple[dist.Store, int, int] | None) -> None:
-    """The default group (on ``store``: the store, this rank, the world size), joined within ``timeout``; its collectives then wait as long as the
-    backend's default (a rank validating alone may keep the others waiting for minutes). Ended
+    """The default group (on ``store``: the store, this rank, the world size; env:// without),
+    joined within ``timeout``; its collectives then wait as long as the backend's default (a
+    rank validating alone may keep the others waiting for minutes). Ended
     when the interpreter exits: a gloo group left to the interpreter's teardown aborts the
     process now and then ("terminate called without an active exception", SIGABRT), a failed
     worker to torchrun, which then restarts a group whose work was done."""

@@ -93,7 +93,7 @@ def test_sharding_before_fit_trains_like_configure_model_and_survives_two_restar
     # failed (Connection refused) or hung in the engine's writer group.
     rng = random.Random()
     # 12 splits per rank and epoch: the second kill lands in the restarted try whatever the first.
-    kills = f"0/{rng.randrange(2)}/split_end:{rng.randint(2, 10)}:sigkill;1/{rng.randrange(2)}/split_end:{rng.randint(2, 10)}:sigkill"
+    kills = ";".join(f"{restart}/{rng.randrange(2)}/split_end:{rng.randint(2, 10)}:sigkill" for restart in (0, 1))
     process, _, out_dir = train(tmp_path, "job", 2, "--shard-before-fit", "--start-timeout", "30", max_restarts=5,
                                 KILLS=kills)
     assert process.returncode == 0, f"{kills}: " + process.stderr[-4000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import time
+import warnings
 from typing import Callable, TypeVar
 
 import pytest
@@ -97,3 +98,27 @@ def test_a_rank_that_does_not_arrive_is_named_within_the_start_timeout(agent_sto
 def test_start_timeout_must_be_a_positive_number_of_seconds() -> None:
     with pytest.raises(ConfigError, match=r"TrainerConfig.start_timeout: expected a positive finite number"):
         TrainerConfig(start_timeout=0)
+
+
+def test_a_group_torch_started_on_torchruns_store_is_warned_of_and_the_engines_is_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    shared_store = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    monkeypatch.setattr(environment, "_warned", False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match=r"after a restart, joining it .* can read a dead rank's address and fail "
+                                             r"or hang\. Start it with engine.distributed.init_process_group\(\)"):
+            environment._warn_of_a_group_on_the_shared_store(shared_store)
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.setattr(environment, "_warned", False)
+    environment.init_process_group(environ={})  # one rank, no network
+    try:
+        assert dist.get_world_size() == 1
+        with pytest.raises(ConfigError, match="already initialised; call it once, before fit"):
+            environment.init_process_group(environ={})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            environment._warn_of_a_group_on_the_shared_store(shared_store)
+    finally:
+        dist.destroy_process_group()

@@ -22,10 +22,7 @@ SPLITS = 18  # per rank: 24 samples in batches of 2 over 2 ranks, 3 splits per b
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The uninterrupted 2-rank job (one agent)."""
-    tmp = tmp_path_factory.mktemp("restarts")
-    process, _, _ = helpers.train(tmp, "job", 2, *OPTIONS)
-    assert process.returncode == 0, process.stderr[-4000:]
-    return tmp / "job"
+    return helpers.uninterrupted(tmp_path_factory.mktemp("restarts"), 2, *OPTIONS)
 
 
 def kill_one_worker_of_two_nodes(reference: pathlib.Path, job: pathlib.Path) -> None:

@@ -132,6 +132,13 @@ def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: in
     return process, run_dir, out_dir
 
 
+def uninterrupted(tmp: pathlib.Path, ranks: int, *args: str, script: str = SCRIPT) -> pathlib.Path:
+    """The job dir (run/, out/) of a whole ``ranks``-rank job that must end well: a reference."""
+    process, _, _ = train(tmp, "job", ranks, *args, script=script)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return tmp / "job"
+
+
 HIDDEN_KEYS = {"hidden.h", "hidden.c"}  # dist_train.py / fsdp_train.py: a process that trained has them
 
 

@@ -6,8 +6,8 @@ An embedding, an LSTM trained with TBPTT (hidden state carried across batches) a
 ``fully_shard`` on the embedding, the LSTM and the root over a CPU device mesh (gloo): in
 ``Module.configure_model`` by default, before ``fit`` with ``--shard-before-fit`` (the script then
 starts the group with ``engine.distributed.init_process_group``; ``--start-timeout`` bounds it
-and ``TrainerConfig.start_timeout``). The vocabulary
-(15) does not divide by the world size, so shards are uneven. Each worker writes, when its fit
+and ``TrainerConfig.start_timeout``). The vocabulary (15) does not divide by the world size, so
+shards are uneven. Each worker writes, when its fit
 ends, ``OUT_DIR/final-<rank>.pt``: the full (gathered) parameters ``param.*``, the optimizer state
 gathered ``optim.<index>.<key>`` (Adam's ``step`` and moments), its RNG state and its carried
 hidden state; and its pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts. ``KILLS`` and

@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed import group_start
-from engine.errors import ConfigError
+from engine.errors import ConfigError, GroupStartTimeout
 
 # Collectives of the checkpoint writer wait this long for the slowest rank's part (joining the
 # group waits at most TrainerConfig.start_timeout).
@@ -176,9 +176,7 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None,
     if not dist.is_initialized() or dist.get_world_size() <= 1:
         return None
     _warn_of_a_group_on_the_shared_store(environ)
-    timeout = datetime.timedelta(seconds=start_timeout)
-    writer_group = dist.new_group(backend="gloo", timeout=timeout)
-    _set_pg_timeout(WRITER_GROUP_TIMEOUT, writer_group)
+    writer_group = _start_writer_group(datetime.timedelta(seconds=start_timeout))
     restart = _int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     # Rank 0 draws the token; every rank takes it, so all parts of one try share a staging name.
     token = [restart * 10 ** 9 + secrets.randbelow(10 ** 9)]
@@ -186,6 +184,22 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None,
     return DistributedContext(dist.get_rank(), world_size=dist.get_world_size(),
                               local_rank=_int_variable(environ, "LOCAL_RANK", 0), device=device,
                               writer_group=writer_group, attempt=int(token[0]))
+
+
+def _start_writer_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """The engine's gloo group for the checkpoint writer, joined within ``timeout``; its
+    collectives then wait up to WRITER_GROUP_TIMEOUT for the slowest rank's part."""
+    try:
+        writer_group = dist.new_group(backend="gloo", timeout=timeout)
+    except dist.DistStoreError as error:
+        raise GroupStartTimeout(
+            f"the engine's writer group did not start within {timeout.total_seconds():g} s "
+            f"(TrainerConfig.start_timeout) on rank {dist.get_rank()} of {dist.get_world_size()}: another rank did not "
+            "join it, or the training group was started on torchrun's store by torch.distributed.init_process_group "
+            "and met the keys of an earlier try (start it with engine.distributed.init_process_group); this rank "
+            "exits so that torchrun restarts the group") from error
+    _set_pg_timeout(WRITER_GROUP_TIMEOUT, writer_group)
+    return writer_group
 
 
 def _warn_of_a_group_on_the_shared_store(environ: Mapping[str, str]) -> None:

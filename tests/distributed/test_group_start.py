@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import pathlib
+import subprocess
+import sys
 import time
 import warnings
 from typing import Callable, TypeVar
@@ -18,6 +21,9 @@ import torch.distributed as dist
 from engine.config import TrainerConfig
 from engine.distributed import environment, group_start
 from engine.errors import ConfigError, GroupStartTimeout
+
+import forkserver
+import torchrun_helpers as helpers
 
 BOUND = datetime.timedelta(seconds=20)  # a regression fails within it, never in torch's 30 minutes
 Result = TypeVar("Result")
@@ -122,3 +128,36 @@ def test_a_group_torch_started_on_torchruns_store_is_warned_of_and_the_engines_i
             environment._warn_of_a_group_on_the_shared_store(shared_store)
     finally:
         dist.destroy_process_group()
+
+
+WRITER_GROUP_NOT_JOINED = """
+import os, sys, time
+import torch
+from engine.distributed import environment
+from engine.errors import GroupStartTimeout
+if os.environ["RANK"] == "1":
+    environment.init_process_group(start_timeout=20)  # joins the training group, never the writer group
+    time.sleep(30)
+try:
+    environment.join(torch.device("cpu"), start_timeout=2)
+except GroupStartTimeout as error:
+    print(error)
+    sys.exit(3)
+"""
+
+
+def test_a_writer_group_a_rank_does_not_join_ends_within_the_start_timeout(tmp_path: pathlib.Path) -> None:
+    # Two processes of a job started without torchrun's agent store (env://, rank 0 hosts it).
+    script, port = tmp_path / "rank.py", helpers.free_port()
+    script.write_text(WRITER_GROUP_NOT_JOINED)
+    ranks = [forkserver.popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**helpers.environment(), "WORLD_SIZE": "2", "RANK": str(rank),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    try:
+        stdout, _ = ranks[0].communicate(timeout=60)
+    finally:
+        ranks[1].kill()
+        ranks[1].wait()
+    assert ranks[0].returncode == 3, stdout
+    assert "the engine's writer group did not start within 2 s (TrainerConfig.start_timeout) on rank 0 of 2" in stdout

@@ -19,6 +19,9 @@ Precision = Literal["32", "bf16-mixed", "16-mixed"]
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d{1,3})?")
 
+# Seconds every rank of a torchrun group has to arrive (TrainerConfig.start_timeout).
+DEFAULT_START_TIMEOUT = 180.0
+
 AccumulateOver = Literal["batches", "splits"]
 ClipAlgorithm = Literal["norm", "value"]
 
@@ -324,6 +327,11 @@ class TrainerConfig:
             order. Runs under torchrun always order their data so (``WORLD_SIZE=1`` included);
             ``distributed_sampler=False`` turns that off and cannot be combined with it.
             See docs/distributed.md.
+        start_timeout: under torchrun, the seconds every rank has to arrive when the process
+            group starts (the ranks meet, then join the group and the engine's writer group).
+            When it runs out each rank raises ``engine.errors.GroupStartTimeout`` naming the
+            ranks that did not arrive, and exits, so that torchrun restarts the group; torch's
+            own bound is 30 minutes. See docs/distributed.md.
         loggers: ``engine.loggers`` objects (``TensorBoard``, ``CSV``, or a ``Logger`` subclass)
             that receive every row of metrics.jsonl on rank 0, kept in agreement with it across
             resumes. See docs/loggers.md.
@@ -353,6 +361,7 @@ class TrainerConfig:
     distributed_sampler: bool = True
     loggers: Sequence[Logger] = ()
     elastic: bool = False
+    start_timeout: float = DEFAULT_START_TIMEOUT
 
     def __post_init__(self) -> None:
         self.validate()
@@ -387,6 +396,9 @@ class TrainerConfig:
         _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
         _bool(owner, "distributed_sampler", self.distributed_sampler)
         _bool(owner, "elastic", self.elastic)
+        _positive_number_or_none(owner, "start_timeout", self.start_timeout)
+        if self.start_timeout is None:
+            raise ConfigError(f"{owner}.start_timeout: expected a positive finite number of seconds, got None")
         if self.elastic and not self.distributed_sampler:
             raise ConfigError(f"{owner}.elastic: True needs the engine's sampler, which distributed_sampler=False "
                               "turns off; set one of them")

@@ -14,6 +14,7 @@
     │   ├── WriterConflict       another process is writing checkpoints to the same run dir
     │   └── ReplicaDivergence    the ranks of a distributed run disagree on replicated state
     ├── AnomalyError             a numerical anomaly the run cannot roll back past (Rollback)
+    ├── GroupStartTimeout        a rank of a torchrun group did not arrive within start_timeout
     └── InjectedFault            raised by the fault-injection harness (engine.faults)
 
 The engine's warnings go through :func:`warn`, which attributes them to the user's line: a
@@ -92,6 +93,11 @@ class ReplicaDivergence(CheckpointError):
 class AnomalyError(EngineError):
     """A non-finite or spiking loss (or non-finite gradients) that ``Rollback`` cannot roll back
     past: ``max_rollbacks`` reached, or no checkpoint old enough."""
+
+
+class GroupStartTimeout(EngineError):
+    """The ranks of a torchrun group did not all arrive within ``TrainerConfig.start_timeout``;
+    the message names the ranks that did not. The rank exits so that torchrun restarts the group."""
 
 
 class InjectedFault(EngineError):

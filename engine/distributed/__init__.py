@@ -3,7 +3,9 @@ the commit of one checkpoint by every rank. See docs/distributed.md.
 
 One job per module:
 
-* :mod:`~engine.distributed.environment`: detect torchrun, join the process group;
+* :mod:`~engine.distributed.environment`: detect torchrun, join the process group
+  (:func:`init_process_group` for a script that needs it before ``fit``);
+* :mod:`~engine.distributed.group_start`: the ranks of one try of the group meet, within a bound;
 * :mod:`~engine.distributed.data_parallel`: DDP around the training step, ``no_sync``;
 * :mod:`~engine.distributed.sharded`: FSDP2-sharded models (no DDP), their shards at resume,
   consolidation in one process;
@@ -22,11 +24,11 @@ One job per module:
 
 from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
 from engine.distributed.commit import GroupCommit
-from engine.distributed.environment import DistributedContext, join, launched_by_torchrun
+from engine.distributed.environment import DistributedContext, init_process_group, join, launched_by_torchrun
 from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
 from engine.distributed.rank_values import RankExchange
 from engine.distributed.sampler import order_alone, shard_loader, shard_validation_loader
 
-__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "join",
+__all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "init_process_group", "join",
            "launched_by_torchrun", "mean_losses", "order_alone", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
            "write_preemption_marker"]

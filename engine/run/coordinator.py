@@ -14,6 +14,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from engine import distributed
+from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError
 from engine.loops.context import StopState
@@ -50,6 +51,9 @@ class Coordinator(Protocol):
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         """Make the stop decision (in ``stop``) the same on every rank; whether the ranks
         agreed to checkpoint at this boundary."""
+
+    def close(self) -> None:
+        """End what the run started for itself (the engine's writer group) when ``fit`` ends."""
 
 
 class SingleProcess:
@@ -88,6 +92,9 @@ class SingleProcess:
 
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         return checkpoint_due
+
+    def close(self) -> None:
+        pass
 
 
 class Group:
@@ -134,11 +141,16 @@ class Group:
             stop.finish_reason = finish_reason
         return agreed.checkpoint
 
+    def close(self) -> None:
+        self._context.close()
 
-def join_coordinator(device: torch.device, elastic: bool = False) -> Coordinator:
+
+def join_coordinator(device: torch.device, elastic: bool = False,
+                     start_timeout: float = DEFAULT_START_TIMEOUT) -> Coordinator:
     """Join the torchrun job this process was started in, if any (engine.distributed.join).
-    ``elastic``: TrainerConfig.elastic (see :class:`SingleProcess`)."""
-    context = distributed.join(device)
+    ``elastic``: TrainerConfig.elastic (see :class:`SingleProcess`); ``start_timeout``:
+    TrainerConfig.start_timeout."""
+    context = distributed.join(device, start_timeout=start_timeout)
     if context is None:
         return SingleProcess(global_order=distributed.launched_by_torchrun(), elastic=elastic)
     return Group(context)

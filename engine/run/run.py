@@ -66,7 +66,7 @@ class FitRun:
         self.callbacks = list(callbacks)
         self.device = resolve_device(config.device)
         # A torchrun worker joins its process group here.
-        self.coordinator = join_coordinator(self.device, config.elastic)
+        self.coordinator = join_coordinator(self.device, config.elastic, config.start_timeout)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         configure_model = getattr(original_module(module), "configure_model", None)
         if callable(configure_model):
@@ -129,6 +129,7 @@ class FitRun:
                 self.display.close()
                 self.tree.close()
                 self.data.close()
+                self.coordinator.close()
         self.display.finish(self.tree.fit.progress.total.completed, self.tree.step_counter.total, self.stop.reason)
         if not self.stop.requested:
             for callback in self.callbacks:

@@ -21,6 +21,11 @@ ranks (``samples``), and in validation the samples (``val_samples``, summed) and
 target (``val_max``). ``--no-carry`` resets the hidden state at each batch (in validation too,
 whose batches are then split across the ranks instead of all read by rank 0).
 
+``--start-timeout SECONDS`` sets ``TrainerConfig.start_timeout``. ``--interpreter-exit``: a finished
+rank leaves through the interpreter's teardown (not ``rank_exit.leave``) and writes, from an
+``atexit`` handler registered before ``fit``, whether a process group was still up then
+(``OUT_DIR/group-at-exit-<rank>``).
+
 ``--poison`` makes one sample's input NaN (one rank meets it each epoch) and trains with
 ``engine.Rollback()``: both ranks roll back together.
 
@@ -41,6 +46,7 @@ if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(os.pat
     sys.path.pop(0)  # tests/ folders must not shadow the real packages
 
 import argparse
+import atexit
 import pathlib
 import time
 from typing import Any
@@ -171,6 +177,9 @@ def main() -> int:
     parser.add_argument("--val-samples", type=int, default=SAMPLES // 3)
     parser.add_argument("--log-values", action="store_true", help="log values with and without sync (see above)")
     parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--start-timeout", type=float, default=None, help="TrainerConfig.start_timeout (seconds)")
+    parser.add_argument("--interpreter-exit", action="store_true",
+                        help="a finished rank leaves through the interpreter's teardown (rank_exit.leave does not)")
     parser.add_argument("--no-carry", dest="carry", action="store_false",
                         help="the hidden state resets at each batch (carry_hidden_across_batches=False)")
     parser.add_argument("--val-slow", type=float, default=0.0, help="sleep per validation batch (seconds)")
@@ -230,12 +239,15 @@ def main() -> int:
         loggers=[engine.loggers.TensorBoard(str(out / f"tensorboard-{rank}")),
                  engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else [],
         anomaly=engine.Rollback() if args.poison else None,
+        **({} if args.start_timeout is None else {"start_timeout": args.start_timeout}),
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     if args.validate_every is not None:
         val_data = validation_loader(args.val_samples, args.val_workers)
     else:
         val_data = None if args.val_epoch_slow is None else DataLoader(TensorDataset(x[:4], y[:4]), batch_size=BATCH)
+    if args.interpreter_exit:
+        atexit.register(record_group_at_exit, out / f"group-at-exit-{rank}")  # runs after the engine's (LIFO)
     try:
         result = engine.Trainer(config, callbacks).fit(model, loader, val_data)
     except SystemExit:
@@ -249,7 +261,14 @@ def main() -> int:
     torch.save(final, out / f"final-{rank}.pt")
     (out / f"validation-calls-{rank}").write_text(str(model.validation_batches))  # this process's calls
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
+    if args.interpreter_exit:
+        sys.exit(0)
     return 0
+
+
+def record_group_at_exit(path: pathlib.Path) -> None:
+    """Whether a process group is still up when the interpreter's teardown begins."""
+    path.write_text(str(torch.distributed.is_initialized()))
 
 
 def validation_loader(samples: int, workers: int) -> DataLoader:

@@ -4,8 +4,10 @@
 
 An embedding, an LSTM trained with TBPTT (hidden state carried across batches) and a head, AdamW,
 ``fully_shard`` on the embedding, the LSTM and the root over a CPU device mesh (gloo): in
-``Module.configure_model`` by default, before ``fit`` with ``--shard-before-fit``. The vocabulary
-(15) does not divide by the world size, so shards are uneven. Each worker writes, when its fit
+``Module.configure_model`` by default, before ``fit`` with ``--shard-before-fit`` (the script then
+starts the group with ``engine.distributed.init_process_group``; ``--start-timeout`` bounds it
+and ``TrainerConfig.start_timeout``). The vocabulary (15) does not divide by the world size, so
+shards are uneven. Each worker writes, when its fit
 ends, ``OUT_DIR/final-<rank>.pt``: the full (gathered) parameters ``param.*``, the optimizer state
 gathered ``optim.<index>.<key>`` (Adam's ``step`` and moments), its RNG state and its carried
 hidden state; and its pid as ``OUT_DIR/pid-<rank>-<restart>`` when it starts. ``KILLS`` and
@@ -140,6 +142,8 @@ def main() -> int:
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed")
     parser.add_argument("--whole-batches", action="store_true", help="no TBPTT: one split per batch")
     parser.add_argument("--record-steps", default=None, help="ATTEMPT: record each step's sample ids")
+    parser.add_argument("--start-timeout", type=float, default=engine.TrainerConfig.start_timeout,
+                        help="TrainerConfig.start_timeout and init_process_group's (seconds)")
     parser.add_argument("--shard-before-fit", action="store_true", help="fully_shard before fit, not in configure_model")
     parser.add_argument("--validate", action="store_true",
                         help=f"validate at each epoch end on {VAL_SAMPLES} samples ({VAL_SAMPLES // BATCH} batches: "
@@ -155,8 +159,9 @@ def main() -> int:
     torch.manual_seed(100)  # the same full initial parameters on every rank, before sharding
     model = Model(shard_in_configure_model=not args.shard_before_fit, tbptt=not args.whole_batches)
     if args.shard_before_fit and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-        dist.init_process_group("gloo")
+        # Not torch.distributed.init_process_group: the engine's joins torchrun's store so that a
+        # restarted group does not meet the previous try's keys (docs/distributed.md).
+        engine.distributed.init_process_group(start_timeout=args.start_timeout)
         shard(model)
     torch.manual_seed(1000 + rank)
     generator = torch.Generator().manual_seed(7)
@@ -170,7 +175,7 @@ def main() -> int:
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate,
         device="cpu", gradient_clip_val=args.clip,
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
-        val_at_epoch_end=args.validate,
+        val_at_epoch_end=args.validate, start_timeout=args.start_timeout,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     val_tokens = torch.randint(0, VOCAB, (VAL_SAMPLES, TIME + 1), generator=generator)
@@ -180,9 +185,6 @@ def main() -> int:
         raise SystemExit("the model was not sharded: Module.configure_model was not called")
     torch.save(final_state(model, model.optimizers()), out / f"final-{rank}.pt")  # type: ignore[arg-type]
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
-    if args.shard_before_fit and "WORLD_SIZE" in os.environ:
-        import torch.distributed as dist
-        dist.destroy_process_group()  # the script made it; left to the interpreter's exit, gloo may abort
     return 0
 
 

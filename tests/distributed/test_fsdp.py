@@ -85,11 +85,19 @@ def test_the_documented_reader_decodes_rank_0s_shards(reference_two: pathlib.Pat
     assert torch.equal(torch.from_numpy(shard["local"].copy()), final[:8])
 
 
-def test_sharding_before_fit_trains_like_configure_model(reference_two: pathlib.Path, tmp_path: pathlib.Path) -> None:
+def test_sharding_before_fit_trains_like_configure_model_and_survives_two_restarts(reference_two: pathlib.Path,
+                                                                                  tmp_path: pathlib.Path) -> None:
     # The reproduction: fully_shard applied before fit used to be wrapped in DDP and die
-    # in its parameter broadcast.
-    process, _, _ = train(tmp_path, "job", 2, "--shard-before-fit")
-    assert process.returncode == 0, process.stderr[-4000:]
+    # in its parameter broadcast. The script starts the group (engine.distributed.init_process_group);
+    # on torch's own, a restarted group read the dead try's addresses from torchrun's store and
+    # failed (Connection refused) or hung in the engine's writer group.
+    rng = random.Random()
+    # 12 splits per rank and epoch: the second kill lands in the restarted try whatever the first.
+    kills = ";".join(f"{restart}/{rng.randrange(2)}/split_end:{rng.randint(2, 10)}:sigkill" for restart in (0, 1))
+    process, _, out_dir = train(tmp_path, "job", 2, "--shard-before-fit", "--start-timeout", "30", max_restarts=5,
+                                KILLS=kills)
+    assert process.returncode == 0, f"{kills}: " + process.stderr[-4000:]
+    assert helpers.worker_pid(out_dir, 0, restart=2) is not None, "the group was not restarted twice"
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 

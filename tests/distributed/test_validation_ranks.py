@@ -46,10 +46,7 @@ def validated_batches(run_dir: pathlib.Path) -> int:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """An uninterrupted 2-rank job (one torchrun agent)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    process, _, _ = helpers.train(tmp, "job", 2, *OPTIONS)
-    assert process.returncode == 0, process.stderr[-4000:]
-    return tmp / "job"
+    return helpers.uninterrupted(tmp_path_factory.mktemp("reference"), 2, *OPTIONS)
 
 
 def test_training_values_logged_with_sync_are_reduced_across_ranks(reference: pathlib.Path) -> None:

@@ -57,28 +57,35 @@ def free_port() -> int:
 
 
 def node_command(node: int, port: int, run_dir: pathlib.Path, out_dir: pathlib.Path, *args: str,
-                 nodes: int = 2, processes_per_node: int = 1) -> list[str]:
+                 nodes: int = 2, processes_per_node: int = 1, max_restarts: int = 0,
+                 forked_ranks: bool = False) -> list[str]:
     """One "node" of a job of ``nodes``: its own torchrun agent, joined to the others by a c10d
     rendezvous on 127.0.0.1:``port`` that node 0 hosts (as ``--rdzv-endpoint=$HEAD:29500`` in
-    docs/distributed.md's several-nodes recipe). No restarts: a node that dies fails the job,
-    and the test restarts every agent, as a scheduler requeues the job."""
+    docs/distributed.md's several-nodes recipe). No restarts by default: a node that dies fails
+    the job, and the test restarts every agent, as a scheduler requeues the job; with
+    ``max_restarts`` the agents restart their workers after a worker fails. ``forked_ranks``: as
+    for :func:`torchrun_command`."""
     host = "true" if node == 0 else "false"
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-            f"--nproc-per-node={processes_per_node}", "--max-restarts=0", "--monitor-interval=0.2",
+            f"--nproc-per-node={processes_per_node}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job-{port}",
-            f"--rdzv-conf=is_host={host},join_timeout={TIMEOUT}", SCRIPT, str(run_dir), str(out_dir), *args]
+            f"--rdzv-conf=is_host={host},join_timeout={TIMEOUT}", *rank_entry_point(SCRIPT, forked_ranks),
+            str(run_dir), str(out_dir), *args]
 
 
-def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, **env: str) -> list[subprocess.Popen]:
+def start_nodes(job: pathlib.Path, *args: str, nodes: int = 2, max_restarts: int = 0, forked_ranks: bool = False,
+                **env: str) -> list[subprocess.Popen]:
     """Every node's agent of one try of the job in ``job`` (run/, out/), each in a session of
-    its own (a machine of its own); their output is appended to ``job/node-<n>.log``."""
+    its own (a machine of its own), node 0 (the rendezvous host) first; their output is
+    appended to ``job/node-<n>.log``."""
     (job / "out").mkdir(parents=True, exist_ok=True)
     port = free_port()
     started = []
     for node in range(nodes):
+        command = node_command(node, port, job / "run", job / "out", *args, nodes=nodes, max_restarts=max_restarts,
+                               forked_ranks=forked_ranks)
         with open(job / f"node-{node}.log", "a") as log:
-            started.append(forkserver.popen(node_command(node, port, job / "run", job / "out", *args, nodes=nodes),
-                                            env=environment(**env), stdout=log, stderr=subprocess.STDOUT,
+            started.append(forkserver.popen(command, env=environment(**env), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True))
     return started
 
@@ -125,6 +132,13 @@ def train(tmp: pathlib.Path, name: str, ranks: int, *args: str, max_restarts: in
     return process, run_dir, out_dir
 
 
+def uninterrupted(tmp: pathlib.Path, ranks: int, *args: str, script: str = SCRIPT) -> pathlib.Path:
+    """The job dir (run/, out/) of a whole ``ranks``-rank job that must end well: a reference."""
+    process, _, _ = train(tmp, "job", ranks, *args, script=script)
+    assert process.returncode == 0, process.stderr[-4000:]
+    return tmp / "job"
+
+
 HIDDEN_KEYS = {"hidden.h", "hidden.c"}  # dist_train.py / fsdp_train.py: a process that trained has them
 
 
@@ -145,6 +159,14 @@ def assert_same_result(reference: pathlib.Path, other: pathlib.Path, ranks: int)
         for key in expected:
             assert torch.equal(expected[key], got[key]), f"rank {rank}: {key} differs"
     assert (reference / "run" / "metrics.jsonl").read_bytes() == (other / "run" / "metrics.jsonl").read_bytes()
+
+
+def assert_close_after_resharding(expected: torch.Tensor, got: torch.Tensor, what: str) -> None:
+    """Within the tolerance docs/distributed.md gives for a sharded run resumed on another world
+    size: the same samples meet the same step, but FSDP reduce-scatters the gradients over
+    another number of ranks (another order of float additions), so 1e-5 relative, not equality."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    assert ((got - expected).abs().max() / scale).item() <= 1e-5, what
 
 
 def samples_per_step(out: pathlib.Path) -> dict[int, list[int]]:

@@ -97,6 +97,7 @@ def check_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: 
     case = f"{name}: {signal.Signals(number).name} to {target} during {phase}"
     assert job.returncode == 75, f"{case}: " + stderr[-4000:]
     assert not launch_helpers.alive(job_processes), f"{case}: processes of the job left running"
+    assert f"preempted by {signal.Signals(number).name};" in stderr, f"{case}: " + stderr[-4000:]  # the signal sent
     run_dir = tmp / "storage" / "runs" / f"lm-{JOB_ID}"
     assert len(launch_helpers.committed(run_dir)) == 1, f"{case}: " + stderr[-4000:]
     assert (tmp / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"], f"{case}: " + stderr[-4000:]

@@ -38,10 +38,14 @@ def launch_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) ->
     return workers
 
 
-def hold_the_launchers_lock(workers: pathlib.Path) -> int:
-    descriptor = os.open(workers / preemption_marker.LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(descriptor, fcntl.LOCK_EX)
-    return descriptor
+def register_under_a_live_launcher(workers: pathlib.Path, number: int) -> None:
+    """Register as fit does while a launcher holds its lock (this test, on a file of its own)."""
+    lock = os.open(workers / preemption_marker.LAUNCHER_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        preemption_marker.register_launched_worker([number])
+    finally:
+        os.close(lock)
 
 
 def test_a_worker_entering_fit_after_the_launcher_died_asks_itself_to_stop(
@@ -56,11 +60,7 @@ def test_a_worker_entering_fit_after_the_launcher_died_asks_itself_to_stop(
 def test_a_worker_under_a_live_launcher_registers_and_trains(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, received: list[int]) -> None:
     workers = launch_directory(tmp_path, monkeypatch)
-    lock = hold_the_launchers_lock(workers)
-    try:
-        preemption_marker.register_launched_worker([signal.SIGUSR1])
-    finally:
-        os.close(lock)
+    register_under_a_live_launcher(workers, signal.SIGUSR1)
     assert received == []
     assert preemption_marker.registered_workers(str(workers)) == {os.getpid(): signal.SIGUSR1}
 
@@ -69,11 +69,7 @@ def test_a_worker_under_a_live_launcher_registers_and_trains(
 def test_the_stop_reason_names_the_signal_that_reached_the_launcher(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, received: list[int], arrived: int) -> None:
     workers = launch_directory(tmp_path, monkeypatch)
-    lock = hold_the_launchers_lock(workers)
-    try:
-        preemption_marker.register_launched_worker([signal.SIGTERM])
-    finally:
-        os.close(lock)
+    register_under_a_live_launcher(workers, signal.SIGTERM)
     assert preemption_reason(signal.SIGTERM) == "preempted by SIGTERM"  # no request from the launcher yet
     preemption_marker.record_launch_request(str(workers), arrived)
     assert preemption_reason(signal.SIGTERM) == f"preempted by {signal.Signals(arrived).name}"

@@ -90,7 +90,8 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
                                              "each worker in fit; the launcher waits for their commit and for every "
                                              "process of the job to end (SIGKILL after --grace seconds), then exits with "
                                              "--exit-code (default 75) when rank 0 committed a preemption checkpoint, "
-                                             "else with the command's status. See docs/preemption.md.")
+                                             "else with the command's status. If the launcher is killed, torchrun dies with it and "
+                                             "each worker commits and ends. See docs/preemption.md and docs/slurm.md.")
     launch.add_argument("--marker", default=None, help="marker file path (default: a file in this launch's own temp "
                                                        "directory; on several nodes give a path on a filesystem rank 0 shares)")
     launch.add_argument("--exit-code", type=EXIT_STATUS, default=75, help="exit status after a preemption, 0..255 (default 75)")

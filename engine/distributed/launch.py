@@ -5,8 +5,10 @@ of SIGUSR1, forwards a repeated SIGTERM into a broken shutdown, and exits 0 or 1
 workers returned. What the launcher does::
 
     start torchrun in a session of its own, with the preemption signals ignored
-    (so neither a group-wide kill nor a stray SIGUSR1 ends it);
+    (so neither a group-wide kill nor a stray SIGUSR1 ends it), and SIGKILLed by the kernel
+    when the launcher dies (each worker in fit is asked to stop when its torchrun dies);
     on the first of SIGTERM / SIGINT / SIGUSR1 / SIGUSR2 (later ones change nothing):
+        record which one came (the workers' stop reason names it);
         send each worker that registered (in fit, handlers installed) its preemption signal, once;
         keep waiting: the workers agree on a boundary, commit, exit 0; torchrun ends;
         past --grace seconds, SIGKILL whatever of the job is still running;
@@ -21,7 +23,7 @@ none escapes it. Linux only: the job's processes are followed in /proc. See docs
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -33,7 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from engine.distributed.preemption_marker import MARKER_VARIABLE, WORKERS_VARIABLE, registered_workers
+from engine.distributed import _prctl
+from engine.distributed.preemption_marker import (LAUNCHER_LOCK, MARKER_VARIABLE, WORKERS_VARIABLE, record_launch_request,
+                                                  registered_workers)
 from engine.distributed.requeue import RequeuePolicy, requeue_after_preemption
 from engine.errors import ConfigError
 from engine.faults.preemption import PreemptionWatcher
@@ -94,7 +98,7 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
                           "run torchrun directly here")
     files = LaunchFiles.create(marker)
     try:
-        with PreemptionWatcher(LAUNCHER_SIGNALS) as watcher, _subreaper():
+        with PreemptionWatcher(LAUNCHER_SIGNALS) as watcher, _subreaper(), _alive(files):
             earlier_children = set(_children(os.getpid(), process_table()))
             job = Job(_start(command, files), command[0], earlier_children)
             status = job.supervise(watcher, files, grace_seconds)
@@ -106,31 +110,50 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
 def _start(command: Sequence[str], files: LaunchFiles) -> subprocess.Popen[bytes]:
     environment = {**os.environ, MARKER_VARIABLE: files.marker, WORKERS_VARIABLE: files.workers}
     environment.setdefault(TORCHRUN_SIGNALS_VARIABLE, TORCHRUN_SIGNALS)
+    _prctl.load()
+    launcher = os.getpid()
     try:
         return subprocess.Popen(list(command), env=environment, start_new_session=True,
-                                preexec_fn=_ignore_launcher_signals)
+                                preexec_fn=lambda: _prepare_child(launcher))
     except OSError as error:
         raise ConfigError(f"launch: cannot start {command[0]!r}: {error}") from error
 
 
-def _ignore_launcher_signals() -> None:
-    # Runs in the child before exec: an ignored signal stays ignored across exec, a handler
-    # does not. The engine's fit installs its own handlers in each worker.
+def _prepare_child(launcher: int) -> None:
+    # Runs in the child before exec. An ignored signal stays ignored across exec, a handler
+    # does not: the engine's fit installs its own handlers in each worker. The parent-death
+    # signal survives exec too: a SIGKILLed launcher takes torchrun with it (torch starts the
+    # workers in sessions of their own and never stops them when it dies; each worker in fit
+    # asks for its preemption signal on torchrun's death, engine.distributed.preemption_marker).
     for number in LAUNCHER_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
+    _prctl.set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextlib.contextmanager
 def _subreaper() -> Iterator[None]:
     """Orphaned descendants (workers of a torchrun that died) become the launcher's children
     while the job runs."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    set_child_subreaper = 36  # PR_SET_CHILD_SUBREAPER
-    prctl(set_child_subreaper, 1, 0, 0, 0)
+    _prctl.set_child_subreaper(True)
     try:
         yield
     finally:
-        prctl(set_child_subreaper, 0, 0, 0, 0)
+        _prctl.set_child_subreaper(False)
+
+
+@contextlib.contextmanager
+def _alive(files: LaunchFiles) -> Iterator[None]:
+    """Hold the launch's lock while the job runs: a worker entering fit that can take it knows
+    that no launcher supervises it any more (the kernel releases it when the launcher dies,
+    SIGKILL included; no pid is trusted)."""
+    descriptor = os.open(os.path.join(files.workers, LAUNCHER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
 
 
 class Job:
@@ -156,7 +179,9 @@ class Job:
                 print(f"splitloop launch: {self.name} ended with {len(running)} process(es) left; "
                       "stopping them", file=sys.stderr, flush=True)
             if watcher.received is not None:
-                deadline = time.monotonic() + grace_seconds if deadline is None else deadline
+                if deadline is None:
+                    deadline = time.monotonic() + grace_seconds
+                    record_launch_request(files.workers, watcher.received)
                 _request_stop(registered_workers(files.workers), running, requested)
                 if time.monotonic() > deadline:
                     _send(running, signal.SIGKILL)

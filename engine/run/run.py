@@ -49,7 +49,7 @@ from engine.checkpoint.metrics_log import MetricsLog
 from engine.loggers.base import LoggerSet
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
-from engine.run.preemption import run_requeue_command
+from engine.run.preemption import preemption_reason, run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
 from progress import Cursor, ProgressTree
 
@@ -267,7 +267,7 @@ class FitRun:
 
     def _check_stop(self, steps: int) -> None:
         if self.preemption.received is not None:
-            self.stop.request_preemption(self.preemption.reason)
+            self.stop.request_preemption(preemption_reason(self.preemption.received))
         reason = split_boundary_stop_reason(steps, self.config.max_steps, self._elapsed(), self.config.max_time)
         if reason is not None:
             self.stop.request(reason)

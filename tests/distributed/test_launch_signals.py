@@ -47,6 +47,8 @@ def check_preemption(tmp_path: pathlib.Path, phase: str, target: str, number: in
     checkpoints = launch_helpers.committed(run_dir)
     assert len(checkpoints) == 1, f"{case}: {checkpoints}"  # --every 1000: the preemption's only
     assert f"checkpoint {checkpoints[0]} committed; exiting with 75" in stderr, stderr[-4000:]
+    # The stop names the signal that came (the workers were sent their own, SIGTERM).
+    assert f"the run was preempted (preempted by {signal.Signals(number).name})" in stderr, stderr[-4000:]
     assert helpers.worker_pid(out_dir, 0, restart=1) is None, f"{case}: torchrun restarted the workers"
     assert not launch_helpers.launch_directories(temp_dir), f"{case}: the launch left its marker directory"
     return job_dir

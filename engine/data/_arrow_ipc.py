@@ -27,7 +27,10 @@ class IpcRefused(ValueError):
 def read_table(data: bytes, max_rows: int | None = None) -> Any:
     """The table in the IPC stream ``data``: its batches' metadata checked first (no compressed
     body, at most ``max_rows`` rows in all), then decoded. IpcRefused otherwise."""
-    import pyarrow
+    try:
+        import pyarrow
+    except ImportError as error:  # pragma: no cover - datasets depends on pyarrow
+        raise ImportError("a Hugging Face stream's shuffle buffer needs pyarrow: pip install 'splitloop[hf]'") from error
 
     rows = 0
     try:

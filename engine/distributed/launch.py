@@ -170,8 +170,8 @@ class Job:
         deadline: float | None = None
         while True:
             table = process_table()
-            self._reap(table)
-            running = {pid for pid in self.members(table) if table[pid][1] not in ZOMBIE_STATES}
+            reaped = self._reap(table)  # read before it: a process that ended since is still listed running
+            running = {pid for pid in self.members(table) - reaped if table[pid][1] not in ZOMBIE_STATES}
             if self.status is not None and not running:
                 return self.status
             if self.status is not None and watcher.received is None:
@@ -191,7 +191,9 @@ class Job:
         roots = [pid for pid in _children(os.getpid(), table) if pid not in self.earlier_children]
         return set(roots) | {pid for root in roots for pid in descendants(root, table)}
 
-    def _reap(self, table: dict[int, tuple[int, str]]) -> None:
+    def _reap(self, table: dict[int, tuple[int, str]]) -> set[int]:
+        """Reap the job's children that have ended; their pids."""
+        reaped = set()
         for pid in _children(os.getpid(), table):
             if pid in self.earlier_children:
                 continue
@@ -199,8 +201,12 @@ class Job:
                 ended, wait_status = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 continue
+            if ended == 0:
+                continue
+            reaped.add(ended)
             if ended == self.process.pid:
                 self.process.returncode = self.status = os.waitstatus_to_exitcode(wait_status)
+        return reaped
 
 
 def _request_stop(workers: dict[int, int], running: set[int], requested: set[int]) -> None:

@@ -602,8 +602,12 @@ def test_a_process_torchrun_started_alone_orders_its_data_the_global_way(monkeyp
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("WORLD_SIZE", "1")
     alone = join_coordinator(torch.device("cpu"))
-    assert global_order.order_signature(alone.shard(data, True), 1) == {"world_size": 1, "global_batch": 8}
-    assert alone.shard(data, False) is data  # distributed_sampler=False: the loader's own order
+    try:
+        assert global_order.order_signature(alone.shard(data, True), 1) == {"world_size": 1, "global_batch": 8}
+        assert alone.shard(data, False) is data  # distributed_sampler=False: the loader's own order
+    finally:  # under torchrun the engine starts a one-rank group, which lives until the process ends
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_a_single_elastic_process_sigkilled_and_grown_to_2_ranks_trains_the_2_rank_runs_steps(

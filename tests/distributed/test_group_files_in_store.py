@@ -12,44 +12,56 @@ import torch
 from engine.checkpoint.codec import encode_state
 from engine.checkpoint.commit import CommitRequest
 from engine.checkpoint.manifest import FileRecord
+from engine.checkpoint.rank_files import rank_files
+from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, RNG, SIGNATURE
 from engine.checkpoint.storage import Storage
 from engine.checkpoint.store import CheckpointStore
 from engine.errors import CheckpointCorrupt
 from progress import ProgressTree, encode_tree
 
 
-def _write(tmp_path: pathlib.Path, extra_name: str) -> tuple[CheckpointStore, str]:
+RANK_1_PART = {RNG: {"seed": 2}, LOOPS: {}, CALLBACKS: {}}
+
+
+def _write(tmp_path: pathlib.Path, extra_files: dict[str, list[memoryview | bytes]]) -> tuple[CheckpointStore, str]:
+    """Rank 0's checkpoint of a two-rank run, with ``extra_files`` written into the staging
+    directory as another rank would, and reported to rank 0."""
     store = CheckpointStore(Storage(str(tmp_path)))
     staging = "tmp-0000000001-123456"
-    part = encode_state({"rng": {"seed": 2}})
-
-    staged = store.stage(CommitRequest.of_state(encode_state({"w": torch.ones(2)}), encode_tree(ProgressTree(records={})),
+    state = {MODULE: {"w": torch.ones(2)}, SIGNATURE: {"world_size": 2}, **RANK_1_PART}
+    staged = store.stage(CommitRequest.of_state(encode_state(state), encode_tree(ProgressTree(records={})),
                                                 None, 1, sequence=1, staging=staging))
-    # What another rank wrote into the staging directory, reported to rank 0.
-    size, crc = store.storage.write(f"checkpoints/{staging}/{extra_name}", [part.header], durable=True)
-    name = staged.commit({extra_name: FileRecord(size, crc)})
-    return store, name
+    records = {}
+    for file_name, chunks in extra_files.items():
+        records[file_name] = FileRecord(*store.storage.write(f"checkpoints/{staging}/{file_name}", chunks, durable=True))
+    return store, staged.commit(records)
+
+
+def rank_1_files() -> dict[str, list[memoryview | bytes]]:
+    part = encode_state(RANK_1_PART)
+    tensors_file, header_file = rank_files(1)
+    return {tensors_file: part.tensor_chunks(), header_file: [part.header]}
 
 
 def test_a_rank_part_is_committed_listed_and_verified(tmp_path: pathlib.Path) -> None:
-    store, name = _write(tmp_path, "rank-00001.msgpack")
+    store, name = _write(tmp_path, rank_1_files())
     manifest = json.loads((tmp_path / "checkpoints" / name / "MANIFEST.json").read_text())
-    assert "rank-00001.msgpack" in manifest["files"]
+    assert set(rank_files(1)) <= set(manifest["files"])
     loaded = CheckpointStore(Storage(str(tmp_path))).load(name)
-    assert set(loaded.extra_files) == {"rank-00001.msgpack"}
+    assert set(loaded.extra_files) == set(rank_files(1))
     (tmp_path / "checkpoints" / name / "rank-00001.msgpack").write_bytes(b"torn")
     with pytest.raises(CheckpointCorrupt, match="rank-00001.msgpack"):
         CheckpointStore(Storage(str(tmp_path))).load(name)
 
 
 def test_a_manifest_listing_other_files_is_corrupt(tmp_path: pathlib.Path) -> None:
-    store, name = _write(tmp_path, "notes.txt")
+    store, name = _write(tmp_path, {**rank_1_files(), "notes.txt": [b"notes"]})
     with pytest.raises(CheckpointCorrupt, match="rank-NNNNN"):
         CheckpointStore(Storage(str(tmp_path))).load(name)
 
 
 def test_discarding_a_staging_directory_spares_committed_checkpoints(tmp_path: pathlib.Path) -> None:
-    store, name = _write(tmp_path, "rank-00001.msgpack")
+    store, name = _write(tmp_path, rank_1_files())
     store.storage.makedirs("checkpoints/tmp-0000000002-99")
     store.discard_staging("tmp-0000000002-99")
     store.discard_staging(name)

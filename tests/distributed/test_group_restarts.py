@@ -46,9 +46,10 @@ def kill_one_worker_of_two_nodes(reference: pathlib.Path, job: pathlib.Path) -> 
     helpers.assert_same_result(reference, job, 2)
 
 
-@pytest.mark.parametrize("trial", range(2))  # most trials hung before the fix: two are enough to see it
-def test_two_nodes_restart_a_sigkilled_worker_and_end_exactly(reference: pathlib.Path, tmp_path: pathlib.Path,
-                                                              trial: int) -> None:
+# Whether the two agents count the failure differently is a race (which each notices first: its
+# worker's death or the new round); test_group_start checks the cause deterministically in
+# process, so the default run makes one trial here and the exhaustive run eight more.
+def test_two_nodes_restart_a_sigkilled_worker_and_end_exactly(reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     kill_one_worker_of_two_nodes(reference, tmp_path / "job")
 
 

@@ -121,35 +121,26 @@ def check_kills(references, name, tmp_path, seed, kills_wanted):
         assert_same_logs(references[name], run_dir)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_sigkilled_at_random_instants_the_resumed_run_equals_an_uninterrupted_one(references, name, tmp_path):
-    check_kills(references, name, tmp_path, seed=0, kills_wanted=2)
-
-
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("seed", range(1, 6))
-@pytest.mark.parametrize("name", NAMES)
-def test_many_random_kills(references, name, seed, tmp_path):
-    check_kills(references, name, tmp_path, seed, kills_wanted=6)
-
-
 # Lightning's demos unchanged, and modules in the shape of Lightning's basics examples (predict_step,
 # self.log(on_step=True) in validation_step, test and validation-batch hooks, configure_callbacks).
 # By default the demo whose overrides the adapter used to skip, and the basics shape with every new
 # hook; the transformer and the classifier (the same hooks) are killed in the exhaustive run.
 EXAMPLES = ("boring", "transformer", "example_autoencoder", "classifier")
+DEFAULT_KILLS = [(name, 2) for name in NAMES] + [("boring", 1), ("example_autoencoder", 1)]
+MANY_KILLS = ([(name, seed, 6) for seed in range(1, 6) for name in NAMES]
+              + [(name, seed, 4) for seed in range(1, 4) for name in EXAMPLES])
 
 
-@pytest.mark.parametrize("name", ("boring", "example_autoencoder"))
-def test_lightnings_examples_sigkilled_resume_to_the_uninterrupted_run(references, name, tmp_path):
-    check_kills(references, name, tmp_path, seed=0, kills_wanted=1)
+@pytest.mark.parametrize("name, kills_wanted", DEFAULT_KILLS)
+def test_sigkilled_at_random_instants_the_resumed_run_equals_an_uninterrupted_one(references, name, kills_wanted,
+                                                                                   tmp_path):
+    check_kills(references, name, tmp_path, seed=0, kills_wanted=kills_wanted)
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("seed", range(1, 4))
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_lightnings_examples_many_random_kills(references, name, seed, tmp_path):
-    check_kills(references, name, tmp_path, seed, kills_wanted=4)
+@pytest.mark.parametrize("name, seed, kills_wanted", MANY_KILLS)
+def test_many_random_kills(references, name, seed, kills_wanted, tmp_path):
+    check_kills(references, name, tmp_path, seed, kills_wanted)
 
 
 def test_a_preempted_run_exits_to_be_requeued_and_resumes_to_the_uninterrupted_one(references, tmp_path):

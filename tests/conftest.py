@@ -4,6 +4,8 @@ Test folders mirror the package layout, except that the tests of ``progress/`` l
 ``tests/progress_pkg/``: a folder named ``tests/progress`` would shadow the real ``progress``
 package (as a namespace package) for scripts started from ``tests/``."""
 
+import os
+
 import torch
 
 torch.set_num_threads(1)
@@ -78,3 +80,14 @@ def pytest_collection_finish(session):
         import forkserver
 
         forkserver.start()
+
+
+STARTED_FILE_VARIABLE = "SPLITLOOP_TESTS_STARTED_FILE"
+
+
+def pytest_sessionstart(session):
+    """Create the file SPLITLOOP_TESTS_STARTED_FILE names, if set: .ci/run starts its static
+    checks beside the tests once the test environment is installed, which this marks."""
+    path = os.environ.get(STARTED_FILE_VARIABLE)
+    if path and not hasattr(session.config, "workerinput"):  # the controller, not each xdist worker
+        open(path, "a").close()

@@ -127,8 +127,11 @@ def test_a_stream_with_state_is_loaded_not_replayed():
     assert_same_run(reference, resumed)
 
 
+# The Hugging Face shuffled stream is resumed from every checkpoint by default (above) and killed at
+# random instants in the exhaustive run (here and below, again and again).
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [pytest.param("stream-2", marks=pytest.mark.exhaustive), "hf_shuffled-2",
+@pytest.mark.parametrize("kind", [pytest.param("stream-2", marks=pytest.mark.exhaustive),
+                                  pytest.param("hf_shuffled-2", marks=pytest.mark.exhaustive),
                                   pytest.param("mixture-cycle", marks=pytest.mark.exhaustive),
                                   "combined-max_size_cycle"])
 def test_sigkills_at_random_instants_resume_a_stream_exactly(kind, tmp_path):

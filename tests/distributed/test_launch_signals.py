@@ -103,6 +103,7 @@ def test_a_job_of_one_process_is_not_restarted_after_the_stop(tmp_path: pathlib.
     assert len(launch_helpers.committed(run_dir)) == 1
 
 
+@pytest.mark.exhaustive  # CI time: the default run stops a torchrun job through the launcher in test_sbatch_recipes
 def test_workers_torchrun_restarts_after_the_preemption_commit_do_not_train_or_commit_again(
         reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     # One worker fails after the commit: torchrun restarts the group, and the restarted workers

@@ -133,7 +133,10 @@ def test_a_diverged_replica_stops_the_commit(tmp_path: pathlib.Path) -> None:
     assert [info.cursor.split for info in store.inspect() if info.valid][-1] <= 2  # nothing after the drift
 
 
-@pytest.mark.parametrize("every_worker", [True, False], ids=["sigterm-every-worker", "sigterm-one-rank"])
+# SIGTERM to one rank by default (the others learn of it from the stop agreement); to every worker
+# in the exhaustive run, and by default through the launcher in test_sbatch_recipes (several-nodes).
+@pytest.mark.parametrize("every_worker", [pytest.param(True, marks=pytest.mark.exhaustive), False],
+                         ids=["sigterm-every-worker", "sigterm-one-rank"])
 def test_preemption_stops_every_rank_at_one_boundary_and_launch_exits_75(tmp_path: pathlib.Path, every_worker: bool) -> None:
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     out_dir.mkdir()

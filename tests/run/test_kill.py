@@ -82,19 +82,30 @@ def test_kill_with_asynchronous_checkpoints(tmp_path, references, test_writer):
 
 
 def test_kill_at_random_instants(tmp_path, references):
-    """At least 20 SIGKILLs at random instants of training (mid-step, mid-checkpoint-write,
+    """At least 10 SIGKILLs at random instants of training (mid-step, mid-checkpoint-write,
     mid-retention), each followed by a resume; the final state is bit-exact."""
-    rng = random.Random(20261129)
+    kill_at_random_instants_until(tmp_path, references, kills_wanted=10, seed=20261129)
+
+
+@pytest.mark.exhaustive
+def test_kill_at_random_instants_many_times(tmp_path, references):
+    kill_at_random_instants_until(tmp_path, references, kills_wanted=40, seed=20261202)
+
+
+def kill_at_random_instants_until(tmp_path, references, kills_wanted, seed):
+    """Runs killed at random instants within 0.8 s of their start and resumed until they end,
+    until ``kills_wanted`` kills; each run ends bit-exact."""
+    rng = random.Random(seed)
     kills = 0
     runs = 0
-    while kills < 20:
+    while kills < kills_wanted:
         run_dir = str(tmp_path / f"run{runs}")
         runs += 1
         while not finished(run_dir, epochs=6):
             if kill_at_random_instant("tbptt", run_dir, rng, 0.8, "--epochs", "6"):
                 kills += 1
         assert_same_run(references("tbptt", epochs=6), run_dir)
-    assert kills >= 20
+    assert kills >= kills_wanted
 
 
 def finished(run_dir, epochs):

@@ -30,7 +30,8 @@ def wait_for_the_signal(run_dir: str) -> None:
     pid_file, signalled = pathlib.Path(f"{run_dir}.pid"), pathlib.Path(f"{run_dir}.signalled")
     if pid_file.exists():
         return
-    pid_file.write_text(str(os.getpid()))
+    pathlib.Path(f"{pid_file}.tmp").write_text(str(os.getpid()))
+    os.replace(f"{pid_file}.tmp", pid_file)  # whole: the test reads it as soon as it exists
     deadline = time.monotonic() + WAIT_SECONDS
     while not signalled.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -214,6 +214,7 @@ def torchrun(tmp_path: pathlib.Path, name: str, kind: str, **env: str):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # CI time: the default run resumes Hugging Face streams from every checkpoint in one process
 def test_hf_streams_split_by_node_resume_each_rank_exactly_under_torchrun(tmp_path):
     """Two ranks, each streaming its part (split_dataset_by_node) through a shuffle buffer; one
     rank SIGKILLed mid-epoch, the group restarted: each rank's samples per step (metrics) and

@@ -167,6 +167,7 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return job
 
 
+@pytest.mark.exhaustive  # CI time: the default run resumes on other world sizes in test_reshard and below (the anchor, a second agent)
 def test_sigkilled_run_resumed_on_4_then_1_rank_trains_every_step_on_the_same_samples(
         reference_run: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """Grown, then shrunk below the first world size (the 2 -> 4 -> 1 -> 2 chain is exhaustive)."""

@@ -76,6 +76,7 @@ def test_sigusr1_repeated_to_the_launcher_only_commits_once_exits_75_and_resumes
     helpers.assert_same_result(reference, job_dir, 2)
 
 
+@pytest.mark.exhaustive  # CI time: a signal during validation is the default sbatch case several-nodes-every-validation
 def test_sigterm_repeated_to_the_process_group_during_validation(tmp_path: pathlib.Path) -> None:
     check_preemption(tmp_path, "validation", "group", signal.SIGTERM, times=3)
 

@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _heaviest_files_first(items):
     """Hand the torchrun files out first, then the other files with subprocess tests: with
-    ``pytest -n 4`` a minute-long test that starts last keeps one core busy while the other
+    ``pytest -n 3`` a minute-long test that starts last keeps one core busy while the other
     idles. Files stay whole (a module fixture is set up once per worker)."""
     def weight(item):
         path = item.path.as_posix()

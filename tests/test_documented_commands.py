@@ -22,7 +22,7 @@ def pytest_commands(text):
 
 def test_the_quickstarts_test_command_is_the_readmes():
     (readme,) = pytest_commands((ROOT / "README.md").read_text())
-    assert "-n 4" in readme  # four workers on two cores: tests wait on their subprocesses a quarter of the time
+    assert "-n 3" in readme  # three workers on two cores: tests wait on their subprocesses a quarter of the time
     assert pytest_commands((ROOT / "docs" / "quickstart.md").read_text()) == [readme]
 
 

@@ -5,7 +5,7 @@ interleaved (the order inside each pair alternates), over several repeats, media
 
 1. Write: one checkpoint of a realistic state tree (a model ``state_dict`` of float32 tensors of
    mixed sizes plus the state of an Adam optimizer after one step), of about 100 MB and about
-   1 MB, through the engine's own machinery: ``engine.checkpoint.codec.encode_state`` then
+   1 MB, through the engine's own machinery: ``engine.checkpoint.format.codec.encode_state`` then
    ``CheckpointStore(Storage(dir)).write(...)`` (which writes four files, fsyncs each, fsyncs
    the staging directory, renames it and fsyncs ``checkpoints/``), against a raw sequential
    write of the same number of bytes (the same tensor bytes) to one file, fsynced, with its
@@ -51,11 +51,11 @@ import torch
 
 import engine
 import progress
-from engine.checkpoint.checksum import checksum
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.format.checksum import checksum
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 
 SIZES_MB = (100, 1)
 SMOKE_SIZES_MB = (1,)

@@ -87,8 +87,9 @@ import torch
 
 import engine
 import engine.checkpoint.policy
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.writer import BackgroundWriter, SnapshotBuffers, _WriterBase
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.writers.buffers import SnapshotBuffers
+from engine.checkpoint.writers.writer import BackgroundWriter, _WriterBase
 from engine.run.run import FitRun
 from engine.data.rng import capture_global_rng
 

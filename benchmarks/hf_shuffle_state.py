@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any
 
-from engine.checkpoint.codec import encode_state
+from engine.checkpoint.format.codec import encode_state
 from engine.data.hf_streams import repair_state_loading
 
 EXAMPLES, SHARDS = 40_000, 4

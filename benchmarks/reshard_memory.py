@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from engine.checkpoint.codec import encode_state  # noqa: E402
-from engine.checkpoint.shards import TensorShard  # noqa: E402
-from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE  # noqa: E402
+from engine.checkpoint.format.codec import encode_state  # noqa: E402
+from engine.checkpoint.format.shards import TensorShard  # noqa: E402
+from engine.checkpoint.format.state_keys import MODULE, OPTIMIZERS, SIGNATURE  # noqa: E402
 from engine.distributed.sharded import live_shards  # noqa: E402
 
 WIDTH = 2048

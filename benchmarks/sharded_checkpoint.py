@@ -72,10 +72,10 @@ def measured(save: Callable[[], None]) -> tuple[float, int]:
 
 
 def sharded_save(state: dict[str, Any], directory: str, rank: int, snapshot: bool = False) -> None:
-    from engine.checkpoint.codec import EncodedState, encode_state
-    from engine.checkpoint.rank_files import rank_files
-    from engine.checkpoint.storage import Storage
-    from engine.checkpoint.writer import SnapshotBuffers
+    from engine.checkpoint.format.codec import EncodedState, encode_state
+    from engine.checkpoint.format.rank_files import rank_files
+    from engine.checkpoint.store.storage import Storage
+    from engine.checkpoint.writers.buffers import SnapshotBuffers
     storage = Storage(directory)
     encoded = encode_state(state)
     if snapshot:  # as CheckpointConfig(asynchronous=True) does: one copy, so training can go on
@@ -100,7 +100,7 @@ def worker(directory: str, layers: int, repeats: int, report: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import engine.checkpoint.storage  # noqa: F401 - imported before the clock starts, as in a run
+    import engine.checkpoint.store.storage  # noqa: F401 - imported before the clock starts, as in a run
     import torch.distributed.checkpoint  # noqa: F401
 
     dist.init_process_group("gloo")

@@ -1,6 +1,6 @@
 """The start of a writer process (``CheckpointConfig(writer="process")``): its CPU and wall time.
 
-Starts ``python -m engine.checkpoint.writer_main`` as engine.checkpoint.writer_process does (an
+Starts ``python -m engine.checkpoint.writers.process.main`` as engine.checkpoint.writers.process.writer does (an
 events pipe passed to it, its stdin a pipe) and closes its stdin at once: the process imports
 its modules, reads the end of its input and exits without committing anything. Reported: the
 median over ``--repeats`` starts of the CPU time of one start (user + system, from
@@ -41,7 +41,7 @@ def start_writer_process(root: pathlib.Path) -> tuple[float, float]:
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     cpu, wall = child_cpu_seconds(), time.perf_counter()
     try:
-        process = subprocess.Popen([sys.executable, "-m", "engine.checkpoint.writer_main", str(events_write)],
+        process = subprocess.Popen([sys.executable, "-m", "engine.checkpoint.writers.process.main", str(events_write)],
                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=[events_write],
                                    env=environment, cwd=root)
         os.close(events_write)

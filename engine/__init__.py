@@ -14,7 +14,7 @@ Public API (see docs/quickstart.md)::
 """
 
 # Names are imported on first use (PEP 562): ``import engine`` alone, or a process that needs
-# one engine module (the writer process, engine.checkpoint.writer_main, runs without torch),
+# one engine module (the writer process, engine.checkpoint.writers.process.main, runs without torch),
 # does not import the whole engine and torch with it.
 import importlib as _importlib
 import importlib.util as _importlib_util
@@ -40,7 +40,7 @@ if _typing.TYPE_CHECKING:
         WriterConflict,
         ReplicaDivergence,
     )
-    from engine.checkpoint.fingerprint import fingerprint
+    from engine.checkpoint.format.fingerprint import fingerprint
     from engine.module import Module
     from engine.loops.optim_setup import LRSchedule
     from engine.result import FitResult
@@ -92,7 +92,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "CheckpointWriteError", "ConfigError", "DataError", "EngineError", "InjectedFault", "ModuleContractError",
         "SplitError", "WriterConflict", "ReplicaDivergence",
     ),
-    "engine.checkpoint.fingerprint": ("fingerprint",),
+    "engine.checkpoint.format.fingerprint": ("fingerprint",),
     "engine.module": ("Module",),
     "engine.loops.optim_setup": ("LRSchedule",),
     "engine.result": ("FitResult",),

@@ -23,7 +23,7 @@ from engine.run.run import FitRun
 from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
 from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 
 
 class Trainer:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import torch
 
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint
 from engine.distributed.sharded import consolidated_module_state
 from engine.errors import CheckpointIncompatible, CheckpointNotFound, ConfigError
 from engine.run import state as run_state

@@ -9,7 +9,7 @@ import pathlib
 import zlib
 from typing import Any, Callable
 
-from engine.checkpoint.codec import decode_state, encode_state
+from engine.checkpoint.format.codec import decode_state, encode_state
 
 MAIN = ("state.msgpack", "tensors.bin")
 """The header and tensor files of rank 0's state (the whole state of a one-process run)."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.tiers import DurablePromoter
-from engine.checkpoint.writer import BackgroundWriter
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.tiers.fast import DurablePromoter
+from engine.checkpoint.writers.writer import BackgroundWriter
 
 
 class PacedWrites:

@@ -352,7 +352,7 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
 def stop_after_fence(count: int) -> None:
     """Make this process SIGSTOP itself right after its ``count``-th fence check at a commit
     point (a writer frozen between its last check and the commit, as by a long GC pause)."""
-    from engine.checkpoint.store import CheckpointStore
+    from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
     original = CheckpointStore.write
     seen = [0]

@@ -1,13 +1,21 @@
-"""The engine's units form a layered graph: no import cycle between its top-level units, type-only
-imports included, and few loose modules directly in ``engine/`` (docs/concepts.md has the map)."""
+"""The engine's units form a layered graph: no import cycle between its top-level units, nor between
+any two of its modules, type-only and function-level imports included; the units keep the README's
+layer order; few loose modules directly in ``engine/``; the checkpoint package's rooms import
+downwards only (docs/concepts.md has the map)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ENGINE = pathlib.Path(__file__).resolve().parent.parent / "engine"
+README = ENGINE.parent / "README.md"
 MAX_LOOSE_MODULES = 8
+CHECKPOINT = ENGINE / "checkpoint"
+MAX_CHECKPOINT_ENTRIES = 10
+# engine.checkpoint's rooms, lowest first; "" is the front (the modules at the package's top).
+CHECKPOINT_ROOMS = ("format", "store", "writers", "tiers", "")
 
 
 def unit_of(module: str) -> str | None:
@@ -19,8 +27,8 @@ def unit_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else "engine"
 
 
-def module_name(path: pathlib.Path) -> str:
-    parts = ("engine",) + path.relative_to(ENGINE).with_suffix("").parts
+def module_name(path: pathlib.Path, root: pathlib.Path = ENGINE) -> str:
+    parts = ("engine",) + path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -74,6 +82,102 @@ def find_cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
     return None
 
 
+def engine_modules() -> dict[str, pathlib.Path]:
+    return {module_name(path): path for path in ENGINE.rglob("*.py")}
+
+
+def imported_engine_modules(path: pathlib.Path, modules: dict[str, pathlib.Path], root: pathlib.Path = ENGINE) -> set[str]:
+    """The engine modules ``path`` imports, each by its own file: ``from engine.a import b`` names
+    the module ``engine.a.b`` when there is one, the package ``engine.a`` otherwise. The parent
+    packages Python initialises on the way are not counted (a package's ``__init__`` may import
+    its own modules: that is its front door, not a loop)."""
+    own = module_name(path, root).split(".")
+    package = own if path.name == "__init__.py" else own[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            target = ".".join(filter(None, (base, node.module)))
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & modules.keys()
+            found.update(submodules)
+            if len(submodules) < len(node.names):
+                found.add(target)
+    resolved = set()
+    for name in found:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name.split(".")[0] == "engine":
+            resolved.add(name)
+    return resolved - {module_name(path, root)}
+
+
+def module_graph() -> dict[str, dict[str, set[str]]]:
+    """engine module -> the engine modules it imports (at any depth of its file) -> its file."""
+    modules = engine_modules()
+    graph: dict[str, dict[str, set[str]]] = {}
+    for name, path in modules.items():
+        for target in imported_engine_modules(path, modules):
+            graph.setdefault(name, {}).setdefault(target, set()).add(str(path.relative_to(ENGINE.parent)))
+    return graph
+
+
+def describe(cycle: list[str], graph: dict[str, dict[str, set[str]]]) -> str:
+    return "\n  ".join(f"{a} -> {b} ({', '.join(sorted(graph[a][b]))})" for a, b in zip(cycle, cycle[1:]))
+
+
+def test_no_two_engine_modules_import_each_other() -> None:
+    graph = module_graph()
+    cycle = find_cycle(graph) or []
+    assert not cycle, "import loop between engine modules:\n  " + describe(cycle, graph)
+
+
+def readme_layers() -> list[str]:
+    """The README's layer order of the engine's units, top first (the "Layout" section)."""
+    layout = README.read_text().split("## Layout", 1)[1]
+    sentence = layout.split("importing only those below it", 1)[1].split("with `callbacks/`", 1)[0]
+    return [name.rstrip("/") for name in re.findall(r"`([a-z_]+/?)`", sentence)]
+
+
+def test_the_units_keep_the_readmes_layer_order() -> None:
+    layers = readme_layers()
+    assert layers[0] == "cli" and layers[-1] == "faults", layers
+    graph = unit_graph()
+    upward = [f"{unit} -> {target} ({', '.join(sorted(files))})"
+              for unit, targets in graph.items() if unit in layers
+              for target, files in targets.items() if target in layers and layers.index(target) < layers.index(unit)]
+    assert not upward, "imports against the README's layer order:\n  " + "\n  ".join(sorted(upward))
+
+
+def checkpoint_room(module: str) -> str | None:
+    """The room of an engine.checkpoint module ("" for the front), None outside the package."""
+    parts = module.split(".")
+    if parts[:2] != ["engine", "checkpoint"] or len(parts) < 3:
+        return None
+    return parts[2] if len(parts) > 3 or (CHECKPOINT / parts[2]).is_dir() else ""
+
+
+def test_the_checkpoint_rooms_import_downwards_only() -> None:
+    upward = []
+    for module, targets in module_graph().items():
+        room = checkpoint_room(module)
+        for target, files in targets.items():
+            target_room = checkpoint_room(target)
+            if room is not None and target_room is not None and \
+                    CHECKPOINT_ROOMS.index(target_room) > CHECKPOINT_ROOMS.index(room):
+                upward.append(f"{module} -> {target} ({', '.join(sorted(files))})")
+    assert not upward, "engine.checkpoint: a room imports one above it:\n  " + "\n  ".join(sorted(upward))
+
+
+def test_the_checkpoint_package_has_few_entries_at_its_top() -> None:
+    entries = sorted(path.name for path in CHECKPOINT.iterdir()
+                     if path.name not in ("__init__.py", "__pycache__") and (path.suffix == ".py" or path.is_dir()))
+    rooms = {path.name for path in CHECKPOINT.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert rooms == set(CHECKPOINT_ROOMS) - {""}, rooms
+    assert len(entries) <= MAX_CHECKPOINT_ENTRIES, f"{len(entries)} entries in engine/checkpoint/: {entries}"
+
+
 def test_the_engines_units_import_each_other_without_a_cycle() -> None:
     graph = unit_graph()
     cycle = find_cycle(graph) or []
@@ -94,3 +198,17 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b": {"a.py"}}, "b": {"c": {"b.py"}}, "c": {"a": {"c.py"}}, "d": {"a": {"d.py"}}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": {"a.py"}}, "b": {}}) is None
+
+
+def test_the_module_graph_counts_type_only_and_function_level_imports(tmp_path: pathlib.Path) -> None:
+    package = tmp_path / "engine" / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from engine.pkg import a\n")
+    modules = {"engine.pkg": package / "__init__.py", "engine.pkg.a": package / "a.py", "engine.pkg.b": package / "b.py"}
+    root = tmp_path / "engine"
+    assert imported_engine_modules(package / "a.py", modules, root) == {"engine.pkg.b"}
+    assert imported_engine_modules(package / "b.py", modules, root) == {"engine.pkg.a"}
+    assert find_cycle({name: dict.fromkeys(imported_engine_modules(path, modules, root), {""})
+                       for name, path in modules.items()}) == ["engine.pkg.a", "engine.pkg.b", "engine.pkg.a"]

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import engine
 from engine import faults
-from engine.checkpoint.storage import check_name
+from engine.checkpoint.format.names import check_name
 
 
 @pytest.fixture(autouse=True)

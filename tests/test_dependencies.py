@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.codec import tensor_bytes_view
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.tensor_bytes import tensor_bytes_view
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OWN_PACKAGES = {"engine", "progress"}

@@ -1,7 +1,7 @@
 """Every single-process kill and preemption test file run with checkpoints written by a writer
 process (SPLITLOOP_TEST_WRITER=process, tests/writer_switch.py), one pytest process per file:
 the matrix behind the default writer-process cases (test_preemption_workers, test_validation_kill,
-test_workers and tests/checkpoint/test_writer_process.py). Exhaustive: minutes per file.
+test_workers and tests/checkpoint/writers/test_writer_process.py). Exhaustive: minutes per file.
 
 The same by hand: ``SPLITLOOP_TEST_WRITER=process .venv/bin/python -m pytest -n 0 FILE``."""
 
@@ -37,7 +37,7 @@ KILL_TEST_FILES = [
     "tests/data/test_streams.py",
     "tests/loops/test_precision.py",
     "tests/loggers/test_loggers.py",
-    "tests/checkpoint/test_lease.py",
+    "tests/checkpoint/store/test_lease.py",
     "tests/checkpoint/test_budget.py",
     "tests/checkpoint/test_best_placement.py",
     "tests/lightning/test_kill_resume.py",

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from scenarios import SeqModel, SCENARIOS, train_with_checkpoints
 
 

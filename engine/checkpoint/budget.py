@@ -39,7 +39,7 @@ Robustness, with no knob:
   a write) is refreshed: each next interval is one split longer until a split runs free.
 
 Background work is the background writer's writes and a fast tier's copies into the durable
-tier (``DurablePromoter.copied_since`` in engine.checkpoint.tiers); a synchronous writer without a fast tier has none:
+tier (``DurablePromoter.copied_since`` in engine.checkpoint.tiers.fast); a synchronous writer without a fast tier has none:
 every split is a baseline split and the cost is the blocking time. Only *when* checkpoints happen depends on these timings, never a training
 number: a run resumes exactly wherever its checkpoints fell.
 """

@@ -10,13 +10,11 @@ on ``every_n_steps`` and ``every_seconds``.
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol
+from typing import Protocol
 
 from engine.checkpoint.budget import OverheadBudget
+from engine.checkpoint.writers.worker import BackgroundWork
 from engine.config import CheckpointConfig
-
-# Whether background checkpoint work ran at any moment after a time.monotonic() reading.
-BackgroundWork = Callable[[float], bool]
 
 
 class Cadence(Protocol):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from engine.checkpoint.resume_choice import AnchorFallback
-from engine.checkpoint.store import LoadedCheckpoint, StateValidator
+from engine.checkpoint.store.checkpoint_store import LoadedCheckpoint, StateValidator
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.errors import CheckpointNotFound
-from engine.checkpoint.metrics_log import MetricsLog
 from progress import Cursor
 
 # Names a boundary: (units of step work, epochs) completed.

@@ -6,7 +6,7 @@ the (a)synchronous writer, and what to do when a write fails. The run hands it s
 calls back into the run.
 
 What varies is chosen once, in the constructor: the cadence (engine.checkpoint.cadence: fixed or
-"auto"), the tiering (engine.checkpoint.tiering: one tier or two) and this process's side of the
+"auto"), the tiering (engine.checkpoint.tiers.tiering: one tier or two) and this process's side of the
 commit (:class:`CommitSide`: alone, or one rank of a torchrun group). The choice of the
 checkpoint to resume from is engine.checkpoint.resume_choice's.
 """
@@ -18,24 +18,26 @@ import math
 import warnings
 from typing import Any, Callable, Protocol
 
-from engine.checkpoint.abandoned import read_abandoned
-from engine.checkpoint.cadence import BackgroundWork, Cadence, choose_cadence
+from engine.checkpoint.cadence import Cadence, choose_cadence
 from engine.checkpoint.checkpointing import BoundaryMark, Snapshot
-from engine.checkpoint.codec import EncodedState, encode_state
-from engine.checkpoint.commit import Committer
-from engine.checkpoint.lease import WriterLease
-from engine.checkpoint.manifest import MonitorRecord
-from engine.checkpoint.retention import Retention
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
+from engine.checkpoint.format.codec import EncodedState, encode_state
+from engine.checkpoint.format.manifest import MonitorRecord
 from engine.checkpoint.resume_choice import (AUTOMATIC, AnchorFallback, choose_checkpoint, fall_back_to_anchor,
                                              newer_than, record_abandoned)
-from engine.checkpoint.tiering import Tiering, choose_tiering
-from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint, SyncWriter
-from engine.checkpoint.writer_process import LaunchedWriter, ProcessWriter
+from engine.checkpoint.store.abandoned import read_abandoned
+from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint, StateValidator
+from engine.checkpoint.store.lease import WriterLease
+from engine.checkpoint.store.metrics_log import METRICS_FILE, MetricsLog
+from engine.checkpoint.store.retention import Retention
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.tiers.tiering import Tiering, choose_tiering
+from engine.checkpoint.writers.committer import Committer
+from engine.checkpoint.writers.pending import PendingCheckpoint
+from engine.checkpoint.writers.process.writer import LaunchedWriter, ProcessWriter
+from engine.checkpoint.writers.worker import BackgroundWork
+from engine.checkpoint.writers.writer import BackgroundWriter, SyncWriter
 from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
-from engine.checkpoint.metrics_log import METRICS_FILE, MetricsLog
 from progress import Cursor
 
 
@@ -116,7 +118,7 @@ class RunCheckpointer:
 
     def abandon_newer_than(self, name: str) -> list[str]:
         """Resuming by name from ``name``: record the checkpoints newer than it as abandoned
-        (engine.checkpoint.abandoned) before any commit; returns their names, oldest first."""
+        (engine.checkpoint.store.abandoned) before any commit; returns their names, oldest first."""
         newer = newer_than(name, self._tiering.stores())
         if self._side.is_writer:
             record_abandoned(self._storage, name, newer)

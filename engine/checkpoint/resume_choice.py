@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from, across its tiers, and what a resume by name abandons.
 
 :class:`~engine.checkpoint.policy.RunCheckpointer` calls these with the stores its tiering reads
-(engine.checkpoint.tiering); a distributed run's rank 0 chooses for every rank.
+(engine.checkpoint.tiers.tiering); a distributed run's rank 0 chooses for every rank.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import dataclasses
 import warnings
 from typing import Callable, Collection
 
-from engine.checkpoint.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore, LoadedCheckpoint, StateValidator
-from engine.checkpoint.tiers import latest_across, load_named, stores_newest_first
+from engine.checkpoint.store.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
+from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint, StateValidator
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.tiers.fast import latest_across, load_named, stores_newest_first
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
 from progress import ProgressTree
 
@@ -108,7 +108,7 @@ def newer_than(name: str, stores: list[CheckpointStore]) -> list[str]:
 
 
 def record_abandoned(storage: Storage, resumed: str, newer: list[str]) -> None:
-    """Record ``newer`` as abandoned (engine.checkpoint.abandoned), and ``resumed`` as no longer
+    """Record ``newer`` as abandoned (engine.checkpoint.store.abandoned), and ``resumed`` as no longer
     abandoned, before any commit."""
     recorded = read_abandoned(storage)
     abandoned = (recorded - {resumed}) | set(newer)

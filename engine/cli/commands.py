@@ -10,13 +10,13 @@ import sys
 from typing import Any
 
 from engine import faults
-from engine.checkpoint.state_keys import CALLBACKS, HYPERPARAMETERS
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.state_keys import CALLBACKS, HYPERPARAMETERS
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.config import CheckpointConfig, TrainerConfig
 from engine.distributed.state_parts import saved_world_size
 from engine.errors import ConfigError
-from engine.checkpoint.fingerprint import fingerprint
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.format.fingerprint import fingerprint
+from engine.checkpoint.store.storage import Storage
 from engine.data.mixture import source_positions
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state

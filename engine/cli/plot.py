@@ -18,9 +18,9 @@ import json
 import math
 from typing import Any, Iterable
 
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 from engine.errors import CheckpointNotFound, ConfigError, EngineError
-from engine.checkpoint.metrics_log import METRICS_FILE, RESUMES_FILE
+from engine.checkpoint.store.metrics_log import METRICS_FILE, RESUMES_FILE
 from engine.run.rollback import ANOMALIES_FILE
 
 _STAGE_PREFIXES = ("train_", "val_", "validation_", "test_")

@@ -121,6 +121,19 @@ class _LiveBuffer:
             self.source_done = True
 
 
+def load_into(state: Any, new_state: Any) -> Any:
+    """``datasets``' own merge of a saved state into a live one, without re-creating the live one."""
+    if new_state is not None and isinstance(state, dict):
+        for key in new_state:
+            state[key] = load_into(state.get(key), new_state[key])
+        return state
+    if new_state is not None and isinstance(state, list) and len(state) == len(new_state):
+        for index, item in enumerate(new_state):
+            state[index] = load_into(state[index], item)
+        return state
+    return copy.deepcopy(new_state)
+
+
 def _init_state_dict(self: Any) -> dict[str, Any]:
     self._state_dict = {"examples_iterable": self.ex_iterable._init_state_dict(), STATE_KEY: None,
                         "type": type(self).__name__}
@@ -130,15 +143,13 @@ def _init_state_dict(self: Any) -> dict[str, Any]:
 def _load_state_dict(self: Any, state_dict: dict[str, Any]) -> Any:
     """Load a state saved with the buffer (fills the live state in place); a state of
     ``datasets``' own layout (no buffer) is the inner stream's: the buffer refills from it."""
-    from engine.data.hf_streams import _load_into
-
     if state_dict is None:  # "no position yet" (engine.data.hf_streams): nothing to load
         return None
     if STATE_KEY not in state_dict:
         return self.ex_iterable.load_state_dict(state_dict)
     if self._state_dict is None:
         self._init_state_dict()
-    return _load_into(self._state_dict, state_dict)
+    return load_into(self._state_dict, state_dict)
 
 
 def check_saved_buffers(name: str, data_state: Any) -> None:

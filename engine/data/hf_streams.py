@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from engine.data.hf_shuffle import save_shuffle_buffers
+from engine.data.hf_shuffle import load_into, save_shuffle_buffers
 from engine.errors import warn as warn_user
 
 _REPAIRED = "_splitloop_repaired"
@@ -101,7 +101,7 @@ def _loads_in_place(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_state_dict(self: Any, state_dict: dict[str, Any]) -> Any:
         if getattr(self, "_state_dict", None) is None:
             return original(self, state_dict)
-        return _load_into(self._state_dict, state_dict)
+        return load_into(self._state_dict, state_dict)
 
     return load_state_dict
 
@@ -113,16 +113,3 @@ def _answers_the_loaded_state(original: Callable[..., Any]) -> Callable[..., Any
         self._state_dict = copy.deepcopy(state_dict)
 
     return load_state_dict
-
-
-def _load_into(state: Any, new_state: Any) -> Any:
-    """``datasets``' own merge of a saved state into a live one, without re-creating the live one."""
-    if new_state is not None and isinstance(state, dict):
-        for key in new_state:
-            state[key] = _load_into(state.get(key), new_state[key])
-        return state
-    if new_state is not None and isinstance(state, list) and len(state) == len(new_state):
-        for index, item in enumerate(new_state):
-            state[index] = _load_into(state[index], item)
-        return state
-    return copy.deepcopy(new_state)

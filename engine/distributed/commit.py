@@ -30,12 +30,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from engine.checkpoint.codec import EncodedState, encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.manifest import FileRecord
-from engine.checkpoint.state_keys import SIGNATURE
-from engine.checkpoint.writer import PendingCheckpoint
-from engine.checkpoint.store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
+from engine.checkpoint.format.codec import EncodedState, encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.format.manifest import FileRecord
+from engine.checkpoint.format.state_keys import SIGNATURE
+from engine.checkpoint.writers.pending import PendingCheckpoint
+from engine.checkpoint.store.checkpoint_store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
 from engine.distributed import state_parts
 from engine.distributed.environment import DistributedContext
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError, ReplicaDivergence
@@ -62,7 +62,7 @@ class _Round:
 
 class GroupCommit:
     """The commit across ranks for one process of a distributed job (see the module docstring):
-    the :class:`engine.checkpoint.commit.Committer` of each rank, chosen once when the run is
+    the :class:`engine.checkpoint.store.request.Committer` of each rank, chosen once when the run is
     distributed."""
 
     def __init__(self, context: DistributedContext) -> None:
@@ -115,7 +115,7 @@ class GroupCommit:
         tensors_file, header_file = state_parts.rank_files(rank)
         if tensors_file not in loaded.extra_files or header_file not in loaded.extra_files:
             raise CheckpointCorrupt(f"{name}: the part of rank {rank} ({header_file}) is missing")
-        from engine.checkpoint.codec import decode_state
+        from engine.checkpoint.format.codec import decode_state
         part = decode_state(bytes(loaded.extra_files[header_file]), loaded.extra_files[tensors_file])
         return dataclasses.replace(loaded, state=state_parts.with_rank_part(name, loaded.state, part))
 
@@ -127,7 +127,7 @@ class GroupCommit:
         written = state if self.is_writer else state_parts.rank_part(state)
         return encode_state(written), digest
 
-    # ---- the Committer of one rank (engine.checkpoint.commit) ----------------------------
+    # ---- the Committer of one rank (engine.checkpoint.store.request) ----------------------------
     @property
     def commits(self) -> bool:
         """Rank 0 commits; the other ranks write their parts."""

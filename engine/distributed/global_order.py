@@ -28,33 +28,13 @@ import torch
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from engine.checkpoint.state_keys import LOOPS, SIGNATURE
+from engine.checkpoint.format.state_keys import LOOPS, SIGNATURE
 from engine.data.position import EpochData
+from engine.distributed.sampler import GlobalOrderSampler, order_alone, ordered_by_engine
 from engine.distributed.state_parts import WORLD_SIZE, saved_world_size
 from engine.errors import CheckpointIncompatible, WorldSizeChangeRefused
 
 GLOBAL_BATCH = "global_batch"
-
-
-class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
-    """The engine's sampler: a ``DistributedSampler`` (same permutation, same split of it
-    between ranks) that can be re-partitioned for another world size (:meth:`regroup`)."""
-
-    orders_globally = True  # engine.data.position seeds worker samples by their global position
-
-    def regroup(self, world_size: int, rank: int) -> None:
-        """Take rank ``rank``'s part of the same global order split ``world_size`` ways."""
-        epoch = self.epoch
-        DistributedSampler.__init__(self, self.dataset, num_replicas=world_size, rank=rank, shuffle=self.shuffle,
-                                    seed=self.seed, drop_last=self.drop_last)
-        self.epoch = epoch
-
-
-def ordered_by_engine(data: Iterable[Any]) -> bool:
-    """Whether ``data`` is a DataLoader whose order the engine owns (a :class:`GlobalOrderSampler`
-    under the default batch sampler)."""
-    return isinstance(data, DataLoader) and isinstance(data.sampler, GlobalOrderSampler) and \
-        getattr(data.batch_sampler, "sampler", None) is data.sampler
 
 
 def order_signature(data: Iterable[Any], world_size: int) -> dict[str, int]:
@@ -187,7 +167,6 @@ def _engine_ordered(loader: Any, world_size: int) -> Any:
     (with more ranks the engine inserted its sampler already)."""
     if world_size != 1 or ordered_by_engine(loader):
         return loader
-    from engine.distributed.sampler import order_alone  # it imports this module
     return order_alone(loader)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint.codec import tensor_bytes_view
+from engine.checkpoint.format.tensor_bytes import tensor_bytes_view
 from engine.distributed.environment import DistributedContext
 
 

@@ -1,7 +1,7 @@
 """Every old rank's shards of a sharded (FSDP2) checkpoint, for a run on another mesh.
 
 A sharded checkpoint written by ``W`` ranks holds, in each rank's part, that rank's shard of
-every parameter and optimizer moment with its placement (engine.checkpoint.shards). A run on
+every parameter and optimizer moment with its placement (engine.checkpoint.format.shards). A run on
 ``W'`` ranks (or another mesh of as many dimensions) needs other blocks: :func:`every_ranks_pieces`
 pairs, path by path, the shards of all ``W`` parts into one :class:`SavedPieces` per tensor, and
 each rank then cuts its new local block out of the pieces that overlap it
@@ -21,9 +21,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from engine.checkpoint.rank_parts import decode_rank_part, saved_world_size
-from engine.checkpoint.shards import pair_pieces
-from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
+from engine.checkpoint.format.rank_parts import decode_rank_part, saved_world_size
+from engine.checkpoint.format.shards import pair_pieces
+from engine.checkpoint.format.state_keys import MODULE, OPTIMIZERS, SIGNATURE
 from engine.errors import CheckpointCorrupt
 
 SHARDED_KEYS = (MODULE, OPTIMIZERS)

@@ -2,7 +2,7 @@
 validation through a :class:`ContiguousBatches` shard.
 
 Training: a DataLoader over a map-style dataset with a plain sampler is rebuilt with a
-``DistributedSampler`` (the engine's own, :class:`~engine.distributed.global_order.GlobalOrderSampler`,
+``DistributedSampler`` (the engine's own, :class:`GlobalOrderSampler`,
 which a resume on another world size re-partitions; shuffled when the original shuffled; ``seed``
 0, so every rank partitions the same permutation; the engine calls ``set_epoch`` each epoch).
 
@@ -30,7 +30,27 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from engine.distributed.environment import DistributedContext
-from engine.distributed.global_order import GlobalOrderSampler
+
+
+class GlobalOrderSampler(DistributedSampler):  # type: ignore[type-arg]
+    """The engine's sampler: a ``DistributedSampler`` (same permutation, same split of it
+    between ranks) that can be re-partitioned for another world size (:meth:`regroup`)."""
+
+    orders_globally = True  # engine.data.position seeds worker samples by their global position
+
+    def regroup(self, world_size: int, rank: int) -> None:
+        """Take rank ``rank``'s part of the same global order split ``world_size`` ways."""
+        epoch = self.epoch
+        DistributedSampler.__init__(self, self.dataset, num_replicas=world_size, rank=rank, shuffle=self.shuffle,
+                                    seed=self.seed, drop_last=self.drop_last)
+        self.epoch = epoch
+
+
+def ordered_by_engine(data: Iterable[Any]) -> bool:
+    """Whether ``data`` is a DataLoader whose order the engine owns (a :class:`GlobalOrderSampler`
+    under the default batch sampler)."""
+    return isinstance(data, DataLoader) and isinstance(data.sampler, GlobalOrderSampler) and \
+        getattr(data.batch_sampler, "sampler", None) is data.sampler
 
 
 def shard_loader(data: Iterable[Any], context: DistributedContext) -> Iterable[Any]:

@@ -14,7 +14,7 @@ inside the window (so a resume there could not be exact) and as large as the who
 every micro-step, the open window's gradient is a sharded DTensor in ``parameter.grad``, saved
 and restored like any other shard.
 
-At resume, the shards a checkpoint holds (engine.checkpoint.shards.TensorShard) become live
+At resume, the shards a checkpoint holds (engine.checkpoint.format.shards.TensorShard) become live
 DTensors again on this rank's device mesh (:func:`rebuild_dtensors`), after a check that each
 lies at this rank's offsets; loading them copies into the parameters' local tensors in place,
 and the optimizers' moments are loaded as DTensors without any ``optimizer.step()``. A
@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from engine.checkpoint.catalogue import LoadedCheckpoint
-from engine.checkpoint.shards import REPLICATE, SHARD_PREFIX, SavedPieces, TensorShard, is_dtensor
-from engine.checkpoint.state_keys import LOOPS, MODULE, OPTIMIZERS, SIGNATURE
+from engine.checkpoint.store.catalogue import LoadedCheckpoint
+from engine.checkpoint.format.shards import REPLICATE, SHARD_PREFIX, SavedPieces, TensorShard, is_dtensor
+from engine.checkpoint.format.state_keys import LOOPS, MODULE, OPTIMIZERS, SIGNATURE
 from engine.distributed import state_parts
 from engine.distributed.reshard import every_ranks_pieces
 from engine.errors import CheckpointIncompatible

@@ -11,7 +11,7 @@
 * **Sharded** (a run whose parameters are FSDP2 DTensors, marked ``sharded`` in its signature):
   the module and the optimizers differ between ranks too (each rank holds its shards), so they
   join the per-rank keys; every rank writes its own shards with their placement
-  (engine.checkpoint.shards) and nothing is gathered to one rank.
+  (engine.checkpoint.format.shards) and nothing is gathered to one rank.
 
 A rank's state tree at resume is the main tree with its own per-rank keys put back.
 :func:`replicated_digest` is the cheap cross-rank check run at every checkpoint: one CRC-32 per
@@ -25,13 +25,13 @@ from typing import Any, Mapping
 
 import torch
 
-from engine.checkpoint.codec import tensor_bytes_view
-from engine.checkpoint.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
+from engine.checkpoint.format.tensor_bytes import tensor_bytes_view
+from engine.checkpoint.format.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
 # Declared in the checkpoint package, which checks every part when a checkpoint is chosen.
-from engine.checkpoint.rank_parts import (RANK_PART_KEYS, SHARDED, SHARDED_PART_KEYS, WORLD_SIZE,  # noqa: F401
-                                          is_sharded, rank_part_keys, saved_world_size, with_rank_part)
-from engine.checkpoint.shards import is_dtensor
-from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SCHEDULERS, SIGNATURE
+from engine.checkpoint.format.rank_parts import (RANK_PART_KEYS, SHARDED, SHARDED_PART_KEYS, WORLD_SIZE,  # noqa: F401
+                                                 is_sharded, rank_part_keys, saved_world_size, with_rank_part)
+from engine.checkpoint.format.shards import is_dtensor
+from engine.checkpoint.format.state_keys import MODULE, OPTIMIZERS, SCHEDULERS, SIGNATURE
 from engine.errors import CheckpointIncompatible
 
 REPLICATED_KEYS = (MODULE, OPTIMIZERS, SCHEDULERS)

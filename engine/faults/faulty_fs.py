@@ -1,7 +1,7 @@
 """An fsspec filesystem that wraps another and fails its write-type calls on demand.
 
 Every write-type call (open for writing, write, append, mkdir, rename, remove, fsync through
-:class:`engine.checkpoint.storage.Storage`) is an arrival at the fault point ``filesystem_write``; an
+:class:`engine.checkpoint.store.storage.Storage`) is an arrival at the fault point ``filesystem_write``; an
 ``enospc`` or ``eio`` fault armed there makes that call raise the matching OSError. Reads pass
 through untouched.
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 
 from engine.callbacks import Callback, RunView
-from engine.checkpoint.state_keys import HYPERPARAMETERS
+from engine.checkpoint.format.state_keys import HYPERPARAMETERS
 from engine.lightning._bridge import LightningBridge
 from engine.lightning._logging import VALIDATION
 from engine.lightning._packages import overrides

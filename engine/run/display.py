@@ -25,7 +25,7 @@ from typing import Sequence, TextIO
 
 from tqdm import tqdm
 
-from engine.checkpoint.store import LoadedCheckpoint
+from engine.checkpoint.store.checkpoint_store import LoadedCheckpoint
 from progress import Cursor
 
 PREFIX = "splitloop: "

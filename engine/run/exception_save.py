@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from engine.checkpoint.checkpointing import BoundaryMark, Checkpointing
-from engine.checkpoint.metrics_log import MetricsLog
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.errors import CheckpointError, warn as warn_user
 from engine.run import state as run_state
 from progress import Cursor, ProgressTree, decode_tree, encode_tree

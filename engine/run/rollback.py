@@ -21,8 +21,8 @@ import math
 from typing import Any
 
 from engine.checkpoint.policy import RunCheckpointer
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import LoadedCheckpoint
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import LoadedCheckpoint
 from engine.config import Rollback
 from engine.errors import AnomalyError, CheckpointError
 from engine.loops.anomaly import AnomalyDetected

@@ -26,7 +26,7 @@ from engine import distributed, faults
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.checkpointing import Checkpointing, NoCheckpoints
 from engine.checkpoint.policy import RunCheckpointer
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
 from engine.errors import ConfigError, ModuleContractError, warn as warn_user
@@ -45,7 +45,7 @@ from engine.run.exception_save import ExceptionSave, NoExceptionSave
 from engine.run.rollback import NoRollbacks, Rollbacks
 from engine.loops.anomaly import AnomalyDetected
 from engine.loops.logged import MetricLogger
-from engine.checkpoint.metrics_log import MetricsLog
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.loggers.base import LoggerSet
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher

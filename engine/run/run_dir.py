@@ -14,11 +14,11 @@ import tempfile
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from engine.checkpoint.storage import open_filesystem
-from engine.checkpoint.lease import LEASE_FILE
-from engine.checkpoint.metrics_log import METRICS_FILE
-from engine.checkpoint.store import CHECKPOINT_DIR, _NAME
-from engine.checkpoint.tiers import MARKER_FILE, RUN_ID_FILE
+from engine.checkpoint.store.storage import open_filesystem
+from engine.checkpoint.store.lease import LEASE_FILE
+from engine.checkpoint.store.metrics_log import METRICS_FILE
+from engine.checkpoint.format.names import CHECKPOINT_DIR, CHECKPOINT_NAME
+from engine.checkpoint.tiers.fast import MARKER_FILE, RUN_ID_FILE
 from engine.errors import ConfigError
 
 # Entries of a run directory that must be directories / regular files when they exist.
@@ -80,7 +80,7 @@ def check_local_tier(local_tier: str, run_dir: str, field: str = "CheckpointConf
     run_files = [name for name in FILE_ENTRIES if os.path.exists(os.path.join(tier, name))]
     checkpoints = os.path.join(tier, CHECKPOINT_DIR)
     if os.path.isdir(checkpoints):
-        run_files += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(os.listdir(checkpoints)) if _NAME.fullmatch(name)][:3]
+        run_files += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(os.listdir(checkpoints)) if CHECKPOINT_NAME.fullmatch(name)][:3]
     if run_files:
         raise ConfigError(f"{field}: {local_tier!r} looks like another run's directory (it holds {run_files}, and no "
                           f"{MARKER_FILE} of a fast tier); the fast tier would delete those checkpoints. Give the "

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from engine.checkpoint.abandoned import describe_names
+from engine.checkpoint.store.abandoned import describe_names
 from engine.checkpoint.resume_choice import AnchorFallback
-from engine.checkpoint.state_keys import SIGNATURE
-from engine.checkpoint.store import LoadedCheckpoint
+from engine.checkpoint.format.state_keys import SIGNATURE
+from engine.checkpoint.store.checkpoint_store import LoadedCheckpoint
 from engine.config import TrainerConfig
 from engine.distributed import global_order
 from engine.distributed.state_parts import saved_world_size
@@ -23,7 +23,7 @@ from engine.loops.optim_setup import OptimizerSetup
 from engine.loops.tree import units_completed_in
 from engine.run import state as run_state
 from engine.run.display import Display
-from engine.checkpoint.metrics_log import MetricsLog
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.run.overrides import BuiltSettings, overridden_settings
 from engine.errors import warn as warn_user
 from progress import RunEnd
@@ -129,7 +129,7 @@ class RunStart:
 
     def _abandon_newer(self, name: str) -> None:
         """resume="ckpt-…" from an older checkpoint: the newer ones are left behind; say so
-        before anything is deleted (engine.checkpoint.abandoned)."""
+        before anything is deleted (engine.checkpoint.store.abandoned)."""
         newer = self._checkpoints.abandon_newer_than(name)
         if not newer:
             return

@@ -1,6 +1,6 @@
 """What a checkpoint holds: the run state tree, the run signature, capture, validation and
 restore. This is the one place that knows the tree (its top-level keys are declared in
-engine.checkpoint.state_keys, which the distributed commit imports too)::
+engine.checkpoint.format.state_keys, which the distributed commit imports too)::
 
     {
       "signature":       what must match between a checkpoint and the run resuming it
@@ -29,12 +29,12 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from engine.callbacks import Callback
-from engine.checkpoint.codec import check_storable
-from engine.checkpoint.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
-                                         RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
+from engine.checkpoint.format.codec import check_storable
+from engine.checkpoint.format.state_keys import (CALLBACKS, ELAPSED_SECONDS, ENVELOPE, LOOPS, METRICS_BYTES, MODULE, OPTIMIZERS,
+                                                 RNG, SCHEDULERS, SIGNATURE, STATE_KEYS)
 from engine.config import TrainerConfig
 from engine.data.hf_shuffle import REMEDY as SHUFFLE_BUFFER_REMEDY, STATE_KEY as SHUFFLE_BUFFER_KEY, check_saved_buffers
-from engine.checkpoint.shards import TensorShard
+from engine.checkpoint.format.shards import TensorShard
 from engine.distributed.sharded import is_sharded_module, live_shards
 from engine.distributed.state_parts import SHARDED, WORLD_SIZE, check_world_size, is_sharded
 from engine.distributed import global_order

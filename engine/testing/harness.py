@@ -35,13 +35,13 @@ import fsspec
 import torch
 
 from engine import faults
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.errors import ConfigError, EngineError
 from engine.faults import Fault
-from engine.checkpoint.metrics_log import METRICS_FILE
+from engine.checkpoint.store.metrics_log import METRICS_FILE
 from engine.result import FitResult
 from engine.run.state import COMPARED_KEYS
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 
 RESULT_PREFIX = "SPLITLOOP_RESULT "
 TrainFunction = Callable[..., FitResult]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 from validation_scenarios import build_validated, train_validated
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint import writer as writer_module
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.writers import writer as writer_module
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 import forkserver
 from kill_helpers import TIMEOUT, environment

@@ -17,13 +17,14 @@ import engine
 import engine.errors
 from engine import faults
 from engine.checkpoint.budget import AUTO_MAX_INTERVAL, OverheadBudget
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.retention import Retention
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.tiers import DurablePromoter
-from engine.checkpoint.writer import BackgroundWriter, PendingCheckpoint
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.retention import Retention
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.tiers.fast import DurablePromoter
+from engine.checkpoint.writers.pending import PendingCheckpoint
+from engine.checkpoint.writers.writer import BackgroundWriter
 from progress import ProgressTree, encode_tree
 from kill_helpers import run_until_done
 from paced_writes import PacedWrites

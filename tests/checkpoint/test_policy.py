@@ -4,8 +4,8 @@ import pytest
 
 import engine
 from engine.checkpoint.policy import RunCheckpointer
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.metrics_log import MetricsLog
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.run import state as run_state
 from scenarios import train_with_checkpoints
 

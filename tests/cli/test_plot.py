@@ -8,7 +8,7 @@ import pytest
 import engine
 import engine.testing
 from engine.cli.plot import draw, plot_run, read_curves, read_rows
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 from validation_scenarios import train_validated
 
 

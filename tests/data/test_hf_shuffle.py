@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import engine
-from engine.checkpoint.codec import decode_state, encode_state
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.codec import decode_state, encode_state
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 from engine.data.hf_shuffle import STATE_KEY
 from engine.data.hf_streams import repair_state_loading

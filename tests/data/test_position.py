@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, WeightedRandomSampler
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until
 
 SAMPLES = 10

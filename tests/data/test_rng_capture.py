@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.data.rng import RngSnapshot, capture_global_rng, check_generator_state, restore_global_rng
 import forkserver
 from resume_helpers import assert_same_run, copy_run_until

@@ -21,8 +21,8 @@ import engine
 import engine.data
 import forkserver
 from engine.cli.main import main
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from engine.data.combined import combine_loaders
 from engine.data.streams import drop_batches
 from engine.errors import DataError

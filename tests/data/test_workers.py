@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 import engine
 import forkserver
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from engine.data.position import EpochData
 from engine.data.workers import preemption_signals_blocked
 from kill_helpers import WITH_A_WRITER_PROCESS

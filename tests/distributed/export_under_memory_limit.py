@@ -13,8 +13,8 @@ import sys
 import warnings
 
 import engine
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
 
 def _limit_address_space(extra: int) -> None:

@@ -9,8 +9,8 @@ import signal
 import subprocess
 import time
 
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.distributed.launch import ZOMBIE_STATES, descendants, process_table
 
 import torchrun_helpers as helpers

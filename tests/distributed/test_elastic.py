@@ -558,8 +558,8 @@ def test_an_elastic_single_process_trains_each_step_on_the_global_batch_and_reco
     # The scheme, written independently of the sampler: global batch k is [8k, 8k+8) of randperm(48, seed 0).
     permutation = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
     assert _samples_per_step(tmp_path) == {k + 1: sorted(permutation[8 * k:8 * k + 8]) for k in range(6)}
-    from engine.checkpoint.storage import Storage
-    from engine.checkpoint.store import CheckpointStore
+    from engine.checkpoint.store.storage import Storage
+    from engine.checkpoint.store.checkpoint_store import CheckpointStore
     store = CheckpointStore(Storage(str(tmp_path / "run")), create=False)
     signature = store.load(inspect_run(str(tmp_path / "run"))["latest"]).state["signature"]
     assert (signature["world_size"], signature["global_batch"]) == (1, 8)

@@ -20,9 +20,9 @@ import engine
 import forkserver
 import fsdp_train
 import torchrun_helpers as helpers
-from engine.checkpoint.shards import TensorShard
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.shards import TensorShard
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 from forged_checkpoints import MAIN, rank_part, replace_files, rewrite
 from resume_helpers import copy_run_until

@@ -9,13 +9,13 @@ import pathlib
 import pytest
 import torch
 
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.manifest import FileRecord
-from engine.checkpoint.rank_files import rank_files
-from engine.checkpoint.state_keys import CALLBACKS, LOOPS, MODULE, RNG, SIGNATURE
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.format.manifest import FileRecord
+from engine.checkpoint.format.rank_files import rank_files
+from engine.checkpoint.format.state_keys import CALLBACKS, LOOPS, MODULE, RNG, SIGNATURE
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.errors import CheckpointCorrupt
 from progress import ProgressTree, encode_tree
 

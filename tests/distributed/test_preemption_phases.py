@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
 import torchrun_helpers as helpers
 

@@ -16,8 +16,8 @@ import torch
 import engine
 import fsdp_train
 import torchrun_helpers as helpers
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 from engine.errors import CheckpointIncompatible
 

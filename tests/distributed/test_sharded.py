@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import engine
 
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.shards import TensorShard
-from engine.checkpoint.state_keys import MODULE, OPTIMIZERS, SIGNATURE
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.format.shards import TensorShard
+from engine.checkpoint.format.state_keys import MODULE, OPTIMIZERS, SIGNATURE
 from engine.distributed.sharded import is_sharded_module, live_shards, rebuild_dtensors
 from engine.errors import CheckpointCorrupt, CheckpointIncompatible
 from engine.run.state import check_module_state

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.codec import decode_state
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.codec import decode_state
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.errors import CheckpointIncompatible
 
 import forkserver

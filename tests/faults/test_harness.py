@@ -141,7 +141,7 @@ def test_chaos_command_prints_table_and_summary(tmp_path, monkeypatch, capsys):
 
 def first_retention_delete_arrival(run_dir, monkeypatch):
     """The arrival count at filesystem_write of the first deletion of an old checkpoint."""
-    import engine.checkpoint.store as store_module
+    import engine.checkpoint.store.checkpoint_store as store_module
 
     found = []
     original_retire = store_module.CheckpointStore._retire

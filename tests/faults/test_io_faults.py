@@ -9,9 +9,9 @@ import pytest
 
 import engine
 from engine import faults
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.faults.faulty_fs import FaultyFileSystem
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 

@@ -25,8 +25,8 @@ import torch
 from loggers.test_loggers import assert_same_logs
 from kill_helpers import killed_at_the_fault
 from resume_helpers import assert_same_run
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
 SCRIPT = str(pathlib.Path(__file__).with_name("lit_scenarios.py"))
 TIMEOUT = 180

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from engine.loops.precision import MixedPrecision, Precision, ScaledMixedPrecision, make_precision
 from kill_helpers import run_until_done
 from resume_helpers import assert_same_run, copy_run_until

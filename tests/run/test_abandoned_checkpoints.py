@@ -11,9 +11,9 @@ import warnings
 import pytest
 
 import engine
-from engine.checkpoint.abandoned import ABANDONED_FILE
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.abandoned import ABANDONED_FILE
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from engine.loops.compiled import original_module, plain_key, training_step_of
 from resume_helpers import assert_same_run, copy_run_until
 from scenarios import SPLIT, make_loader, seed_all

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.writer import SnapshotBuffers
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.writers.buffers import SnapshotBuffers
 from engine.data.rng import RngSnapshot, capture_global_rng, restore_global_rng
 from engine.run import state as run_state
 from engine.loops.device import OnDevice, move_to_device, prepare_device, resolve_device

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from early_stop_scenario import early_stopper, train_early_stopped
 from resume_helpers import assert_same_run, read_metrics
 from scenarios import train_with_checkpoints
@@ -170,7 +170,7 @@ def strip_end_records(run_dir):
 
     import msgpack
 
-    from engine.checkpoint.checksum import CRC32C, checksum
+    from engine.checkpoint.format.checksum import CRC32C, checksum
 
     for path in pathlib.Path(run_dir, "checkpoints").iterdir():
         progress_file = path / "progress.msgpack"

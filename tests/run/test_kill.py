@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from progress import Cursor
 from kill_helpers import kill_at_random_instant, killed_at_the_fault, run_scenario, run_until_done
 from resume_helpers import assert_same_run
@@ -163,7 +163,7 @@ WRITER_PROCESS_KILLS = [
 ]
 
 
-@pytest.mark.exhaustive  # tests/checkpoint/test_writer_process.py kills the trainer and the writer by default
+@pytest.mark.exhaustive  # tests/checkpoint/writers/test_writer_process.py kills the trainer and the writer by default
 @pytest.mark.parametrize("name, fault, epochs", WRITER_PROCESS_KILLS)
 def test_kill_with_a_writer_process(name, fault, epochs, tmp_path, references):
     run_dir = str(tmp_path / "run")

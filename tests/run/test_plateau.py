@@ -19,8 +19,8 @@ import engine
 from kill_helpers import kill_at_random_instant, run_scenario, run_until_done
 from plateau_scenario import train_plateau
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "plateau_scenario.py")
 BATCHES, EPOCHS, STEP_FREQUENCY = 4, 4, 3

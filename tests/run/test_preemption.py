@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from progress import Cursor
 from resume_helpers import assert_same_run, read_metrics
 from scenarios import train_with_checkpoints

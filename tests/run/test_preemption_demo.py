@@ -13,8 +13,8 @@ import time
 import pytest
 
 import forkserver
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from progress import Cursor
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

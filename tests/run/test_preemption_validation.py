@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import forkserver
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from resume_helpers import assert_same_run
 from validated_worker_training import train
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import forkserver
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from resume_helpers import assert_same_run, read_metrics
 from worker_training import train
 

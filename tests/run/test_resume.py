@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.store import CheckpointStore
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
 from scenarios import SCENARIOS, scenario_params, train_with_checkpoints
 
@@ -106,7 +106,7 @@ def test_refitting_a_finished_max_steps_run_does_nothing(tmp_path):
 def test_namedtuple_hidden_state_and_batches_round_trip():
     import collections
 
-    from engine.checkpoint.codec import decode_state, encode_state
+    from engine.checkpoint.format.codec import decode_state, encode_state
 
     State = collections.namedtuple("State", ["h", "c"])
     value = {"hidden": State(torch.ones(2), torch.zeros(3)), "plain": (1, 2)}
@@ -127,7 +127,7 @@ class _LoadedCheckpointsAlive(engine.Callback):
 
     def on_split_end(self, view):
         import gc
-        from engine.checkpoint.catalogue import LoadedCheckpoint
+        from engine.checkpoint.store.catalogue import LoadedCheckpoint
         if self.holding is None:
             gc.collect()
             self.holding = sum(1 for item in gc.get_objects()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.storage import Storage
+from engine.checkpoint.store.storage import Storage
 from engine.cli.main import main
 from engine.cli.plot import draw, read_curves
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from kill_helpers import kill_at_random_instant, run_scenario
 from resume_helpers import assert_same_run
 from rollback_scenario import POISONED_FROM_TIME, POISONED_SAMPLE, train_poisoned

@@ -15,8 +15,8 @@ import pytest
 
 import engine
 from engine import faults
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 import forkserver
 from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
 from resume_helpers import assert_same_run

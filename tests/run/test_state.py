@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import engine
-from engine.checkpoint.codec import encode_state
-from engine.checkpoint.commit import CommitRequest
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.format.codec import encode_state
+from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.cli.commands import inspect_run
 from engine.run import state as run_state
 from resume_helpers import assert_same_run, copy_run_until

@@ -10,8 +10,8 @@ import torch
 
 import engine
 import engine.testing
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
 from scenarios import LossRecorder
 from validation_scenarios import build_validated, train_validated, val_loader

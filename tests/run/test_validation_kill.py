@@ -19,8 +19,8 @@ import torch
 from kill_helpers import WITH_A_WRITER_PROCESS, killed_at_the_fault
 from resume_helpers import assert_same_run
 from validation_scenarios import best_policy, train_validated
-from engine.checkpoint.storage import Storage
-from engine.checkpoint.store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
 import engine
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")

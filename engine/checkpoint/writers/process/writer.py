@@ -1,0 +1,479 @@
+"""``CheckpointConfig(asynchronous=True, writer="process")``: checkpoints written by a writer
+process, so that a checkpoint costs the training process one copy of its tensors.
+
+The training process encodes the state's description (engine.checkpoint.format.codec), copies the
+tensors in bulk into a slot of shared memory (engine.checkpoint.writers.process.arena) and sends the
+writer process a message naming the slot (engine.checkpoint.writers.process.channel). The writer process
+(engine.checkpoint.writers.process.main, started with ``subprocess`` as ``python -m``: never forked from
+a process that holds CUDA, never a ``multiprocessing`` spawn that re-imports the user's
+``__main__``) does the rest through the same commit path as the in-process writers.
+
+* **Lease**: the writer process inherits the lease's lock descriptor (``pass_fds``): the flock
+  holds while either process lives, and the writer checks the fence before each commit as
+  today. The lease records that a writer process is in use, so a restart of a killed run waits
+  (bounded, with a line on stderr) for that process to finish its last commit.
+* **Slots**: ``max_in_flight`` slots with ``when_behind="wait"`` (a snapshot waits for a free
+  one); two more with ``"skip"``, where a snapshot not yet taken up is replaced by a newer one
+  ("latest wins") and the training process never waits.
+* **The training process killed**: the writer process sees its stdin close (or its parent
+  change), commits the newest complete snapshot it received, releases the lease and exits.
+* **The writer process dies**: noticed at the next checkpoint (or split boundary check); one
+  line on stderr, and a new writer process is started once, which is handed every snapshot
+  not yet committed whose slot still holds it (even one whose files the dead writer had
+  written already: a slot is overwritten only by a newer snapshot, and one that must be kept
+  holds its slot until committed), and the metrics lines not yet committed. A second death
+  fails the checkpoint (CheckpointWriteError, under ``on_io_error``).
+
+Local run directories only, for now (the writer process rebuilds the storage from its path).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import fcntl
+import math
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from engine import faults
+from engine.checkpoint.format.codec import EncodedState
+from engine.checkpoint.store.lease import WriterLease, close_in_forked_children
+from engine.checkpoint.store.metrics_log import MetricsLog
+from engine.checkpoint.store.retention import Retention
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.writers.pending import PendingCheckpoint
+from engine.checkpoint.writers.process.arena import (ArenaDirectory, SharedSnapshotBuffers, make_arena_directory,
+                                                     remove_orphaned_arena_directories)
+from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
+from engine.checkpoint.writers.writer import FastTierCommits
+from engine.data.workers import preemption_signals_blocked
+from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
+
+# How long the training process waits for the writer process to answer before it checks that
+# the process still lives (a wait itself is unbounded only while the process lives).
+_POLL_SECONDS = 0.2
+_MAX_RESTARTS = 1
+# Descriptors of pipes to writer processes: a forked child (a DataLoader worker) must not keep
+# a writer's stdin open, or the writer would not see the training process die.
+_PIPE_DESCRIPTORS: set[int] = set()
+
+
+@dataclasses.dataclass
+class _Published:
+    """A snapshot sent to the writer process and not yet committed (or failed, or superseded)."""
+
+    message: dict[str, Any]
+    slot: int
+    # False once its slot was taken for a newer snapshot (until then a restarted writer
+    # process can still commit it from there, even after its files were written once).
+    slot_holds_it: bool = True
+    # The writer process released the slot (its bytes are in the checkpoint's files): a
+    # snapshot that must be kept still holds its slot until it is committed.
+    read: bool = False
+
+    @property
+    def keep(self) -> bool:
+        """Never replaced by a newer snapshot (a forced one, or one recording a monitored value)."""
+        return bool(self.message["keep"])
+
+
+class ProcessWriter:
+    """The training process's side of a writer process (see the module docstring); used by
+    engine.checkpoint.policy.RunCheckpointer like the in-process writers."""
+
+    def __init__(self, launched: "LaunchedWriter", storage: Storage, lease: WriterLease, retention: Retention,
+                 metrics: MetricsLog, max_in_flight: int, when_behind: str) -> None:
+        self._storage = storage
+        self._lease = lease
+        self._retention = retention
+        self._metrics = metrics
+        self._when_behind = when_behind
+        self._arena = launched.arena
+        count = max_in_flight + (2 if when_behind == "skip" else 0)
+        self._slots = [SharedSnapshotBuffers(self._arena.path, index) for index in range(count)]
+        self._free = list(range(count))
+        self._occupant: dict[int, int] = {}  # slot -> the id of the snapshot copied into it last
+        self._published: dict[int, _Published] = {}
+        self._next_id = 0
+        self._errors: list[BaseException] = []
+        self._committed_metrics = metrics.committed_bytes  # metrics.jsonl's length at the last commit
+        self._handed = bytearray()  # metrics bytes handed over since then (a new writer needs them)
+        self.last_name: str | None = None
+        self.last_end = -math.inf
+        self.skipped = 0
+        self.tiers: FastTierCommits | None = None  # a fast tier is refused with a writer process
+        self._carried = b""  # metrics bytes for the next message (after a restart)
+        self._restarts = 0
+        self._closing = False
+        self._lease_lost: WriterConflict | None = None  # reported by the writer process, which then stopped
+        self._configure(launched)
+
+    # ---- the process ----------------------------------------------------------------------
+    def _configure(self, launched: "LaunchedWriter") -> None:
+        """Take ``launched`` as this run's writer process and send it its configuration."""
+        self._launched = launched
+        self._process, self._input, self._events = launched.process, launched.input, launched.events
+        self._reader = FrameReader()
+        self._outbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._unsent = bytearray()  # the part of a message the pipe did not take yet
+        os.set_blocking(self._input, False)
+        retention = self._retention
+        self._send({"kind": "config", "run_dir": self._storage.root, "lease": self._lease.handover(),
+                    "arena": self._arena.path, "metrics_bytes": self._committed_metrics,
+                    "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
+                    "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind})
+
+    def _stop_pipes(self) -> None:
+        self._launched.close_pipes()
+
+    def _writer_died(self) -> None:
+        """The writer process ended without being asked: restart it once, handing it what it
+        had not committed; a second time, fail. One that stopped because the run lost its
+        lease (it reported WriterConflict) is not restarted: that error is raised."""
+        code = self._process.wait()
+        self._drain_events()
+        self._stop_pipes()
+        if self._lease_lost is not None:
+            self._closing = True  # it stopped on purpose: another job owns the run dir; a new one would too
+            raise self._lease_lost
+        print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
+              + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
+              file=sys.stderr, flush=True)
+        if self._restarts >= _MAX_RESTARTS:
+            self._closing = True
+            raise CheckpointWriteError(f"the checkpoint writer process died {self._restarts + 1} times (last exit "
+                                       f"code {code}); earlier checkpoints are intact")
+        self._restarts += 1
+        self._configure(LaunchedWriter(self._lease, inherit_faults=False, arena=self._arena))
+        self._hand_over_again()
+
+    def _hand_over_again(self) -> None:
+        """Send the new writer process the snapshots still in their slots, and the metrics
+        lines handed over since the last commit (with the first message sent)."""
+        carried = bytes(self._handed)
+        held = {published.slot for published in self._published.values() if published.slot_holds_it}
+        self._free = [slot for slot in range(len(self._slots)) if slot not in held]
+        base = self._committed_metrics
+        for identifier in sorted(self._published):
+            published = self._published[identifier]
+            if not published.slot_holds_it:
+                del self._published[identifier]  # a newer snapshot, already sent or to come, supersedes it
+                continue
+            published.message["metrics"], published.message["metrics_base"], carried = carried, base, b""
+            base += len(published.message["metrics"])
+            self._send(published.message)
+        self._carried = carried
+
+    def _alive(self) -> bool:
+        return self._process.poll() is None
+
+    # ---- events -----------------------------------------------------------------------------
+    def _drain_events(self) -> bool:
+        """Apply every event the writer process sent; False at end of file (it exited)."""
+        while True:
+            try:
+                data = os.read(self._events, 1 << 16)
+            except BlockingIOError:
+                return True
+            except OSError as error:
+                if error.errno == errno.EBADF:
+                    return False
+                raise
+            if not data:
+                return False
+            for event in self._reader.feed(data):
+                self._apply(event)
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        kind = event.get("kind")
+        if kind == "released":
+            self._release_slot(event["slot"], event["id"])
+            return
+        published = self._published.pop(event["id"], None)
+        self.last_end = time.monotonic()
+        if kind == "superseded":
+            self.skipped += 1
+            self._release_slot(event["slot"], event["id"])
+        elif kind == "committed":
+            self._settle(published, event["id"])
+            self.last_name = event["name"]
+            del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
+            self._committed_metrics = event["metrics_bytes"]  # lower after a rollback
+        elif kind == "failed":
+            self._settle(published, event["id"])
+            error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError
+            error = error_type(f"checkpoint writer process: {event['message']}")
+            if isinstance(error, WriterConflict):
+                self._lease_lost = error
+            self._errors.append(error)
+
+    def _release_slot(self, slot: int, identifier: int) -> None:
+        """The writer is done reading snapshot ``identifier`` in ``slot``: free the slot, unless
+        a newer snapshot took it back already (see :meth:`_take_back_slot`), or the snapshot
+        must be kept and is not committed yet (a writer process that dies before its commit
+        point leaves it to the next one, which reads it from its slot again)."""
+        if self._occupant.get(slot) != identifier:
+            return
+        published = self._published.get(identifier)
+        if published is not None and published.keep:
+            published.read = True  # freed by its commit (or failure): see _settle
+            return
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def _settle(self, published: _Published | None, identifier: int) -> None:
+        """Snapshot ``identifier`` is committed or failed: free the slot a kept one still held."""
+        if published is not None and published.read:
+            self._release_slot(published.slot, identifier)  # no longer in self._published: freed
+
+    def _wait_for_events(self) -> None:
+        """Wait a little for events, then apply them; restart a writer process that died."""
+        select.select([self._events], [], [], _POLL_SECONDS)
+        if not self._drain_events() or not self._alive():
+            self._writer_died()
+
+    # ---- what the checkpointer calls -------------------------------------------------------
+    def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
+        """Copy the snapshot's tensors into a free slot and send it; always True (a snapshot
+        replaced by a newer one is counted in :attr:`skipped` when the writer says so)."""
+        self.check()
+        slot = self._take_slot()
+        self._overwrite(slot)
+        buffers = self._slots[slot]
+        encoded = pending.encoded
+        identifier = self._next_id
+        self._occupant[slot] = identifier
+        try:
+            buffers.capture(encoded.tensors, encoded.layout)
+            buffers.wait_until_copied()
+        except BaseException:
+            self._occupant.pop(slot, None)
+            self._free.append(slot)
+            buffers.publish(-1)  # holds no snapshot
+            raise
+        buffers.publish(identifier)
+        self._send_snapshot(pending, encoded, slot, buffers.path, keep=force or pending.monitor is not None)
+        return True
+
+    def _overwrite(self, slot: int) -> None:
+        """``slot`` is about to take a new snapshot: the one it held can no longer be handed over."""
+        for published in self._published.values():
+            if published.slot == slot:
+                published.slot_holds_it = False
+
+    def _take_slot(self) -> int:
+        """A slot to copy the next snapshot into, locked: a free one; with "skip", else one
+        whose snapshot the writer has not taken up (latest wins); else wait for one."""
+        while True:
+            if self._free:
+                slot = self._free.pop()
+                self._slots[slot].lock()
+                return slot
+            if self._when_behind == "skip":
+                taken_back = self._take_back_slot()
+                if taken_back is not None:
+                    return taken_back
+            self._wait_for_events()
+
+    def _take_back_slot(self) -> int | None:
+        """The slot of the oldest replaceable snapshot the writer process has not taken up
+        (its lock is free), locked; the writer will find a newer generation there and report
+        that snapshot superseded. None when every slot is taken up or must be kept."""
+        # Only a slot's last occupant can be taken back: a walk over the slots, not over every
+        # snapshot queued while a writer process starts (the training process pays for each).
+        for identifier in sorted(self._occupant.values()):
+            published = self._published.get(identifier)
+            if published is None or published.keep or not published.slot_holds_it:
+                continue
+            if self._withdraw_unsent(identifier):
+                self._slots[published.slot].lock()
+                return published.slot
+            if self._slots[published.slot].lock(wait=False):
+                return published.slot
+        return None
+
+    def _send_snapshot(self, pending: PendingCheckpoint, encoded: EncodedState, slot: int, path: str,
+                       keep: bool) -> None:
+        handed = self._metrics.hand_over()
+        self._handed += handed
+        carried, self._carried = self._carried, b""
+        # Where the lines start in metrics.jsonl: the writer starts over there when it is not
+        # where its own lines end (the run rolled back and cut the file).
+        base = self._metrics.committed_bytes - len(handed) - len(carried)
+        monitor = pending.monitor
+        message = {"kind": "snapshot", "id": self._next_id, "slot": slot, "path": path, "size": encoded.tensor_bytes,
+                   "header": encoded.header, "progress": pending.progress_bytes,
+                   "cursor": None if pending.cursor is None else pending.cursor.to_dict(),
+                   "metrics": carried + handed, "metrics_base": base, "metrics_bytes": pending.metrics_bytes,
+                   "keep": keep,
+                   "monitor": None if monitor is None else [monitor.name, monitor.mode, monitor.value]}
+        self._published[self._next_id] = _Published(message, slot)
+        self._next_id += 1
+        self._send(message)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """Queue ``message`` and send what the pipe takes without blocking: a writer process
+        still starting (importing torch) must not stall training once the pipe is full."""
+        self._outbox.append(message)
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        while True:
+            if not self._unsent:
+                if not self._outbox:
+                    return
+                self._unsent = bytearray(encode_message(self._outbox.popleft()))
+            try:
+                written = os.write(self._input, self._unsent)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:  # the writer died: the next check restarts it and hands it all over
+                self._outbox.clear()
+                self._unsent = bytearray()
+                return
+            del self._unsent[:written]
+
+    def _withdraw_unsent(self, identifier: int) -> bool:
+        """Take back snapshot ``identifier`` if its message is still queued here (never seen by
+        the writer process); its metrics lines go with the next message."""
+        for message in self._outbox:
+            if message.get("id") == identifier and message.get("kind") == "snapshot":
+                self._outbox.remove(message)
+                self._carried = message["metrics"] + self._carried
+                del self._published[identifier]
+                self.skipped += 1
+                return True
+        return False
+
+    def _send_everything(self) -> None:
+        """Block until every queued message is in the pipe (or the writer process is gone)."""
+        self._send_queued()
+        while (self._unsent or self._outbox) and self._alive():
+            select.select([], [self._input], [], _POLL_SECONDS)
+            self._send_queued()
+
+    def wrote_since(self, since: float) -> bool:
+        """Whether a snapshot was in the writer process's hands at any moment after ``since``
+        (its work competes with training for the CPU and the memory bandwidth)."""
+        if self._drain_events() is False:
+            return True
+        return bool(self._published) or self.last_end >= since
+
+    def check(self) -> None:
+        """Apply the writer's events; restart it if it died; raise the first error it reported."""
+        if self._closing:
+            return self._raise_reported()
+        if not self._drain_events() or not self._alive():
+            self._writer_died()
+        self._send_queued()
+        self._raise_reported()
+
+    def _raise_reported(self) -> None:
+        if self._errors:
+            raise self._errors.pop(0)
+
+    def flush(self) -> None:
+        """Wait until every snapshot sent is committed (or failed, or superseded)."""
+        self.check()
+        if self._closing:  # no writer process any more (its errors are raised): nothing to wait for
+            return
+        self._send_everything()
+        while self._published:
+            self._wait_for_events()
+        self._raise_reported()
+
+    def close(self) -> None:
+        """Let the writer process commit what it holds and exit; wait for it."""
+        try:
+            if not self._closing:
+                self.flush()
+                self._closing = True
+                self._send({"kind": "close"})
+                self._send_everything()
+                self._process.wait()
+                self._drain_events()
+                self._stop_pipes()
+        finally:
+            self._closing = True
+            if self._process.poll() is None:  # an error above: do not leave it behind
+                self._process.kill()
+                self._process.wait()
+            self._arena.remove()
+        self._raise_reported()
+
+
+class LaunchedWriter:
+    """A writer process started early (once the lease is taken: its start overlaps the run's
+    own start), waiting for its configuration on stdin. It inherits the lease's lock
+    descriptor, the arena's owner descriptor and the write end of its events pipe; nothing
+    else. The first one of a run makes the run's arena (``arena``: a restarted one takes over
+    the run's), after removing those that both their processes left behind."""
+
+    def __init__(self, lease: WriterLease, inherit_faults: bool = True, arena: ArenaDirectory | None = None) -> None:
+        descriptor = lease.handover()["lock_descriptor"]
+        if arena is None:
+            remove_orphaned_arena_directories()
+        self.arena = make_arena_directory() if arena is None else arena
+        events_read, events_write = os.pipe()
+        environment = dict(os.environ)
+        if not inherit_faults:  # fault injection arms the first writer process only
+            environment.pop(faults.ENVIRONMENT_VARIABLE, None)
+        passed = [events_write, self.arena.owner_descriptor] + ([descriptor] if descriptor is not None else [])
+        try:
+            with preemption_signals_blocked(WRITER_IGNORED_SIGNALS):  # until the process ignores them
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "engine.checkpoint.writers.process.main", str(events_write)],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=passed, env=environment)
+        except BaseException:
+            os.close(events_read)
+            if arena is None:
+                self.arena.remove()
+            raise
+        finally:
+            os.close(events_write)
+        assert self.process.stdin is not None
+        self.input = self.process.stdin.fileno()
+        try:  # room for many snapshot messages while the process starts (the system's cap)
+            fcntl.fcntl(self.input, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except OSError:
+            pass
+        self.events = events_read
+        os.set_blocking(events_read, False)
+        _PIPE_DESCRIPTORS.update((self.input, self.events))
+
+    @classmethod
+    def for_storage(cls, storage: Storage, lease: WriterLease) -> "LaunchedWriter":
+        """Start one for the run dir ``storage`` (ConfigError where a writer process cannot
+        write yet: a run dir that is not on a local filesystem)."""
+        if not storage.is_local:
+            raise ConfigError(f"CheckpointConfig.writer='process' needs a local run dir for now, got {storage.url!r}; "
+                              "use writer='thread' there")
+        return cls(lease)
+
+    def close_pipes(self) -> None:
+        """Close this side's pipes (the process, if still running, then ends: stdin at EOF)."""
+        _PIPE_DESCRIPTORS.difference_update((self.input, self.events))
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            os.close(self.events)
+        except OSError:
+            pass
+
+    def abandon(self) -> None:
+        """The run ends before it wrote anything: let the process go (it exits at EOF)."""
+        self.close_pipes()
+        self.process.wait()
+        self.arena.remove()
+
+
+close_in_forked_children(_PIPE_DESCRIPTORS)

@@ -16,6 +16,10 @@ CHECKPOINT = ENGINE / "checkpoint"
 MAX_CHECKPOINT_ENTRIES = 10
 # engine.checkpoint's rooms, lowest first; "" is the front (the modules at the package's top).
 CHECKPOINT_ROOMS = ("format", "store", "writers", "tiers", "")
+WRITERS = "engine.checkpoint.writers"
+# What the engine outside engine.checkpoint.writers may import of it: the Writer protocol, the
+# choice, what is handed to a writer, and its threads' notion of background work. Never a writer.
+WRITERS_FRONT = {f"{WRITERS}.{name}" for name in ("protocol", "choice", "pending", "committer", "worker")}
 
 
 def unit_of(module: str) -> str | None:
@@ -176,6 +180,26 @@ def test_the_checkpoint_package_has_few_entries_at_its_top() -> None:
     rooms = {path.name for path in CHECKPOINT.iterdir() if path.is_dir() and path.name != "__pycache__"}
     assert rooms == set(CHECKPOINT_ROOMS) - {""}, rooms
     assert len(entries) <= MAX_CHECKPOINT_ENTRIES, f"{len(entries)} entries in engine/checkpoint/: {entries}"
+
+
+def test_a_writer_is_seen_through_its_protocol_and_chosen_in_one_place() -> None:
+    """Adding a writer needs no edit outside engine/checkpoint/writers/ but the one call that
+    chooses it (and the name the configuration accepts): no module outside the room imports a
+    writer class, and one module calls ``choose_writer``."""
+    reaching_in = []
+    choosers = []
+    graph = module_graph()
+    for module, path in engine_modules().items():
+        if module == WRITERS or module.startswith(WRITERS + "."):
+            continue
+        targets = graph.get(module, {})
+        reaching_in += [f"{module} -> {target}" for target in targets
+                        if target.startswith(WRITERS + ".") and target not in WRITERS_FRONT]
+        calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+        if any(getattr(call.func, "id", getattr(call.func, "attr", None)) == "choose_writer" for call in calls):
+            choosers.append(module)
+    assert not reaching_in, "modules that reach into engine.checkpoint.writers:\n  " + "\n  ".join(sorted(reaching_in))
+    assert choosers == ["engine.checkpoint.policy"], choosers
 
 
 def test_the_engines_units_import_each_other_without_a_cycle() -> None:

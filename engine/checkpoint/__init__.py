@@ -17,8 +17,9 @@ it so; docs/concepts.md draws the map):
   cleaning up), ``retention`` (what to keep), ``lease`` and ``file_lock`` (the writer lease and
   its fence), ``metrics_log`` (``metrics.jsonl``, exactly once), ``abandoned`` (what a resume by
   name abandons).
-- ``writers/``: who writes. ``writer`` (synchronous and background writers; ``worker`` is their
-  thread), ``pending`` and ``buffers`` (the snapshot handed to a writer and the buffers it is
+- ``writers/``: who writes. ``protocol`` (the one ``Writer`` protocol the rest of the package
+  sees), ``choice`` (the kind of writer, chosen once from the configuration, and how it is
+  built), ``writer`` (synchronous and background writers; ``worker`` is their thread), ``pending`` and ``buffers`` (the snapshot handed to a writer and the buffers it is
   copied into; ``snapshot_buffer``: the bulk copy), ``committer`` (how this process takes part in
   a commit), ``process/`` (the writer process: ``writer``, ``main``, ``channel``, ``arena``).
 - ``tiers/``: ``tiering`` (one tier or two, chosen once) and ``fast`` (the fast node-local tier).

@@ -31,13 +31,13 @@ from engine.checkpoint.store.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.tiering import Tiering, choose_tiering
+from engine.checkpoint.writers.choice import WriterParts, choose_writer
 from engine.checkpoint.writers.committer import Committer
 from engine.checkpoint.writers.pending import PendingCheckpoint
-from engine.checkpoint.writers.process.writer import LaunchedWriter, ProcessWriter
+from engine.checkpoint.writers.protocol import Writer
 from engine.checkpoint.writers.worker import BackgroundWork
-from engine.checkpoint.writers.writer import BackgroundWriter, SyncWriter
 from engine.config import CheckpointConfig
-from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 from progress import Cursor
 
 
@@ -54,10 +54,11 @@ class RunCheckpointer:
         self.policy = policy
         self._storage = storage
         self._metrics = metrics
-        self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds)
-        self._lease.uses_writer_process = policy.writer == "process"
-        self._writer: SyncWriter | BackgroundWriter | ProcessWriter | None = None
-        self._launched: LaunchedWriter | None = None  # a writer process started at acquire()
+        # The writer, chosen once: synchronous, a background thread or a writer process.
+        self._writer_kind = choose_writer(policy.writer if policy.asynchronous else "sync", distributed=group is not None)
+        self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds,
+                                  uses_writer_process=self._writer_kind.uses_process)
+        self._writer: Writer | None = None
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
         self._cadence: Cadence = choose_cadence(policy)
@@ -79,8 +80,7 @@ class RunCheckpointer:
             self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
-            if self.policy.writer == "process" and self._group is None:
-                self._launched = LaunchedWriter.for_storage(self._storage, self._lease)
+            self._writer_kind.launch(self._storage, self._lease)
         self._side.after_acquire(self.store)
 
     def _takeover_sequence(self) -> int:
@@ -142,27 +142,17 @@ class RunCheckpointer:
         policy = self.policy
         abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
         retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
-        if policy.writer == "process":
-            if self._group is not None:
-                raise ConfigError("CheckpointConfig.writer='process' is not supported with several processes (torchrun) "
-                                  "yet; use writer='thread' there")
-            assert self._launched is not None, "acquire() before start()"
-            launched, self._launched = self._launched, None
-            self._writer = ProcessWriter(launched, self._storage, self._lease, retention, self._metrics,
-                                         policy.max_in_flight, policy.when_behind)
-        elif policy.asynchronous:
-            self._writer = BackgroundWriter(self.store, self._lease, retention, also_sync,
-                                            policy.max_in_flight, policy.when_behind, self._group, self._metrics)
-        else:
-            self._writer = SyncWriter(self.store, self._lease, retention, also_sync, self._group, self._metrics)
-        self._tiering.start(self._writer, retention, also_sync, self._lease, units)
+        tier = self._tiering.start(retention, also_sync, self._lease, units)
+        self._writer = self._writer_kind.build(WriterParts(self.store, self._storage, self._lease, retention, also_sync,
+                                                           self._metrics, self._group, tier, policy.max_in_flight,
+                                                           policy.when_behind))
         self._cadence.start(optimizer_steps, units, self._background_work())
 
     def _background_work(self) -> BackgroundWork | None:
         """What tells "auto" whether a split overlapped background checkpoint work: the
         background writer's writes, and the tiers' own work (both compete with training).
         None when nothing runs in the background."""
-        writes = self._writer.wrote_since if isinstance(self._writer, (BackgroundWriter, ProcessWriter)) else None
+        writes = None if self._writer is None else self._writer.background_work()
         detectors = [detector for detector in (writes, self._tiering.background_work()) if detector is not None]
         if len(detectors) < 2:
             return detectors[0] if detectors else None
@@ -239,7 +229,7 @@ class RunCheckpointer:
     def flush(self) -> None:
         """Wait until every queued checkpoint is committed (a rollback chooses among them),
         then surface any write error."""
-        if isinstance(self._writer, (BackgroundWriter, ProcessWriter)):
+        if self._writer is not None:
             self._writer.flush()
         self.check()
 
@@ -290,9 +280,7 @@ class RunCheckpointer:
         failed. With ``failing``, their errors are warnings (they must not replace the error on
         its way up); otherwise the first is raised."""
         first: Exception | None = None
-        launched, self._launched = self._launched, None
-        if launched is not None:  # the run ended before its writer process was given anything
-            launched.abandon()
+        self._writer_kind.abandon()  # what it launched, when the run ended before its writer was built
         for release in (self.store.close, self._lease.release, self._tiering.release):
             try:
                 release()

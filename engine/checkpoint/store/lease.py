@@ -92,7 +92,7 @@ class WriterLease:
             lease must stay unchanged before it counts as abandoned.
     """
 
-    def __init__(self, storage: Storage, stale_after: float = 60.0) -> None:
+    def __init__(self, storage: Storage, stale_after: float = 60.0, uses_writer_process: bool = False) -> None:
         self._storage = storage
         self._stale_after = stale_after
         self._token = secrets.token_hex(16)
@@ -108,7 +108,7 @@ class WriterLease:
         self._write_lock = threading.Lock()
         # Whether this writer hands its commits to a writer process (recorded in the lease: a
         # newcomer then waits for that process to finish instead of failing at once).
-        self.uses_writer_process = False
+        self.uses_writer_process = uses_writer_process
 
     # ---- the lease file -------------------------------------------------------------------
     def _read_raw(self) -> bytes | None:
@@ -278,11 +278,10 @@ class WriterLease:
     def adopt(cls, storage: Storage, handover: dict[str, Any]) -> "WriterLease":
         """The lease of the process that started this writer process, from :meth:`handover`;
         its lock descriptor was inherited (the flock is shared while either process lives)."""
-        lease = cls(storage, stale_after=float(handover["stale_after"]))
+        lease = cls(storage, stale_after=float(handover["stale_after"]), uses_writer_process=True)
         lease._token = str(handover["token"])
         lease.generation = int(handover["generation"])
         lease.previous_generation = int(handover["previous_generation"])
-        lease.uses_writer_process = True
         descriptor = handover["lock_descriptor"]
         lease._lock_descriptor = None if descriptor is None else int(descriptor)
         return lease

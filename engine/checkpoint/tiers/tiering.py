@@ -19,9 +19,8 @@ from engine.checkpoint.store.lease import WriterLease
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.fast import FastTier, TierWriter
-from engine.checkpoint.writers.process.writer import ProcessWriter
+from engine.checkpoint.writers.protocol import FastTierCommits
 from engine.checkpoint.writers.worker import BackgroundWork
-from engine.checkpoint.writers.writer import BackgroundWriter, SyncWriter
 from engine.config import CheckpointConfig
 from engine.errors import ConfigError
 
@@ -47,9 +46,10 @@ class Tiering(Protocol):
     def holds_durably(self, name: str) -> bool:
         """Whether checkpoint ``name`` (the one resumed from) is in the durable tier."""
 
-    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
-              also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
-        """The run's writer starts (after any resume), at ``units_completed``."""
+    def start(self, retention: Retention, also_sync: Callable[[], list[str]], lease: WriterLease,
+              units_completed: int) -> FastTierCommits | None:
+        """The run's writer starts (after any resume), at ``units_completed``: the fast tier it
+        commits to first (None: one tier)."""
 
     def background_work(self) -> BackgroundWork | None:
         """What tells whether the tiers' own background work overlapped a split (None: none)."""
@@ -88,9 +88,9 @@ class SingleTier:
     def holds_durably(self, name: str) -> bool:
         return True
 
-    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
-              also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
-        pass
+    def start(self, retention: Retention, also_sync: Callable[[], list[str]], lease: WriterLease,
+              units_completed: int) -> FastTierCommits | None:
+        return None
 
     def background_work(self) -> BackgroundWork | None:
         return None
@@ -139,11 +139,11 @@ class TwoTiers:
     def holds_durably(self, name: str) -> bool:
         return name in self._durable.committed_names()
 
-    def start(self, writer: SyncWriter | BackgroundWriter | ProcessWriter, retention: Retention,
-              also_sync: Callable[[], list[str]], lease: WriterLease, units_completed: int) -> None:
+    def start(self, retention: Retention, also_sync: Callable[[], list[str]], lease: WriterLease,
+              units_completed: int) -> FastTierCommits | None:
         self._units_at_last_durable = units_completed
         self._writer = TierWriter(self._fast.store, self._durable, retention, also_sync, lease.verify, lease.generation)
-        writer.tiers = self._writer
+        return self._writer
 
     def background_work(self) -> BackgroundWork | None:
         """The copies into the durable tier (they compete with training)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from engine.checkpoint.format.encoded_state import EncodedState
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
@@ -27,21 +27,12 @@ from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.writers.buffers import SnapshotBuffers
 from engine.checkpoint.writers.committer import Committer, SingleCommitter
 from engine.checkpoint.writers.pending import PendingCheckpoint
-from engine.checkpoint.writers.worker import BackgroundWorker
+from engine.checkpoint.writers.protocol import FastTierCommits
+from engine.checkpoint.writers.worker import BackgroundWork, BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
 
 if TYPE_CHECKING:
     from engine.checkpoint.store.metrics_log import MetricsLog
-
-
-class FastTierCommits(Protocol):
-    """A fast tier in front of the run dir (engine.checkpoint.tiers.fast.TierWriter): commits go
-    there first."""
-
-    def commit(self, write: Callable[[CheckpointStore, int], str], durable: bool,
-               fence: Callable[[], None] | None, best_candidate: bool = False) -> str:
-        """``write(store, sequence)`` commits to the fast tier; the name (see TierWriter.commit)."""
-        ...
 
 
 class _WriterBase:
@@ -50,7 +41,7 @@ class _WriterBase:
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], committer: Committer | None = None,
-                 metrics: "MetricsLog | None" = None) -> None:
+                 metrics: "MetricsLog | None" = None, tier: FastTierCommits | None = None) -> None:
         self.store = store
         self.committer: Committer = committer if committer is not None else SingleCommitter()
         self.metrics = metrics  # publishes each checkpoint's metrics lines
@@ -58,8 +49,8 @@ class _WriterBase:
         self.retention = retention
         self.also_sync = also_sync
         self.last_name: str | None = None
-        # Set for a fast local tier (engine.checkpoint.tiers.fast): commits go there first.
-        self.tiers: FastTierCommits | None = None
+        # A fast local tier (engine.checkpoint.tiers.fast): commits go there first.
+        self.tiers = tier
 
     def commit(self, pending: PendingCheckpoint) -> None:
         """Write ``pending`` and take part in its commit (see Committer)."""
@@ -119,8 +110,15 @@ class SyncWriter(_WriterBase):
     def check(self) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
+
+    def background_work(self) -> BackgroundWork | None:
+        """None: nothing runs beside training."""
+        return None
 
 
 class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
@@ -134,8 +132,9 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 committer: Committer | None = None, metrics: "MetricsLog | None" = None) -> None:
-        _WriterBase.__init__(self, store, lease, retention, also_sync, committer, metrics)
+                 committer: Committer | None = None, metrics: "MetricsLog | None" = None,
+                 tier: FastTierCommits | None = None) -> None:
+        _WriterBase.__init__(self, store, lease, retention, also_sync, committer, metrics, tier)
         BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
@@ -213,6 +212,10 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def _idle_locked(self) -> None:
         self._busy = False
+
+    def background_work(self) -> BackgroundWork:
+        """:meth:`wrote_since`: the writes compete with training."""
+        return self.wrote_since
 
     def wrote_since(self, since: float) -> bool:
         """Whether a checkpoint was queued or being written at any moment after ``since`` (a

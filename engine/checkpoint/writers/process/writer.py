@@ -51,7 +51,7 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.process.arena import (ArenaDirectory, SharedSnapshotBuffers, make_arena_directory,
                                                      remove_orphaned_arena_directories)
 from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
-from engine.checkpoint.writers.writer import FastTierCommits
+from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
 
@@ -107,7 +107,6 @@ class ProcessWriter:
         self.last_name: str | None = None
         self.last_end = -math.inf
         self.skipped = 0
-        self.tiers: FastTierCommits | None = None  # a fast tier is refused with a writer process
         self._carried = b""  # metrics bytes for the next message (after a restart)
         self._restarts = 0
         self._closing = False
@@ -357,6 +356,10 @@ class ProcessWriter:
         while (self._unsent or self._outbox) and self._alive():
             select.select([], [self._input], [], _POLL_SECONDS)
             self._send_queued()
+
+    def background_work(self) -> BackgroundWork:
+        """:meth:`wrote_since`: the writer process's work competes with training."""
+        return self.wrote_since
 
     def wrote_since(self, since: float) -> bool:
         """Whether a snapshot was in the writer process's hands at any moment after ``since``

@@ -34,7 +34,7 @@ split end, which leaves out the end of the run: the epoch-end checkpoint and the
 and where each checkpoint's time goes, from timers wrapped (in this script only) around
 ``FitRun._save`` (everything the training thread spends on one checkpoint), ``encode_state``,
 ``BackgroundWriter.submit`` (waiting for a free buffer set, then the copy),
-``SnapshotBuffers.capture`` (the copy) and ``_WriterBase.commit`` (the write, in the background
+``SnapshotBuffers.capture`` (the copy) and ``_WriterBase.commit_one`` (the write, in the background
 thread when asynchronous), and the process CPU time per checkpoint (every thread: the run's CPU
 time minus that of the run without checkpoints in the same round, over the checkpoints of a
 run), a figure that other processes on a shared machine disturb less than wall time; and the
@@ -171,7 +171,7 @@ def fresh_model(workload: Workload) -> LanguageModel:
 # ---- timers around the engine's checkpoint path (this script only) ----------------------------
 class CheckpointTimers:
     """Wraps the engine functions a checkpoint goes through and records each call's seconds,
-    by label. ``_WriterBase.commit`` runs in the writer thread when asynchronous; appending to a
+    by label. ``_WriterBase.commit_one`` runs in the writer thread when asynchronous; appending to a
     list is atomic under the GIL."""
 
     TARGETS = (
@@ -179,7 +179,7 @@ class CheckpointTimers:
         (engine.checkpoint.policy, "encode_state", "encode"),
         (BackgroundWriter, "submit", "submit"),
         (SnapshotBuffers, "capture", "capture"),
-        (_WriterBase, "commit", "commit"),
+        (_WriterBase, "commit_one", "commit"),
     )
 
     def __init__(self) -> None:

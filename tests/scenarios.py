@@ -353,12 +353,13 @@ def stop_after_fence(count: int) -> None:
     """Make this process SIGSTOP itself right after its ``count``-th fence check at a commit
     point (a writer frozen between its last check and the commit, as by a long GC pause)."""
     from engine.checkpoint.store.checkpoint_store import CheckpointStore
+    from engine.checkpoint.store.request import NO_CALLBACKS
 
     original = CheckpointStore.write
     seen = [0]
 
-    def write(self: Any, request: Any) -> str:
-        fence = request.fence
+    def write(self: Any, request: Any, callbacks: Any = NO_CALLBACKS) -> str:
+        fence = callbacks.fence
 
         def fence_then_freeze() -> None:
             fence()
@@ -367,7 +368,7 @@ def stop_after_fence(count: int) -> None:
                 print("frozen", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-        return original(self, dataclasses.replace(request, fence=None if fence is None else fence_then_freeze))
+        return original(self, request, dataclasses.replace(callbacks, fence=None if fence is None else fence_then_freeze))
 
     CheckpointStore.write = write  # type: ignore[method-assign]
 

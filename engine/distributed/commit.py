@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from engine.checkpoint.format.codec import EncodedState, encode_state
-from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.format.manifest import FileRecord
 from engine.checkpoint.format.state_keys import SIGNATURE
 from engine.checkpoint.writers.pending import PendingCheckpoint
@@ -141,14 +141,15 @@ class GroupCommit:
         self._round = _Round(staging)
         return dataclasses.replace(request, sequence=sequence, staging=staging)
 
-    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
+    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+              callbacks: CommitCallbacks) -> str:
         """Rank 0: write the main files, gather the other ranks' parts, commit. Other ranks:
         write this rank's part, report it, and return the outcome rank 0 announces."""
         assert request.sequence is not None and request.staging is not None, "prepare() first"
         if self.is_writer:
-            return self._commit_as_writer(store, pending, request)
+            return self._commit_as_writer(store, pending, request, callbacks)
         name = checkpoint_name(request.sequence)
-        report = self._write_rank_part(store, pending, request, f"{CHECKPOINT_DIR}/{request.staging}")
+        report = self._write_rank_part(store, pending, callbacks, f"{CHECKPOINT_DIR}/{request.staging}")
         self._gather(report)
         outcome = self._announce(None)
         if outcome != name:
@@ -167,11 +168,11 @@ class GroupCommit:
             return
         self._announce(outcome)
 
-    def _write_rank_part(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+    def _write_rank_part(self, store: CheckpointStore, pending: PendingCheckpoint, callbacks: CommitCallbacks,
                          directory: str) -> _PartReport:
         storage = store.storage
         tensors_file, header_file = state_parts.rank_files(self.context.rank)
-        release = request.on_data_written or (lambda: None)
+        release = callbacks.on_data_written or (lambda: None)
         try:
             storage.makedirs(directory)
             records = {}
@@ -186,8 +187,9 @@ class GroupCommit:
             release()
         return _PartReport(records, pending.digest or {}, None)
 
-    def _commit_as_writer(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
-        staged = store.stage(request)
+    def _commit_as_writer(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+                          callbacks: CommitCallbacks) -> str:
+        staged = store.stage(request, callbacks)
         try:
             self._round.gathered = True
             parts = self._check_reports(self._gather(_PartReport({}, pending.digest or {}, None)))

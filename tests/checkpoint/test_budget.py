@@ -192,7 +192,7 @@ def test_the_background_writer_reports_when_it_was_writing():
         entered.set()
         assert leave.wait(30)
 
-    writer.commit = commit
+    writer.commit_one = commit
     try:
         before = time.monotonic()
         assert not writer.wrote_since(before)  # nothing submitted yet

@@ -18,7 +18,7 @@ from engine.checkpoint.format.manifest import MANIFEST_FILE, Manifest
 from engine.checkpoint.format.names import CHECKPOINT_DIR, STAGING_NAME, checkpoint_name, sequence_of
 from engine.checkpoint.store.catalogue import (DATA_FILES, CheckpointCatalogue, CheckpointInfo, LoadedCheckpoint,
                                                StateValidator)
-from engine.checkpoint.store.request import CheckpointFiles, CommitRequest
+from engine.checkpoint.store.request import NO_CALLBACKS, CheckpointFiles, CommitCallbacks, CommitRequest
 from engine.checkpoint.store.retention import retired_by_policy
 from engine.checkpoint.store.staged import StagedCheckpoint
 from engine.checkpoint.store.storage import Storage
@@ -46,16 +46,16 @@ class CheckpointStore(CheckpointCatalogue):
             storage.makedirs(CHECKPOINT_DIR)
 
     # ---- writing ----------------------------------------------------------------------
-    def write(self, request: CommitRequest) -> str:
+    def write(self, request: CommitRequest, callbacks: CommitCallbacks = NO_CALLBACKS) -> str:
         """Commit one checkpoint (engine.checkpoint.store.staged); returns its name. On failure
         nothing partial remains visible."""
-        return self.stage(request).commit()
+        return self.stage(request, callbacks).commit()
 
-    def stage(self, request: CommitRequest) -> StagedCheckpoint:
+    def stage(self, request: CommitRequest, callbacks: CommitCallbacks = NO_CALLBACKS) -> StagedCheckpoint:
         """Write ``request``'s data files, durable, and return them staged for
         :meth:`StagedCheckpoint.commit` (a distributed run adds the other ranks' files there)."""
         sequence = self.next_sequence() if request.sequence is None else request.sequence
-        return StagedCheckpoint.stage(self, request, sequence)
+        return StagedCheckpoint.stage(self, request, sequence, callbacks)
 
     def copy_from(self, source: "CheckpointStore", name: str, also_sync: Sequence[str] = (),
                   fence: Callable[[], None] | None = None) -> str:
@@ -66,9 +66,8 @@ class CheckpointStore(CheckpointCatalogue):
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
         files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
         request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
-                                also_sync=also_sync, fence=fence, monitor=manifest.monitor,
-                                anchor=manifest.anchor)
-        return self.stage(request).commit()
+                                also_sync=also_sync, monitor=manifest.monitor, anchor=manifest.anchor)
+        return self.stage(request, CommitCallbacks(fence=fence)).commit()
 
     def remember_committed(self, name: str, manifest: Manifest) -> None:
         """Record a checkpoint this store just committed (written from memory, checksummed on

@@ -1,6 +1,9 @@
 """What one commit of a checkpoint is given: :class:`CommitRequest` holds everything
-:meth:`CheckpointStore.write` needs for one checkpoint, its files a :class:`CheckpointFiles`.
-Who takes part in the commit is the writers' :class:`~engine.checkpoint.writers.committer.Committer`.
+:meth:`CheckpointStore.write` needs to know of one checkpoint, as plain data (its files a
+:class:`CheckpointFiles`); what the writer does at two points of the commit (the fence check
+before the commit point, the release of the snapshot once its bytes are written) comes beside
+it, as :class:`CommitCallbacks`. Who takes part in the commit is the writers'
+:class:`~engine.checkpoint.writers.committer.Committer`.
 """
 
 from __future__ import annotations
@@ -45,11 +48,6 @@ class CommitRequest:
     sequence: int | None = None
     # Other files (metrics.jsonl) made durable in the same fsync batch as the checkpoint.
     also_sync: Sequence[str] = ()
-    # Called once the data's bytes are no longer read (the snapshot's buffers may be reused).
-    on_data_written: Callable[[], None] | None = None
-    # Raises WriterConflict when this writer lost its lease; runs immediately before the
-    # commit point.
-    fence: Callable[[], None] | None = None
     # The monitored metric's value this checkpoint records (best checkpoints).
     monitor: MonitorRecord | None = None
     # Resumable on another world size (the manifest's ``anchor``).
@@ -61,8 +59,22 @@ class CommitRequest:
 
     @classmethod
     def of_state(cls, encoded: EncodedState, progress_bytes: bytes, cursor: Cursor | None, generation: int,
-                 sequence: int | None = None, fence: Callable[[], None] | None = None,
-                 monitor: MonitorRecord | None = None, staging: str | None = None) -> CommitRequest:
+                 sequence: int | None = None, monitor: MonitorRecord | None = None,
+                 staging: str | None = None) -> CommitRequest:
         """The request to commit an encoded state tree and its progress tree."""
         return cls(CheckpointFiles.of_state(encoded, progress_bytes), cursor, generation, sequence,
-                   fence=fence, monitor=monitor, staging=staging)
+                   monitor=monitor, staging=staging)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitCallbacks:
+    """What the writer does at two points of one commit (beside its :class:`CommitRequest`)."""
+
+    # Raises WriterConflict when this writer lost its lease; runs immediately before the
+    # commit point.
+    fence: Callable[[], None] | None = None
+    # Called once the data's bytes are no longer read (the snapshot's buffers may be reused).
+    on_data_written: Callable[[], None] | None = None
+
+
+NO_CALLBACKS = CommitCallbacks()

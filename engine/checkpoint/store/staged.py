@@ -25,7 +25,7 @@ from engine import faults
 from engine.checkpoint.format import checksum as checksums
 from engine.checkpoint.format.manifest import MANIFEST_FILE, FileRecord, Manifest
 from engine.checkpoint.format.names import CHECKPOINT_DIR, checkpoint_name
-from engine.checkpoint.store.request import CheckpointFiles, CommitRequest
+from engine.checkpoint.store.request import CheckpointFiles, CommitCallbacks, CommitRequest
 from engine.checkpoint.store.storage import DirectoryFiles, Storage
 from engine.errors import CheckpointWriteError, WriterConflict
 
@@ -59,9 +59,11 @@ class StagingArea(Protocol):
 class StagedCheckpoint:
     """One checkpoint's data files in their staging directory, not yet committed."""
 
-    def __init__(self, store: StagingArea, request: CommitRequest, sequence: int, directory: str) -> None:
+    def __init__(self, store: StagingArea, request: CommitRequest, sequence: int, directory: str,
+                 callbacks: CommitCallbacks) -> None:
         self._store = store
         self._request = request
+        self._callbacks = callbacks
         self.sequence = sequence
         self.name = checkpoint_name(sequence)
         self.directory = directory
@@ -72,16 +74,18 @@ class StagedCheckpoint:
         self._renamed = False
 
     @classmethod
-    def stage(cls, store: StagingArea, request: CommitRequest, sequence: int) -> StagedCheckpoint:
+    def stage(cls, store: StagingArea, request: CommitRequest, sequence: int,
+              callbacks: CommitCallbacks) -> StagedCheckpoint:
         """Write ``request``'s data files under checkpoints/ as checkpoint ``sequence``, durable
-        before this returns (where the store is durable)."""
+        before this returns (where the store is durable); ``callbacks``: the fence before the
+        commit point, the release of the data once written."""
         atomic_rename = store.storage.rename_is_atomic
         # A staging directory shared by several ranks already holds their parts: never recycled.
         recycle = atomic_rename and request.staging is None
         staging = request.staging
         if staging is None:
             staging = f"tmp-{sequence:010d}-{os.getpid()}" if atomic_rename else checkpoint_name(sequence)
-        staged = cls(store, request, sequence, f"{CHECKPOINT_DIR}/{staging}")
+        staged = cls(store, request, sequence, f"{CHECKPOINT_DIR}/{staging}", callbacks)
         staged._guarded(lambda: staged._write_data(request.files, recycle))
         return staged
 
@@ -152,8 +156,8 @@ class StagedCheckpoint:
             records = {n: FileRecord(r.size, known[n].crc, known[n].algorithm) for n, r in records.items()}
         elif overlap:
             records = {n: FileRecord(r.size, checksums.checksum(files.contents[n])) for n, r in records.items()}
-        if self._request.on_data_written is not None:
-            self._request.on_data_written()
+        if self._callbacks.on_data_written is not None:
+            self._callbacks.on_data_written()
         if overlap:
             pending.wait()
         self._records = records
@@ -166,8 +170,8 @@ class StagedCheckpoint:
                             request.monitor, store.run, request.anchor)
         local = self._local
         if local is None:
-            if request.fence is not None:
-                request.fence()  # the manifest is the commit point here
+            if self._callbacks.fence is not None:
+                self._callbacks.fence()  # the manifest is the commit point here
             store.storage.write(f"{directory}/{MANIFEST_FILE}", [manifest.to_json()], durable=False,
                                 exclusive=self._exclusive)
             return manifest
@@ -180,8 +184,8 @@ class StagedCheckpoint:
             else:
                 local.sync([directory, *request.also_sync])
         faults.reach("checkpoint_before_rename")
-        if request.fence is not None:
-            request.fence()
+        if self._callbacks.fence is not None:
+            self._callbacks.fence()
         store.storage.rename(directory, f"{CHECKPOINT_DIR}/{self.name}")
         self._renamed = True
         faults.reach("checkpoint_after_rename")

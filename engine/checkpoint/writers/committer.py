@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
-from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.writers.pending import PendingCheckpoint
 
 
@@ -31,9 +31,10 @@ class Committer(Protocol):
         of a checkpoint shared by several ranks. Called for every checkpoint, first."""
         ...
 
-    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
-        """Write this process's files of ``pending`` and commit (or take part in the commit);
-        the checkpoint's name."""
+    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+              callbacks: CommitCallbacks) -> str:
+        """Write this process's files of ``pending`` and commit (or take part in the commit),
+        with the writer's ``callbacks``; the checkpoint's name."""
         ...
 
     def settle(self, store: CheckpointStore, outcome: str | BaseException) -> None:
@@ -50,8 +51,9 @@ class SingleCommitter:
     def prepare(self, store: CheckpointStore, request: CommitRequest) -> CommitRequest:
         return request
 
-    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest) -> str:
-        return store.write(request)
+    def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
+              callbacks: CommitCallbacks) -> str:
+        return store.write(request, callbacks)
 
     def settle(self, store: CheckpointStore, outcome: str | BaseException) -> None:
         pass

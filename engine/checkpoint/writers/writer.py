@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.checkpoint.format.encoded_state import EncodedState
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.lease import WriterLease
-from engine.checkpoint.store.request import CheckpointFiles, CommitRequest
+from engine.checkpoint.store.request import CheckpointFiles, CommitCallbacks, CommitRequest
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.writers.buffers import SnapshotBuffers
 from engine.checkpoint.writers.committer import Committer, SingleCommitter
@@ -52,14 +52,29 @@ class _WriterBase:
         # A fast local tier (engine.checkpoint.tiers.fast): commits go there first.
         self.tiers = tier
 
-    def commit(self, pending: PendingCheckpoint) -> None:
-        """Write ``pending`` and take part in its commit (see Committer)."""
+    def commit_one(self, pending: PendingCheckpoint) -> None:
+        """One checkpoint's commit, in order: the fence (a writer that lost the lease appends
+        nothing), this checkpoint's metrics lines, its data files staged, the other ranks' parts
+        (a torchrun group's rank 0), the commit point (fenced again just before it), the fence
+        once more (a writer fenced off after its commit point deletes nothing), retention. A rank
+        that does not commit only writes its part (see Committer)."""
         request = self.committer.prepare(self.store, self._request(pending))
+        callbacks = CommitCallbacks(fence=None if self.lease is None else self.lease.verify,
+                                    on_data_written=lambda: self.release(pending))
         if not self.committer.commits:
-            self.last_name = self.committer.write(self.store, pending, request)
+            self.last_name = self.committer.write(self.store, pending, request, callbacks)
             return
         try:
-            name = self._commit_as_writer(pending, request)
+            self._fence(callbacks)
+            if self.metrics is not None:
+                self.metrics.write_until(pending.metrics_bytes)
+            if self.tiers is not None:  # a fast tier: committed there first, its own retention
+                name = self._commit_to_tiers(pending, request, callbacks)
+            else:
+                name = self.committer.write(self.store, pending, dataclasses.replace(request, also_sync=self.also_sync()),
+                                            callbacks)
+                self._fence(callbacks)
+                self.retention.apply(self.store, request.generation if self.lease is not None else None)
         except BaseException as error:
             self.committer.settle(self.store, error)
             raise
@@ -68,29 +83,23 @@ class _WriterBase:
 
     def _request(self, pending: PendingCheckpoint) -> CommitRequest:
         return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
-                             self.lease.generation if self.lease is not None else 0,
-                             on_data_written=lambda: self.release(pending),
-                             fence=self.lease.verify if self.lease is not None else None, monitor=pending.monitor,
+                             self.lease.generation if self.lease is not None else 0, monitor=pending.monitor,
                              anchor=pending.anchor)
 
-    def _commit_as_writer(self, pending: PendingCheckpoint, request: CommitRequest) -> str:
-        """Fence, publish the metrics lines, write and commit, apply retention; the name."""
-        fence = request.fence
-        if fence is not None:
-            fence()
-        if self.metrics is not None:
-            self.metrics.write_until(pending.metrics_bytes)
-        if self.tiers is not None:  # a fast local tier (single process only: see RunCheckpointer)
-            def write(store: CheckpointStore, sequence: int) -> str:
-                return store.write(dataclasses.replace(request, sequence=sequence))
+    @staticmethod
+    def _fence(callbacks: CommitCallbacks) -> None:
+        if callbacks.fence is not None:
+            callbacks.fence()
 
-            return self.tiers.commit(write, pending.durable, fence, best_candidate=pending.monitor is not None)
-        request = dataclasses.replace(request, also_sync=self.also_sync())
-        name = self.committer.write(self.store, pending, request)
-        if fence is not None:
-            fence()  # a writer fenced off after its commit point deletes nothing
-        self.retention.apply(self.store, request.generation if self.lease is not None else None)
-        return name
+    def _commit_to_tiers(self, pending: PendingCheckpoint, request: CommitRequest, callbacks: CommitCallbacks) -> str:
+        """Commit to the fast tier (single process only: see RunCheckpointer), which makes the
+        checkpoint durable in the run dir when due."""
+        assert self.tiers is not None
+
+        def write(store: CheckpointStore, sequence: int) -> str:
+            return store.write(dataclasses.replace(request, sequence=sequence), callbacks)
+
+        return self.tiers.commit(write, pending.durable, callbacks.fence, best_candidate=pending.monitor is not None)
 
     def release(self, pending: PendingCheckpoint) -> None:
         """The snapshot's tensors are no longer needed (their bytes are written)."""
@@ -104,7 +113,7 @@ class SyncWriter(_WriterBase):
         pass
 
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
-        self.commit(pending)
+        self.commit_one(pending)
         return True
 
     def check(self) -> None:
@@ -205,7 +214,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
     def _run(self, pending: PendingCheckpoint) -> None:
         if pending.buffers is not None:
             pending.buffers.wait_until_copied()
-        self.commit(pending)
+        self.commit_one(pending)
 
     def _after(self, pending: PendingCheckpoint) -> None:
         self.release(pending)

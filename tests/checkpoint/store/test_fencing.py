@@ -15,7 +15,7 @@ import torch
 import engine
 import forkserver
 from engine.checkpoint.format.codec import encode_state
-from engine.checkpoint.store.request import CommitRequest
+from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.store.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
@@ -29,9 +29,8 @@ from scenarios import train_with_checkpoints
 def commit(store, sequence, generation, value=0.0, fence=None):
     encoded = encode_state({"weight": torch.full((3,), float(value))})
     cursor = Cursor(0, 0, sequence, 0)
-    fenced = {} if fence is None else {"fence": fence}
     return store.write(CommitRequest.of_state(encoded, encode_tree(ProgressTree(cursor=cursor)), cursor, generation,
-                                              sequence=sequence, **fenced))
+                                              sequence=sequence), CommitCallbacks(fence=fence))
 
 
 def run_dir_for(tmp_path, where):

@@ -1,10 +1,13 @@
-"""The messages between a training process and its writer process (engine.checkpoint.
-writer_process): msgpack maps, each framed by its length (4 bytes, little-endian), over pipes.
-No pickle: a message holds plain data only (bytes, numbers, strings, lists, maps).
+"""The messages between a training process and its writer process
+(engine.checkpoint.writers.process.writer): msgpack maps, each framed by its length (4 bytes,
+little-endian), over pipes. No pickle: a message holds plain data only (bytes, numbers,
+strings, lists, maps).
 
-Training process -> writer process (the writer's stdin; its configuration is one JSON argument):
-one ``snapshot`` message per checkpoint, sent once the slot's bytes are copied (a reader never sees
-a torn snapshot: the message is the generation number, written last), and ``close`` at the end.
+Training process -> writer process (the writer's stdin): first a ``config`` message (the run
+dir, the lease handed over, retention, the arena; the process's only argument is the descriptor
+of its events pipe), then one ``snapshot`` message per checkpoint, sent once the slot's bytes
+are copied (a reader never sees a torn snapshot: the message is the generation number, written
+last), and ``close`` at the end.
 Writer process -> training process (an inherited pipe): ``released`` (a slot may be reused),
 ``superseded`` (a snapshot replaced by a newer one), ``committed`` and ``failed``.
 """

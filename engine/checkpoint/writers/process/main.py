@@ -40,6 +40,7 @@ from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.process.arena import SlotFile, remove_arena_directory
 from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
+from engine.checkpoint.writers.process.messages import CloseMessage, SnapshotMessage, WriterConfig, kind_of
 from engine.checkpoint.writers.writer import SyncWriter
 from engine.errors import WriterConflict
 from progress import Cursor
@@ -97,7 +98,7 @@ class Inbox:
         self._events = events
         self._latest_wins = latest_wins
         self._condition = threading.Condition()
-        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queue: collections.deque[SnapshotMessage] = collections.deque()
         self.closing = False
         self.orphaned = False
         self._parent = os.getppid()
@@ -128,23 +129,25 @@ class Inbox:
             self.orphaned = True
             self._condition.notify_all()
 
-    def _accept(self, message: dict[str, Any]) -> bool:
+    def _accept(self, received: dict[str, Any]) -> bool:
         with self._condition:
-            if message.get("kind") == "close":
+            if kind_of(received) == CloseMessage.KIND:
+                CloseMessage.from_dict(received)
                 self.closing = True
                 self._condition.notify_all()
                 return False
+            message = SnapshotMessage.from_dict(received)
             # In the order sent, whatever becomes of the snapshot: a later one counts its lines.
-            self._metrics.receive_at(message["metrics_base"], message["metrics"])
+            self._metrics.receive_at(message.metrics_base, message.metrics)
             if self._latest_wins:
-                for queued in [queued for queued in self._queue if not queued["keep"]]:
+                for queued in [queued for queued in self._queue if not queued.keep]:
                     self._queue.remove(queued)
-                    self._events.send(kind="superseded", id=queued["id"], slot=queued["slot"])
+                    self._events.send(kind="superseded", id=queued.id, slot=queued.slot)
             self._queue.append(message)
             self._condition.notify_all()
             return True
 
-    def take(self) -> dict[str, Any] | None:
+    def take(self) -> SnapshotMessage | None:
         """The next snapshot to commit; None once there is none and none will come."""
         with self._condition:
             while not self._queue and not (self.closing or self.orphaned):
@@ -155,22 +158,21 @@ class Inbox:
 class WriterProcess:
     """Commits the snapshots of the :class:`Inbox` one at a time."""
 
-    def __init__(self, config: dict[str, Any], input_descriptor: int, reader: FrameReader, events: Events) -> None:
+    def __init__(self, config: WriterConfig, input_descriptor: int, reader: FrameReader, events: Events) -> None:
         self._events = events
-        storage = Storage(config["run_dir"])
-        self._lease = WriterLease.adopt(storage, config["lease"])
-        self._arena = str(config["arena"])
+        storage = Storage(config.run_dir)
+        self._lease = WriterLease.adopt(storage, config.lease)
+        self._arena = config.arena
         metrics = MetricsLog(storage)
-        metrics.committed_bytes = int(config["metrics_bytes"])
+        metrics.committed_bytes = config.metrics_bytes
         metrics.fence_with(self._lease.verify)
-        retention = Retention(config["keep_last"], config["keep_best"], config["monitor"],
-                              frozenset(config["abandoned"]))
+        retention = Retention(config.keep_last, config.keep_best, config.monitor, frozenset(config.abandoned))
         also_sync = [METRICS_FILE] if storage.is_local else []
         self._store = CheckpointStore(storage)
         self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, None, metrics)
         self._metrics = metrics
         self._slot_files: dict[int, SlotFile] = {}
-        self._inbox = Inbox(input_descriptor, reader, self._events, metrics, latest_wins=config["when_behind"] == "skip")
+        self._inbox = Inbox(input_descriptor, reader, self._events, metrics, latest_wins=config.when_behind == "skip")
 
     def run(self, received: list[dict[str, Any]]) -> None:
         self._inbox.start(received)
@@ -182,44 +184,44 @@ class WriterProcess:
             remove_arena_directory(self._arena)
             self._lease.release()
 
-    def _commit(self, message: dict[str, Any]) -> bool:
+    def _commit(self, message: SnapshotMessage) -> bool:
         """Commit one snapshot and report it; False when this writer must stop (lease lost)."""
         pending = self._take_up(message)
         if pending is None:
             return True
         try:
-            self._writer.commit(pending)
+            self._writer.commit_one(pending)
         except WriterConflict as error:
-            self._events.send(kind="failed", id=message["id"], error="WriterConflict", message=str(error))
+            self._events.send(kind="failed", id=message.id, error="WriterConflict", message=str(error))
             return False
         except Exception as error:  # reported to the training process, which applies on_io_error
-            self._events.send(kind="failed", id=message["id"], error=type(error).__name__, message=str(error))
+            self._events.send(kind="failed", id=message.id, error=type(error).__name__, message=str(error))
         else:
-            self._events.send(kind="committed", id=message["id"], name=self._writer.last_name,
-                              metrics_bytes=message["metrics_bytes"])
+            self._events.send(kind="committed", id=message.id, name=self._writer.last_name,
+                              metrics_bytes=message.metrics_bytes)
         finally:
             self._writer.release(pending)
         return True
 
-    def _take_up(self, message: dict[str, Any]) -> PendingCheckpoint | None:
+    def _take_up(self, message: SnapshotMessage) -> PendingCheckpoint | None:
         """Lock the snapshot's slot and check that it still holds it; the checkpoint to commit
         (its slot locked until released), or None when a newer snapshot replaced it there."""
         try:
-            slot_file = self._slot_file(message["slot"], message["path"], message["size"])
+            slot_file = self._slot_file(message.slot, message.path, message.size)
         except FileNotFoundError:  # the slot was taken back and laid out again: a newer one is coming
-            self._events.send(kind="superseded", id=message["id"], slot=message["slot"])
+            self._events.send(kind="superseded", id=message.id, slot=message.slot)
             return None
         slot_file.lock()
-        if slot_file.generation != message["id"]:
+        if slot_file.generation != message.id:
             slot_file.unlock()
-            self._events.send(kind="superseded", id=message["id"], slot=message["slot"])
+            self._events.send(kind="superseded", id=message.id, slot=message.slot)
             return None
-        encoded = EncodedState(message["header"], [], [(0, message["size"])], flat=slot_file.flat)
-        cursor = None if message["cursor"] is None else Cursor.from_dict(message["cursor"])
-        monitor = None if message["monitor"] is None else MonitorRecord(*message["monitor"])
-        pending = PendingCheckpoint(encoded, message["progress"], cursor, metrics_bytes=message["metrics_bytes"],
+        encoded = EncodedState(message.header, [], [(0, message.size)], flat=slot_file.flat)
+        cursor = None if message.cursor is None else Cursor.from_dict(message.cursor)
+        monitor = None if message.monitor is None else MonitorRecord(*message.monitor)
+        pending = PendingCheckpoint(encoded, message.progress, cursor, metrics_bytes=message.metrics_bytes,
                                     durable=True, monitor=monitor)
-        self._writer.hold(pending, slot_file, message["slot"], message["id"])
+        self._writer.hold(pending, slot_file, message.slot, message.id)
         return pending
 
     def _slot_file(self, slot: int, path: str, size: int) -> SlotFile:
@@ -252,10 +254,10 @@ def main(argv: list[str]) -> int:
     events = Events(int(argv[0]))
     input_descriptor, reader = sys.stdin.fileno(), FrameReader()
     received = read_configuration(input_descriptor, reader)
-    if not received or received[0].get("kind") != "config":
+    if not received or kind_of(received[0]) != WriterConfig.KIND:
         return 0  # the run ended before it wrote anything
     try:
-        WriterProcess(received[0], input_descriptor, reader, events).run(received[1:])
+        WriterProcess(WriterConfig.from_dict(received[0]), input_descriptor, reader, events).run(received[1:])
     except BaseException:
         traceback.print_exc()
         return 1

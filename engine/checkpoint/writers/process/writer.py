@@ -51,6 +51,7 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.process.arena import (ArenaDirectory, SharedSnapshotBuffers, make_arena_directory,
                                                      remove_orphaned_arena_directories)
 from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
+from engine.checkpoint.writers.process.messages import CloseMessage, Message, SnapshotMessage, WriterConfig
 from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
@@ -68,7 +69,7 @@ _PIPE_DESCRIPTORS: set[int] = set()
 class _Published:
     """A snapshot sent to the writer process and not yet committed (or failed, or superseded)."""
 
-    message: dict[str, Any]
+    message: SnapshotMessage
     slot: int
     # False once its slot was taken for a newer snapshot (until then a restarted writer
     # process can still commit it from there, even after its files were written once).
@@ -80,7 +81,7 @@ class _Published:
     @property
     def keep(self) -> bool:
         """Never replaced by a newer snapshot (a forced one, or one recording a monitored value)."""
-        return bool(self.message["keep"])
+        return self.message.keep
 
 
 class ProcessWriter:
@@ -119,14 +120,13 @@ class ProcessWriter:
         self._launched = launched
         self._process, self._input, self._events = launched.process, launched.input, launched.events
         self._reader = FrameReader()
-        self._outbox: collections.deque[dict[str, Any]] = collections.deque()
+        self._outbox: collections.deque[Message] = collections.deque()
         self._unsent = bytearray()  # the part of a message the pipe did not take yet
         os.set_blocking(self._input, False)
         retention = self._retention
-        self._send({"kind": "config", "run_dir": self._storage.root, "lease": self._lease.handover(),
-                    "arena": self._arena.path, "metrics_bytes": self._committed_metrics,
-                    "keep_last": retention.keep_last, "keep_best": retention.keep_best, "monitor": retention.monitor,
-                    "abandoned": sorted(retention.abandoned), "when_behind": self._when_behind})
+        self._send(WriterConfig(self._storage.root, self._lease.handover(), self._arena.path, self._committed_metrics,
+                                retention.keep_last, retention.keep_best, retention.monitor, sorted(retention.abandoned),
+                                self._when_behind))
 
     def _stop_pipes(self) -> None:
         self._launched.close_pipes()
@@ -164,8 +164,8 @@ class ProcessWriter:
             if not published.slot_holds_it:
                 del self._published[identifier]  # a newer snapshot, already sent or to come, supersedes it
                 continue
-            published.message["metrics"], published.message["metrics_base"], carried = carried, base, b""
-            base += len(published.message["metrics"])
+            published.message.metrics, published.message.metrics_base, carried = carried, base, b""
+            base += len(published.message.metrics)
             self._send(published.message)
         self._carried = carried
 
@@ -306,17 +306,15 @@ class ProcessWriter:
         # where its own lines end (the run rolled back and cut the file).
         base = self._metrics.committed_bytes - len(handed) - len(carried)
         monitor = pending.monitor
-        message = {"kind": "snapshot", "id": self._next_id, "slot": slot, "path": path, "size": encoded.tensor_bytes,
-                   "header": encoded.header, "progress": pending.progress_bytes,
-                   "cursor": None if pending.cursor is None else pending.cursor.to_dict(),
-                   "metrics": carried + handed, "metrics_base": base, "metrics_bytes": pending.metrics_bytes,
-                   "keep": keep,
-                   "monitor": None if monitor is None else [monitor.name, monitor.mode, monitor.value]}
+        message = SnapshotMessage(self._next_id, slot, path, encoded.tensor_bytes, encoded.header, pending.progress_bytes,
+                                  None if pending.cursor is None else pending.cursor.to_dict(), carried + handed, base,
+                                  pending.metrics_bytes, keep,
+                                  None if monitor is None else [monitor.name, monitor.mode, monitor.value])
         self._published[self._next_id] = _Published(message, slot)
         self._next_id += 1
         self._send(message)
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: Message) -> None:
         """Queue ``message`` and send what the pipe takes without blocking: a writer process
         still starting (importing torch) must not stall training once the pipe is full."""
         self._outbox.append(message)
@@ -327,7 +325,7 @@ class ProcessWriter:
             if not self._unsent:
                 if not self._outbox:
                     return
-                self._unsent = bytearray(encode_message(self._outbox.popleft()))
+                self._unsent = bytearray(encode_message(self._outbox.popleft().to_dict()))
             try:
                 written = os.write(self._input, self._unsent)
             except BlockingIOError:
@@ -342,9 +340,9 @@ class ProcessWriter:
         """Take back snapshot ``identifier`` if its message is still queued here (never seen by
         the writer process); its metrics lines go with the next message."""
         for message in self._outbox:
-            if message.get("id") == identifier and message.get("kind") == "snapshot":
+            if isinstance(message, SnapshotMessage) and message.id == identifier:
                 self._outbox.remove(message)
-                self._carried = message["metrics"] + self._carried
+                self._carried = message.metrics + self._carried
                 del self._published[identifier]
                 self.skipped += 1
                 return True
@@ -397,7 +395,7 @@ class ProcessWriter:
             if not self._closing:
                 self.flush()
                 self._closing = True
-                self._send({"kind": "close"})
+                self._send(CloseMessage())
                 self._send_everything()
                 self._process.wait()
                 self._drain_events()

@@ -34,15 +34,28 @@ class Trainer:
         trainer = engine.Trainer(engine.TrainerConfig(max_epochs=3, run_dir="runs/lm"))
         result = trainer.fit(CharLM(), loader)      # resumes from runs/lm if it holds checkpoints
 
-    What ``fit`` does, in loop pseudocode::
+    What ``fit`` does, in loop pseudocode (engine/run/run.py keeps each boundary's order)::
 
-        for epoch in epochs:                  # FitLoop
+        take the writer lease; restore the newest valid checkpoint; on_fit_start
+        for epoch in epochs:                  # FitLoop (until max_epochs)
             for batch in data:                # EpochLoop
                 for split in split(batch):    # SplitLoop (TBPTT only)
                     for optimizer in opts:    # OptimizerLoop (several optimizers only)
                         loss, hidden = step(split, hidden)  # flow: zero_grad/backward/step
-                    log metrics; callbacks; maybe checkpoint
-            step the epoch's schedulers; maybe checkpoint
+                    # the split boundary (a batch's without TBPTT):
+                    metrics row; display; on_split_end
+                    validate if val_every_n_steps is due; on_validation_end
+                    step-interval monitored schedulers
+                    stop checks: max_steps, max_time, a callback's request, a preemption signal
+                    checkpoint if the cadence says so, after a validation, or to stop
+                    a stop was requested: leave the loops
+            close open accumulation windows; step the epoch's schedulers; reset the hidden state
+            # the epoch boundary:
+            display; the epoch's aggregate row; validate if val_at_epoch_end; on_validation_end
+            epoch-interval monitored schedulers; on_epoch_end
+            stop checks: max_time, a callback's request, a preemption signal
+            checkpoint if at_epoch_end, for a monitored value, or to stop
+        the last checkpoint if the last boundary has none; on_fit_end unless a stop was requested
         # a NaN/spiking loss with anomaly=Rollback(): restore a checkpoint, skip the batch, go on
         # an exception: commit the last completed split if it is still exact, then re-raise
     """

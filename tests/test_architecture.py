@@ -36,19 +36,27 @@ def module_name(path: pathlib.Path, root: pathlib.Path = ENGINE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: pathlib.Path) -> set[str]:
-    """Every engine module ``path`` imports, at any depth of the file (TYPE_CHECKING blocks too)."""
-    own = module_name(path).split(".")
+def import_statements(path: pathlib.Path, root: pathlib.Path = ENGINE) -> list[tuple[str, list[str]]]:
+    """Each import of ``path``, at any depth of the file (TYPE_CHECKING blocks too): the module
+    it names (relative imports resolved) and the names imported from it ([] for ``import a.b``)."""
+    own = module_name(path, root).split(".")
     package = own if path.name == "__init__.py" else own[:-1]
-    found = set()
+    statements = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            statements += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
-            target = ".".join(filter(None, (base, node.module)))
-            found.add(target)
-            found.update(f"{target}.{alias.name}" for alias in node.names)
+            statements.append((".".join(filter(None, (base, node.module))), [alias.name for alias in node.names]))
+    return statements
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every engine module ``path`` imports, at any depth of the file (TYPE_CHECKING blocks too)."""
+    found = set()
+    for target, names in import_statements(path):
+        found.add(target)
+        found.update(f"{target}.{name}" for name in names)
     return {name for name in found if name.split(".")[0] == "engine"}
 
 
@@ -95,19 +103,12 @@ def imported_engine_modules(path: pathlib.Path, modules: dict[str, pathlib.Path]
     the module ``engine.a.b`` when there is one, the package ``engine.a`` otherwise. The parent
     packages Python initialises on the way are not counted (a package's ``__init__`` may import
     its own modules: that is its front door, not a loop)."""
-    own = module_name(path, root).split(".")
-    package = own if path.name == "__init__.py" else own[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
-            target = ".".join(filter(None, (base, node.module)))
-            submodules = {f"{target}.{alias.name}" for alias in node.names} & modules.keys()
-            found.update(submodules)
-            if len(submodules) < len(node.names):
-                found.add(target)
+    for target, names in import_statements(path, root):
+        submodules = {f"{target}.{name}" for name in names} & modules.keys()
+        found.update(submodules)
+        if len(submodules) < len(names) or not names:
+            found.add(target)
     resolved = set()
     for name in found:
         while name and name not in modules:

@@ -237,3 +237,21 @@ def test_the_module_graph_counts_type_only_and_function_level_imports(tmp_path: 
     assert imported_engine_modules(package / "b.py", modules, root) == {"engine.pkg.a"}
     assert find_cycle({name: dict.fromkeys(imported_engine_modules(path, modules, root), {""})
                        for name, path in modules.items()}) == ["engine.pkg.a", "engine.pkg.b", "engine.pkg.a"]
+
+
+def test_the_run_sees_its_checkpoints_through_two_narrow_doors() -> None:
+    """engine.run's start gets the ResumeSource side of its checkpoints, the save on exception the
+    CheckpointSink side; the two sides share no member and together are what FitRun holds."""
+    import inspect
+
+    from engine.checkpoint.checkpointing import Checkpointing, CheckpointSink, ResumeSource
+    from engine.run.exception_save import ExceptionSave
+    from engine.run.start import RunStart
+
+    def members(protocol: type) -> set[str]:
+        return {name for name in vars(protocol) if not name.startswith("_")}
+
+    assert not members(ResumeSource) & members(CheckpointSink)
+    assert Checkpointing.__mro__[1:3] == (ResumeSource, CheckpointSink)
+    assert inspect.signature(RunStart).parameters["checkpoints"].annotation == "ResumeSource"
+    assert inspect.signature(ExceptionSave).parameters["checkpoints"].annotation == "CheckpointSink"

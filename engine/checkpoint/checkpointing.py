@@ -1,6 +1,7 @@
 """What a run asks of its checkpoints, and the run without any.
 
-:class:`~engine.run.run.FitRun` holds one :class:`Checkpointing`, chosen once: a
+:class:`~engine.run.run.FitRun` holds one :class:`Checkpointing`, chosen once, and hands the run's
+start its :class:`ResumeSource` side and the boundaries its :class:`CheckpointSink` side: a
 :class:`~engine.checkpoint.policy.RunCheckpointer` when the run has a run dir and a checkpoint
 policy, else :class:`NoCheckpoints`, which never saves and writes the metrics lines at the end.
 The run calls either the same way and never asks which it holds.
@@ -36,20 +37,9 @@ class Snapshot(Protocol):
         ...
 
 
-class Checkpointing(Protocol):
-    """A run's checkpoints, from the writer lease to the last flush."""
-
-    @property
-    def last_name(self) -> str | None:
-        """The last checkpoint this process wrote (None: none)."""
-
-    @property
-    def checkpoint_interval(self) -> int | None:
-        """Splits between checkpoints: the one "auto" reached, the configured one, or None."""
-
-    @property
-    def auto_interval(self) -> int | None:
-        """The interval ``every_n_splits="auto"`` chose so far (None without "auto")."""
+class ResumeSource(Protocol):
+    """What a run's start needs of its checkpoints (engine.run.start): the writer lease, the
+    choice of the checkpoint to resume from, and what a resume from an older one abandons."""
 
     def acquire(self) -> None:
         """Take the writer lease; before :meth:`select`."""
@@ -68,6 +58,23 @@ class Checkpointing(Protocol):
 
     def existing_names(self) -> list[str]:
         """The checkpoints the run dir holds, oldest first."""
+
+
+class CheckpointSink(Protocol):
+    """What a run's boundaries need of its checkpoints (engine.run.run, engine.run.exception_save):
+    whether one is due, the save, and the end."""
+
+    @property
+    def last_name(self) -> str | None:
+        """The last checkpoint this process wrote (None: none)."""
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """Splits between checkpoints: the one "auto" reached, the configured one, or None."""
+
+    @property
+    def auto_interval(self) -> int | None:
+        """The interval ``every_n_splits="auto"`` chose so far (None without "auto")."""
 
     def start(self, optimizer_steps: int, resumed_mark: BoundaryMark | None) -> None:
         """Training starts (after any resume at ``resumed_mark``)."""
@@ -97,6 +104,11 @@ class Checkpointing(Protocol):
 
     def close(self, failing: bool) -> None:
         """The run ends (``failing``: an exception is on its way up)."""
+
+
+class Checkpointing(ResumeSource, CheckpointSink, Protocol):
+    """A run's checkpoints, from the writer lease to the last flush: what
+    :class:`~engine.run.run.FitRun` holds, handing each side only its door."""
 
 
 class NoCheckpoints:

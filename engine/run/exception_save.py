@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from engine.checkpoint.checkpointing import BoundaryMark, Checkpointing
+from engine.checkpoint.checkpointing import BoundaryMark, CheckpointSink
 from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.errors import CheckpointError, warn as warn_user
 from engine.run import state as run_state
@@ -69,7 +69,7 @@ class ExceptionSave:
     """Keeps the record of the last boundary no checkpoint holds, and commits it when an
     exception ends the run (see the module docstring)."""
 
-    def __init__(self, parts: run_state.RunParts, checkpoints: Checkpointing) -> None:
+    def __init__(self, parts: run_state.RunParts, checkpoints: CheckpointSink) -> None:
         self._parts = parts
         self._checkpoints = checkpoints
         self._record: BoundaryRecord | None = None

@@ -29,7 +29,7 @@ from engine.errors import warn as warn_user
 from progress import RunEnd
 
 if TYPE_CHECKING:
-    from engine.checkpoint.checkpointing import Checkpointing
+    from engine.checkpoint.checkpointing import ResumeSource
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class RunStart:
     """Starts one ``fit`` call; see the module docstring. Warnings point at the caller of
     ``Trainer.fit`` (their stack levels count the calls from there)."""
 
-    def __init__(self, config: TrainerConfig, checkpoints: Checkpointing, parts: run_state.RunParts,
+    def __init__(self, config: TrainerConfig, checkpoints: ResumeSource, parts: run_state.RunParts,
                  metrics: MetricsLog, stop: StopState) -> None:
         self._config = config
         self._checkpoints = checkpoints

@@ -34,12 +34,13 @@ def original_module(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def training_step_of(module: torch.nn.Module) -> Callable[..., Any]:
+def training_step_of(module: torch.nn.Module, own: torch.nn.Module | None = None) -> Callable[..., Any]:
     """What the engine calls each split: ``training_step``, compiled with the module's compiler
-    settings when the module was compiled as a whole."""
+    settings when the module was compiled as a whole (``own``: :func:`original_module` of it,
+    when the caller has it already)."""
     if not is_compiled(module):
         return getattr(module, "training_step")
-    step = getattr(original_module(module), "training_step")
+    step = getattr(own if own is not None else original_module(module), "training_step")
     compile_step = getattr(module, "dynamo_ctx", None)
     return compile_step(step) if callable(compile_step) else step
 

@@ -44,7 +44,7 @@ from engine.loops.split import SplitLoop, WholeBatch
 from engine.loops.step_output import make_step_call, read_plain_output, read_tbptt_output
 from engine.data.splitting import split_along_time
 from engine.loops.optim_setup import OptimizerSetup
-from engine.loops.compiled import original_module, training_step_of
+from engine.loops.compiled import training_step_of
 from engine.loops.device import OnDevice, move_to_device
 from engine.loops.logged import MetricLogger
 from engine.loops.monitored import AgreeValues, MonitoredSchedules
@@ -171,9 +171,12 @@ def build_loops(
     logger: MetricLogger,
     val_data: Iterable[Any] | None = None,
     distributed: DistributedContext | None = None,
+    *,
+    own: torch.nn.Module,
 ) -> LoopTree:
     """Compose the loops; ``module`` is the user's module (possibly ``torch.compile``d) and
-    already on ``device``."""
+    already on ``device``; ``own`` is the module it wraps (:func:`original_module`, unwrapped
+    once by the caller): its attributes and parameters, the sharded root, DDP's module."""
     split_length = tbptt_split_length(module)
     tbptt = split_length is not None
     carry = module_flag(module, "carry_hidden_across_batches", False)
@@ -184,14 +187,14 @@ def build_loops(
         )
     automatic = module_flag(module, "automatic_optimization", True)
     several = automatic and len(setup.optimizers) > 1
-    step = training_step_of(module)
+    step = training_step_of(module, own)
     gradient_sync: DataParallelStep | ShardedStep | None = None
-    sharded = is_sharded_module(original_module(module))  # also on a one-rank mesh in one process
+    sharded = is_sharded_module(own)  # also on a one-rank mesh in one process
     if sharded:
-        gradient_sync = ShardedStep(original_module(module), step)  # FSDP2 syncs in its own backward
+        gradient_sync = ShardedStep(own, step)  # FSDP2 syncs in its own backward
         step = gradient_sync.step  # each step is the root's forward, so its hooks gather and reduce
     elif distributed is not None:
-        gradient_sync = DataParallelStep(original_module(module), step, distributed)
+        gradient_sync = DataParallelStep(own, step, distributed)
         step = gradient_sync.step  # each step is a DDP forward, so its backward syncs gradients
     call_step = make_step_call(step, tbptt, several, position)
     read_output = read_tbptt_output if tbptt else read_plain_output
@@ -238,7 +241,7 @@ def build_loops(
         # Its workers outlive a preemption signal (the pass finishes before the stop's commit).
         safe_val_data = PreemptionSafeLoader(val_data, config.preemption_signals, seed_samples=True)
         evaluation = _evaluation_loop(module, safe_val_data, split_length, carry, logger, device, precision, ranks,
-                                      sharded)
+                                      own if sharded else None)
     monitored = MonitoredSchedules(setup.schedules if automatic else [], _agree_values(distributed))
     return LoopTree(fit_loop, epoch_loop, split_loop, optimizer_loop, flow, step_counter, data, device, precision,
                     logger, evaluation, monitored, watch)
@@ -254,12 +257,13 @@ def _agree_values(distributed: DistributedContext | None) -> AgreeValues:
 
 def _evaluation_loop(module: torch.nn.Module, val_data: PreemptionSafeLoader, split_length: int | None, carry: bool,
                      logger: MetricLogger, device: torch.device, precision: Precision,
-                     ranks: Ranks | None, sharded: bool) -> EvaluationLoop:
+                     ranks: Ranks | None, sharded: torch.nn.Module | None) -> EvaluationLoop:
+    """``sharded``: the FSDP2 root module the step runs as the forward of (None: not sharded)."""
     step = getattr(module, "validation_step", None)
     if not callable(step):
         raise ModuleContractError(f"{type(module).__name__} has no validation_step(); it is needed when val_data is given")
-    if sharded:
-        step = as_root_forward(original_module(module), step)
+    if sharded is not None:
+        step = as_root_forward(sharded, step)
     if split_length is None:
         call: Callable[[Any, Any], Any] = _on_device(lambda batch, hidden: step(batch), device, precision)
         return EvaluationLoop(module, val_data, call, None, None, carry, logger, ranks)

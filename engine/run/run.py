@@ -68,24 +68,25 @@ class FitRun:
         # A torchrun worker joins its process group here.
         self.coordinator = join_coordinator(self.device, config.elastic, config.start_timeout)
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
-        configure_model = getattr(original_module(module), "configure_model", None)
+        own = original_module(module)  # the module torch.compile wrapped: unwrapped once, handed down
+        configure_model = getattr(own, "configure_model", None)
         if callable(configure_model):
             configure_model()  # where the user shards the model (FSDP2), with the group joined
         self.module = module
         self.setup = read_optimizer_setup(getattr(module, "configure_optimizers")())
         check_optimizer_setup(module, self.setup)
         self.logger = MetricLogger()
-        bind_run(original_module(module), self.setup, self.logger)
+        bind_run(own, self.setup, self.logger)
         self.position = Position()
         self.stop = StopState()
         self.data = EpochData(self.coordinator.shard(train_data, config.distributed_sampler), config.preemption_signals,
                               self.coordinator.seed_of_rank_zero)
         self.tree: LoopTree = build_loops(module, self.setup, config, self.data, self.position, self.stop,
                                           Boundaries(self._split_boundary, self._epoch_boundary), self.device,
-                                          self.logger, val_data, self.coordinator.context)
-        bind_precision(original_module(module), self.tree.precision)
+                                          self.logger, val_data, self.coordinator.context, own=own)
+        bind_precision(own, self.tree.precision)
         context = self.coordinator.context
-        self.parts = run_state.RunParts(original_module(module), self.setup, self.tree, self.callbacks, config,
+        self.parts = run_state.RunParts(own, self.setup, self.tree, self.callbacks, config,
                                         self.coordinator.world_size, 0 if context is None else context.rank)
         self.storage = storage
         writes_metrics = self.coordinator.is_writer

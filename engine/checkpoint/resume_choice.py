@@ -10,11 +10,13 @@ import dataclasses
 import warnings
 from typing import Callable, Collection
 
+from engine.checkpoint.format.manifest import Manifest
 from engine.checkpoint.store.abandoned import ABANDONED_FILE, describe_names, read_abandoned, write_abandoned
+from engine.checkpoint.store.catalogue import first_that_loads
 from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint, StateValidator
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.fast import latest_across, load_named, stores_newest_first
-from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointNotFound
+from engine.errors import CheckpointCorrupt, CheckpointNotFound
 from progress import ProgressTree
 
 AUTOMATIC = ("auto", "latest")
@@ -78,15 +80,13 @@ def newest_anchor_before(name: str, stores: list[CheckpointStore], validate: Sta
     entries = stores_newest_first(stores)
     names = [entry for _, entry in entries]
     manifests = [dict(store.newest_first()) for store in stores]
-    for store, candidate in entries[names.index(name) + 1 if name in names else 0:]:
-        manifest = manifests[stores.index(store)].get(candidate)
-        if candidate in skip or manifest is None or not manifest.anchor:
-            continue
-        try:
-            return store.load(candidate, validate)
-        except CheckpointError as error:
-            warnings.warn(f"skipping checkpoint {candidate} in {store.storage.url}: {error}", stacklevel=3)
-    return None
+    anchors = ((store, candidate) for store, candidate in entries[names.index(name) + 1 if name in names else 0:]
+               if candidate not in skip and _is_anchor(manifests[stores.index(store)].get(candidate)))
+    return first_that_loads(anchors, validate, name_the_store=True, stacklevel=3)
+
+
+def _is_anchor(manifest: Manifest | None) -> bool:
+    return manifest is not None and manifest.anchor
 
 
 def _skipped_as_abandoned(stores: list[CheckpointStore], storage: Storage) -> frozenset[str]:

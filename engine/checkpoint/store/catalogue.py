@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Collection
+from typing import Any, Collection, Iterable
 
 from engine.checkpoint.format.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, Manifest, MonitorRecord, verify_file
 from engine.checkpoint.format.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME, sequence_of
@@ -249,14 +249,8 @@ class CheckpointCatalogue:
         """The newest checkpoint that verifies (and passes ``validate``), newest by (writer
         generation, sequence), leaving out those in ``skip``. Newer ones that do not are
         reported with a warning and skipped; None when there is none at all."""
-        for name, _ in self.newest_first():
-            if name in skip:
-                continue
-            try:
-                return self.load(name, validate)
-            except CheckpointError as error:
-                warnings.warn(f"skipping checkpoint {name}: {error}", stacklevel=2)
-        return None
+        candidates = ((self, name) for name, _ in self.newest_first() if name not in skip)
+        return first_that_loads(candidates, validate, name_the_store=False, stacklevel=2)
 
     def inspect(self, validate: StateValidator | None = None) -> list[CheckpointInfo]:
         """Every ``ckpt-*`` entry with whether it verifies (and passes ``validate``) and why
@@ -275,3 +269,17 @@ class CheckpointCatalogue:
                 infos.append(CheckpointInfo(name, sequence, manifest.cursor if manifest else None, False, str(error),
                                             manifest.monitor if manifest else None))
         return infos
+
+
+def first_that_loads(candidates: Iterable[tuple[CheckpointCatalogue, str]], validate: StateValidator | None,
+                     name_the_store: bool, stacklevel: int) -> LoadedCheckpoint | None:
+    """The first of ``candidates`` (catalogue, checkpoint name) that verifies and passes
+    ``validate``; each one before it that does not is reported with a warning (naming its
+    catalogue's storage with ``name_the_store``) and skipped. None when none loads."""
+    for catalogue, name in candidates:
+        try:
+            return catalogue.load(name, validate)
+        except CheckpointError as error:
+            where = f" in {catalogue.storage.url}" if name_the_store else ""
+            warnings.warn(f"skipping checkpoint {name}{where}: {error}", stacklevel=stacklevel + 1)
+    return None

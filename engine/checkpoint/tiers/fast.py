@@ -41,12 +41,13 @@ from typing import Any, Callable, Collection
 
 from engine.checkpoint.format.names import CHECKPOINT_DIR, CHECKPOINT_NAME, STAGING_NAME
 from engine.checkpoint.format.state_keys import StateValidator
+from engine.checkpoint.store.catalogue import first_that_loads
 from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint
 from engine.checkpoint.store.lease import _LOCK_DESCRIPTORS, LOCK_FILE
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.writers.worker import BackgroundWorker
-from engine.errors import CheckpointError, CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
+from engine.errors import CheckpointNotFound, CheckpointWriteError, ConfigError, WriterConflict
 
 MARKER_FILE = "tier.json"
 TIER_LOCK_FILE = "tier.lock"
@@ -203,14 +204,8 @@ def latest_across(stores: list[CheckpointStore], validate: StateValidator,
     those in ``skip``."""
     if len(stores) == 1:
         return stores[0].latest(validate, skip)
-    for store, name in stores_newest_first(stores):
-        if name in skip:
-            continue
-        try:
-            return store.load(name, validate)
-        except CheckpointError as error:
-            warnings.warn(f"skipping checkpoint {name} in {store.storage.url}: {error}", stacklevel=3)
-    return None
+    candidates = ((store, name) for store, name in stores_newest_first(stores) if name not in skip)
+    return first_that_loads(candidates, validate, name_the_store=True, stacklevel=3)
 
 
 def load_named(stores: list[CheckpointStore], name: str, validate: StateValidator) -> LoadedCheckpoint:

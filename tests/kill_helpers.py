@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+import engine
 import forkserver
 
 SCRIPT = str(pathlib.Path(__file__).with_name("scenarios.py"))
@@ -92,3 +93,21 @@ def kill_at_random_instant(name: str, run_dir: str, rng: random.Random, max_dela
                 process.kill()
                 process.wait()
             process.stdout.close()
+
+
+class AtSplit(engine.Callback):
+    """Calls ``action(*arguments)`` once, at the end of the ``at``-th split this process runs
+    (the run's own doings mid-training: a SIGTERM to itself, a newcomer taking the lease)."""
+
+    def __init__(self, at, action, *arguments):
+        self.at, self.action, self.arguments = at, action, arguments
+        self.seen = 0
+
+    def on_split_end(self, view):
+        self.seen += 1
+        if self.seen == self.at:
+            self.action(*self.arguments)
+
+
+def sigterm_to_self():
+    os.kill(os.getpid(), signal.SIGTERM)

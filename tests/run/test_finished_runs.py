@@ -19,6 +19,7 @@ import engine
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from early_stop_scenario import early_stopper, train_early_stopped
+from kill_helpers import AtSplit, sigterm_to_self
 from resume_helpers import assert_same_run, read_metrics
 from scenarios import train_with_checkpoints
 from validation_scenarios import train_validated
@@ -128,7 +129,7 @@ class StopAndPreempt(engine.Callback):
 def test_a_preemption_is_not_an_end_but_does_not_erase_a_stop_of_the_same_split(tmp_path):
     preempted_only = str(tmp_path / "preempted")
     signalled = train_with_checkpoints("tbptt", preempted_only, every=4, exit_on_preemption=False,
-                                       callbacks=(SendSigterm(),))
+                                       callbacks=(AtSplit(3, sigterm_to_self),))
     assert signalled.preempted and latest(preempted_only).progress.end is None
     resumed = train_with_checkpoints("tbptt", preempted_only, every=4)
     assert resumed.optimizer_steps > signalled.optimizer_steps and resumed.stop_reason is None
@@ -138,16 +139,6 @@ def test_a_preemption_is_not_an_end_but_does_not_erase_a_stop_of_the_same_split(
     assert stopped.preempted and latest(both).progress.end.reason == "enough"
     again = train_with_checkpoints("tbptt", both, every=4)
     assert again.optimizer_steps == stopped.optimizer_steps and again.stop_reason == "enough"
-
-
-class SendSigterm(engine.Callback):
-    def __init__(self):
-        self.seen = 0
-
-    def on_split_end(self, view):
-        self.seen += 1
-        if self.seen == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_a_checkpoint_without_an_end_record_resumes(tmp_path):

@@ -20,7 +20,7 @@ from engine.checkpoint.store.lease import LEASE_FILE, WriterLease, read_fences
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.metrics_log import METRICS_FILE
-from kill_helpers import SCRIPT, environment
+from kill_helpers import SCRIPT, AtSplit, environment
 from progress import Cursor, ProgressTree, encode_tree
 from resume_helpers import assert_same_run, read_metrics
 from scenarios import train_with_checkpoints
@@ -38,22 +38,13 @@ def run_dir_for(tmp_path, where):
 
 
 # ---- metrics.jsonl -------------------------------------------------------------------------------
-class TakeOver(engine.Callback):
+def take_over(run_dir):
     """Plays a relaunched job that took the lease while this one still runs."""
-
-    def __init__(self, run_dir, at):
-        self.run_dir = run_dir
-        self.at = at
-        self.seen = 0
-
-    def on_split_end(self, view):
-        self.seen += 1
-        if self.seen == self.at:
-            record = {"token": "newcomer", "generation": 99, "pid": 1, "host": socket.gethostname(), "released": False}
-            # Replaced in one step, as a real writer's lease is: a background writer checking the
-            # fence meanwhile must never see a half-written file.
-            Storage(self.run_dir).write(LEASE_FILE + ".test-tmp", [json.dumps(record).encode()], durable=False)
-            os.replace(os.path.join(self.run_dir, LEASE_FILE + ".test-tmp"), os.path.join(self.run_dir, LEASE_FILE))
+    record = {"token": "newcomer", "generation": 99, "pid": 1, "host": socket.gethostname(), "released": False}
+    # Replaced in one step, as a real writer's lease is: a background writer checking the
+    # fence meanwhile must never see a half-written file.
+    Storage(run_dir).write(LEASE_FILE + ".test-tmp", [json.dumps(record).encode()], durable=False)
+    os.replace(os.path.join(run_dir, LEASE_FILE + ".test-tmp"), os.path.join(run_dir, LEASE_FILE))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -61,7 +52,7 @@ def test_a_writer_that_lost_the_lease_appends_nothing_to_metrics(tmp_path, async
     run_dir = str(tmp_path / "run")
     with pytest.raises(engine.WriterConflict, match="generation 99"):
         train_with_checkpoints("tbptt", run_dir, keep_last=None, asynchronous=asynchronous,
-                               callbacks=(TakeOver(run_dir, 5),))
+                               callbacks=(AtSplit(5, take_over, run_dir),))
     newest = CheckpointStore(Storage(run_dir)).latest()
     metrics = read_metrics(run_dir)
     lines = metrics.decode().splitlines()

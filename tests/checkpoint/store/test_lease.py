@@ -19,7 +19,7 @@ from engine.faults.faulty_fs import FaultyFileSystem
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.storage import Storage
 from progress import Cursor
-from kill_helpers import SCRIPT, WITH_A_WRITER_PROCESS, environment
+from kill_helpers import SCRIPT, WITH_A_WRITER_PROCESS, AtSplit, environment
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
 
@@ -154,25 +154,16 @@ def test_a_released_lease_is_taken_at_once_and_a_taken_over_writer_is_fenced(tmp
         second.verify()
 
 
-class TakeOver(engine.Callback):
+def take_over(run_dir):
     """Plays a relaunched job that took the lease while this one still runs."""
-
-    def __init__(self, run_dir, at):
-        self.run_dir = run_dir
-        self.at = at
-        self.seen = 0
-
-    def on_split_end(self, view):
-        self.seen += 1
-        if self.seen == self.at:
-            write_lease(self.run_dir, os.getppid(), generation=99)
+    write_lease(run_dir, os.getppid(), generation=99)
 
 
 @WITH_A_WRITER_PROCESS
 def test_a_writer_that_lost_the_lease_stops_before_committing(test_writer, tmp_path, capfd):
     run_dir = str(tmp_path / "run")
     with pytest.raises(engine.WriterConflict, match="generation 99"):
-        train_with_checkpoints("tbptt", run_dir, keep_last=None, callbacks=(TakeOver(run_dir, 5),))
+        train_with_checkpoints("tbptt", run_dir, keep_last=None, callbacks=(AtSplit(5, take_over, run_dir),))
     store = CheckpointStore(Storage(run_dir))
     cursors = [store.load(name).progress.cursor for name in store.names()]
     # splits 1-4 at most: split 5's checkpoint was refused, and so was any written in the

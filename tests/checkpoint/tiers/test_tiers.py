@@ -13,7 +13,7 @@ import engine
 from engine.checkpoint.store.lease import WriterLease
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
-from kill_helpers import run_scenario
+from kill_helpers import AtSplit, run_scenario, sigterm_to_self
 from progress import Cursor
 from resume_helpers import assert_same_run
 from scenarios import train_with_checkpoints
@@ -197,22 +197,11 @@ def test_the_fast_tier_of_a_run_that_is_writing_now_is_refused_and_left_alone(tm
     assert_same_run(reference, str(tmp_path / "run"))
 
 
-class SendSigterm(engine.Callback):
-    def __init__(self, at):
-        self.at = at
-        self.seen = 0
-
-    def on_split_end(self, view):
-        self.seen += 1
-        if self.seen == self.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_preemption_checkpoint_reaches_the_durable_tier(asynchronous, tmp_path, reference):
     run_dir, fast = paths(tmp_path)
     with pytest.raises(SystemExit):
-        resume(run_dir, fast, durable_every=1000, asynchronous=asynchronous, callbacks=(SendSigterm(10),))
+        resume(run_dir, fast, durable_every=1000, asynchronous=asynchronous, callbacks=(AtSplit(10, sigterm_to_self),))
     assert newest(run_dir).progress.cursor == Cursor(0, 2, 1, 0)  # split 10
     shutil.rmtree(os.path.dirname(fast))
     result = resume(run_dir, fast, asynchronous=asynchronous)

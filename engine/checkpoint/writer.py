@@ -28,6 +28,7 @@ from engine.checkpoint.store import CheckpointStore
 from engine.checkpoint.tiers import TierWriter
 from engine.checkpoint.worker import BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
+from engine.watchdog import WRITER, mark as mark_phase
 from progress import Cursor
 
 if TYPE_CHECKING:
@@ -239,6 +240,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
                     if pending.monitor is None:
                         self.skipped += 1
                         return False  # every snapshot is being written or must be: skip this one
+                mark_phase(WRITER, "the checkpoint writer thread")
                 self._condition.wait()
                 self._raise_pending_locked()
             buffers = self._free.pop()
@@ -320,6 +322,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         """Wait until every queued snapshot is committed (or failed)."""
         with self._condition:
             while self._queue or self._busy:
+                mark_phase(WRITER, "the checkpoint writer thread")
                 self._condition.wait()
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine import distributed, faults
+from engine import distributed, faults, watchdog
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.checkpointing import Checkpointing, NoCheckpoints
 from engine.checkpoint.policy import RunCheckpointer
@@ -117,6 +117,7 @@ class FitRun:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
                 self._train()
+                watchdog.mark(watchdog.FINISHING)
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
@@ -244,6 +245,7 @@ class FitRun:
 
     # ---- boundaries -------------------------------------------------------------------
     def _split_boundary(self, split_index: int, losses: list[torch.Tensor]) -> None:
+        watchdog.split_done(watchdog.BOUNDARY)
         position = self.position
         cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values, synced = self.coordinator.mean_losses([loss.item() for loss in losses],
@@ -281,7 +283,9 @@ class FitRun:
 
     def _validate(self, steps: int) -> None:
         assert self.tree.evaluation is not None
+        watchdog.mark(watchdog.VALIDATION)
         values = self.tree.evaluation.run(steps)
+        watchdog.mark(watchdog.BOUNDARY)
         self.metrics.append_aggregate("val", self.cursor, steps, values)
         self.checkpoints.offer_metrics(values)
         self._update_status()
@@ -332,8 +336,10 @@ class FitRun:
                                      self._boundary_mark(), self.metrics, self._elapsed())
 
     def _save(self, force: bool = False) -> None:
+        watchdog.mark(watchdog.CHECKPOINT)
         self.exception_save.forget()
         # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
         snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
+        watchdog.mark(watchdog.BOUNDARY)

@@ -1,0 +1,38 @@
+"""One fit under the watchdog: the word, the tracker :func:`~engine.watchdog.tracker.mark` writes
+to, and the monitor thread, from before the process group is joined until ``fit`` returns."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from engine.config import Watchdog
+from engine.watchdog import tracker as trackers
+from engine.watchdog.board import AloneBoard, NodeBoard, shared_directory
+from engine.watchdog.monitor import Monitor
+from engine.watchdog.report import AppendOnly
+from engine.watchdog.word import FINISHED
+
+
+@contextlib.contextmanager
+def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]:
+    """Run the body under ``policy`` (None: no watchdog); hang reports go to ``storage``'s
+    ``hangs.jsonl`` (None: stderr only)."""
+    if policy is None or trackers.current() is not None:  # a fit inside a fit (a callback's) is watched already
+        yield
+        return
+    directory = shared_directory(os.environ)
+    board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
+                                     else NodeBoard(directory, int(os.environ["RANK"])))
+    tracker = trackers.PhaseTracker(policy, board.buffer, int(os.environ.get("RANK", "0") or 0))
+    monitor = Monitor(policy, tracker, board, storage)
+    trackers.install(tracker)
+    monitor.start()
+    try:
+        yield
+    finally:
+        tracker.set_flag(FINISHED)
+        monitor.stop()
+        trackers.install(None)
+        board.close()

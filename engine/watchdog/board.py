@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import tempfile
 from typing import Mapping
 
@@ -43,6 +44,9 @@ class AloneBoard:
 
     def close(self) -> None:
         self.buffer.close()
+
+    def remove_all(self) -> None:
+        self.close()
 
 
 class NodeBoard:
@@ -85,6 +89,11 @@ class NodeBoard:
         self._others.clear()
         self.buffer.close()
         remove_words(self.directory, self.path)
+
+    def remove_all(self) -> None:
+        """Remove every rank's word and the directory (the job ends on a hang)."""
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def remove_words(directory: str, path: str) -> None:

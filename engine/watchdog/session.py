@@ -10,9 +10,9 @@ from typing import Iterator
 from engine.config import Watchdog
 from engine.watchdog import tracker as trackers
 from engine.watchdog.board import AloneBoard, NodeBoard, shared_directory
-from engine.watchdog.monitor import Monitor
+from engine.watchdog.monitor import Monitor, end_process
 from engine.watchdog.report import AppendOnly
-from engine.watchdog.word import FINISHED
+from engine.watchdog.word import FINISHED, REPORTED
 
 
 @contextlib.contextmanager
@@ -26,7 +26,7 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
     board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
                                      else NodeBoard(directory, int(os.environ["RANK"])))
     tracker = trackers.PhaseTracker(policy, board.buffer, int(os.environ.get("RANK", "0") or 0))
-    monitor = Monitor(policy, tracker, board, storage)
+    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker))
     trackers.install(tracker)
     monitor.start()
     try:
@@ -36,3 +36,11 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
         monitor.stop()
         trackers.install(None)
         board.close()
+
+
+def _end_process(board: AloneBoard | NodeBoard, tracker: trackers.PhaseTracker) -> None:
+    """The hung rank leaves its word (flagged REPORTED) for the other ranks of its node to read;
+    a rank that ends because another hung removes the node's words (no file is left in /dev/shm)."""
+    if not tracker.flags & REPORTED:
+        board.remove_all()
+    end_process()

@@ -6,7 +6,8 @@ backward), so the stalled rank to blame is the one *furthest behind* — fewest 
 then earliest in the split's order of phases: it has not arrived where the others wait. A rank
 waiting in a collective is blamed only when every rank on the node waits in one (the culprit is
 then on another node, or the ranks disagree on the collective). A rank that finished its fit, or
-whose process is gone (torchrun handles deaths), is never blamed.
+whose process is gone (torchrun handles deaths), is never blamed; a rank that reported itself
+hung is the culprit, whether or not its process has ended yet.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from engine.watchdog import phases
-from engine.watchdog.word import FINISHED, Word
+from engine.watchdog.word import FINISHED, REPORTED, Word
 
 # Where in a split each phase comes: a rank earlier in this order has not reached the others.
 _ORDER: dict[str, int] = {phases.STARTING: 0, phases.DATA: 1, phases.STEP: 2, phases.BACKWARD: 3,
@@ -53,6 +54,10 @@ def judge(local: Sequence[Word], now_ns: int, alive: Callable[[int], bool],
     """The hang among ``local`` words at ``now_ns``, if any (see the module docstring).
     ``alive(pid)``: whether the process still runs; ``stopped(pid)``: whether it is stopped by a
     signal (blamed first among equals)."""
+    reported = [word for word in local if word.flags & REPORTED]
+    if reported:  # a rank of the node reported itself hung (and ended, or is ending)
+        return Hang(reported[0], reported[0].stalled_s(now_ns),
+                    tuple(word for word in local if word is not reported[0]))
     watched = [word for word in local if not word.flags & FINISHED and alive(word.pid)]
     stalled = [word for word in watched if word.stalled_s(now_ns) > word.timeout_s]
     if not stalled:

@@ -31,5 +31,7 @@ PHASES: tuple[str, ...] = (STARTING, DATA, STEP, BACKWARD, OPTIMIZER, COLLECTIVE
                            FINISHING)
 CODE_OF: dict[str, int] = {name: code for code, name in enumerate(PHASES)}
 
-# Phases whose first occurrences carry the first allowance whatever their count (a load, a pass).
-ALWAYS_FIRST: frozenset[str] = frozenset({STARTING, FINISHING})
+# Phases that keep the first allowance until their own durations are learned, however many splits
+# ran: a restore, a whole validation pass, the last commit, the first waits for a checkpoint
+# writer (a writer process starting after a restart; a first write to a cold object store).
+FIRST_ALLOWANCE: frozenset[str] = frozenset({STARTING, VALIDATION, FINISHING, WRITER})

@@ -12,6 +12,7 @@ import collections
 import math
 
 from engine.config import Watchdog
+from engine.watchdog.phases import FIRST_ALLOWANCE
 
 WINDOW = 512  # recent durations kept per phase
 _REFRESH_EVERY = 16  # samples between two recomputations of a phase's percentiles
@@ -51,12 +52,17 @@ class PhaseStatistics:
         self._quantiles[phase] = (p50, p99)
         self._timeouts[phase] = max(self._policy.min_timeout_s, self._policy.factor * p99)
 
-    def timeout(self, phase: str) -> float:
-        """Seconds without progress after which a rank in ``phase`` is hung."""
+    def timeout(self, phase: str, splits_done: int) -> float:
+        """Seconds without progress after which a rank in ``phase`` is hung, ``splits_done``
+        splits into the run: the phase's learned timeout; before that, the first allowance for
+        the phases that are slow the first times (a start, a validation pass, the end) and in
+        the first ``warmup`` splits (compilation, cold caches); else ``min_timeout_s``."""
         learned = self._timeouts.get(phase)
         if learned is not None:
             return learned
-        return max(self._policy.min_timeout_s, self._policy.first_timeout_s)
+        if phase in FIRST_ALLOWANCE or splits_done < self._policy.warmup:
+            return max(self._policy.min_timeout_s, self._policy.first_timeout_s)
+        return self._policy.min_timeout_s
 
     def quantiles(self, phase: str) -> tuple[float, float] | None:
         """(p50, p99) of ``phase`` once learned; None before the warm-up ends."""

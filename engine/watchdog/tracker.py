@@ -55,7 +55,7 @@ class PhaseTracker:
         self.sequence += 1
         quantiles = self.statistics.quantiles(self.phase) or (0.0, 0.0)
         words.write(self.buffer, words.Word(self.sequence, self.splits, self.started_ns,
-                                            self.statistics.timeout(self.phase), quantiles[0], quantiles[1], self.pid,
+                                            self.statistics.timeout(self.phase, self.splits), quantiles[0], quantiles[1], self.pid,
                                             self.rank, CODE_OF[self.phase], self.flags, self.detail))
 
 

@@ -32,3 +32,26 @@ def test_a_hung_step_is_reported_ended_and_resumed_exactly(tmp_path: pathlib.Pat
     assert "_hang_forever" in rows[0]["stacks"]
     assert kill_helpers.run_scenario("tbptt", hung, None, *WATCHDOG).returncode == 0
     assert_same_run(reference, hung)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("faults, options, detail", [
+    # The writer process stops (SIGSTOP) before a data file; the training process waits for a slot.
+    # Late enough that the training process has learned how long it waits for the writer.
+    ("checkpoint_before_file:50:sigstop", ("--writer", "process", "--epochs", "2"), "writer process "),
+    # A storage write that never returns, in the background writer thread.
+    ("filesystem_write:30:hang", ("--async",), ""),
+], ids=["writer-process-stopped", "storage-write-blocks"])
+def test_a_hung_writer_is_reported_and_the_run_resumes_exactly(tmp_path: pathlib.Path, faults: str,
+                                                               options: tuple[str, ...], detail: str) -> None:
+    reference, hung = str(tmp_path / "reference"), str(tmp_path / "hung")
+    assert kill_helpers.run_scenario("tbptt", reference, None, *WATCHDOG, *options).returncode == 0
+    process = kill_helpers.run_scenario("tbptt", hung, faults, *WATCHDOG, *options)
+    assert process.returncode == HANG_EXIT_CODE, process.stderr[-3000:]
+    row = json.loads((tmp_path / "hung" / HANGS_FILE).read_text())
+    if detail:  # the training process waits for the stopped writer process, which it names
+        assert row["phase"] == "waiting for the writer" and row["detail"].startswith(detail), row
+    else:  # the write blocks on the training thread (checkpoint) or on the writer thread, which it waits for
+        assert row["phase"] in ("checkpoint", "waiting for the writer") and "_hang_forever" in row["stacks"], row
+    assert kill_helpers.run_scenario("tbptt", hung, None, *WATCHDOG, *options).returncode == 0
+    assert_same_run(reference, hung)

@@ -35,15 +35,20 @@ def test_a_phase_gets_the_first_allowance_until_its_warm_up_then_factor_times_it
     statistics = PhaseStatistics(policy)
     for _ in range(3):
         statistics.add(phases.STEP, 1.0)
-    assert statistics.timeout(phases.STEP) == 100.0 and statistics.quantiles(phases.STEP) is None
+    assert statistics.timeout(phases.STEP, splits_done=3) == 100.0 and statistics.quantiles(phases.STEP) is None
     statistics.add(phases.STEP, 3.0)
-    assert statistics.timeout(phases.STEP) == 15.0  # 5 x the p99 of [1, 1, 1, 3]
+    assert statistics.timeout(phases.STEP, splits_done=4) == 15.0  # 5 x the p99 of [1, 1, 1, 3]
     assert statistics.quantiles(phases.STEP) == (1.0, 3.0)
-    assert statistics.timeout(phases.DATA) == 100.0  # another phase keeps its own allowance
+    # A phase not learned yet: the first allowance in the first splits, min_timeout_s after them,
+    # except for the phases that are slow the first times (a validation pass, a restore).
+    assert statistics.timeout(phases.CHECKPOINT, splits_done=3) == 100.0
+    assert statistics.timeout(phases.CHECKPOINT, splits_done=4) == 2.0
+    assert statistics.timeout(phases.VALIDATION, splits_done=400) == 100.0
+    assert statistics.timeout(phases.WRITER, splits_done=400) == 100.0
     quick = PhaseStatistics(policy)
     for _ in range(4):
         quick.add(phases.DATA, 0.001)
-    assert quick.timeout(phases.DATA) == 2.0  # never below min_timeout_s
+    assert quick.timeout(phases.DATA, splits_done=0) == 2.0  # never below min_timeout_s
 
 
 def test_percentile_is_the_nearest_rank() -> None:

@@ -115,6 +115,10 @@ class Watchdog:
             a first split that compiles, a restore from a slow store, a whole validation pass).
         warmup: how many durations of a phase are seen before its own p99 applies.
         poll_s: how often the monitor looks; None: a twentieth of ``min_timeout_s``, at most 1 s.
+        max_restarts: crash loops (engine.watchdog.crash_loop): a start whose last ``max_restarts``
+            starts all resumed from the checkpoint it resumes from (nothing committed since), or
+            that follows two failures at the same split with the same exception, exits with
+            ``engine.watchdog.CRASH_LOOP_EXIT_CODE`` ("do not requeue") and a verdict line. None: never.
 
     Example::
 
@@ -126,6 +130,7 @@ class Watchdog:
     first_timeout_s: float = 1800.0
     warmup: int = 10
     poll_s: float | None = None
+    max_restarts: int | None = 3
 
     def __post_init__(self) -> None:
         owner = "Watchdog"
@@ -139,6 +144,7 @@ class Watchdog:
         if self.warmup is None:
             raise ConfigError(f"{owner}.warmup: expected a positive int, got None")
         _positive_number_or_none(owner, "poll_s", self.poll_s)
+        _positive_int_or_none(owner, "max_restarts", self.max_restarts)
 
     @property
     def poll_seconds(self) -> float:

@@ -51,6 +51,7 @@ from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import preemption_reason, run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
+from engine.watchdog.crash_loop import Attempts
 from progress import Cursor, ProgressTree
 
 
@@ -93,6 +94,8 @@ class FitRun:
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
+        self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
+                                 writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)
         self.exception_save = self._choose_exception_save()
         self.rollbacks = self._choose_rollbacks()
         self.preemption = PreemptionWatcher(config.preemption_signals)
@@ -113,6 +116,7 @@ class FitRun:
             distributed.register_launched_worker(self.config.preemption_signals)
             try:
                 self._start(resume)
+                self.attempts.begin(self.resumed_from, lambda: self.coordinator.agree(StopState(), False))
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
@@ -121,7 +125,10 @@ class FitRun:
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
+                self.attempts.ended()
             except BaseException as error:
+                if isinstance(error, Exception):
+                    self.attempts.failed(None if self.cursor is None else str(self.cursor), error)
                 self.exception_save.save_before_raising(error)
                 self.checkpoints.close(failing=True)
                 raise

@@ -116,10 +116,11 @@ class FitRun:
             distributed.register_launched_worker(self.config.preemption_signals)
             try:
                 self._start(resume)
-                self.attempts.begin(self.resumed_from, lambda: self.coordinator.agree(StopState(), False))
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
+                # Where training begins: a process killed while it starts up is no attempt.
+                self.attempts.begin(self.resumed_from, lambda: self.coordinator.agree(StopState(), False))
                 self._train()
                 watchdog.mark(watchdog.FINISHING)
                 if not self.checkpoints.holds(self._boundary_mark()):
@@ -127,8 +128,7 @@ class FitRun:
                 self.checkpoints.close(failing=False)
                 self.attempts.ended()
             except BaseException as error:
-                if isinstance(error, Exception):
-                    self.attempts.failed(None if self.cursor is None else str(self.cursor), error)
+                self.attempts.ended_by(error, None if self.cursor is None else str(self.cursor))
                 self.exception_save.save_before_raising(error)
                 self.checkpoints.close(failing=True)
                 raise

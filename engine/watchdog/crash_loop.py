@@ -2,9 +2,10 @@
 
 Each ``fit`` of a run with a run dir records its attempts in ``attempts.jsonl`` (rank 0): a
 ``start`` row naming the checkpoint it resumed from, a ``failed`` row (the split and the error)
-when an exception ends it, an ``end`` row when it returns (finished or preempted). A process that
-dies (SIGKILL, a hang the watchdog ended) leaves a start with no end. At the next start, before
-any training:
+when an exception ends it, an ``end`` row when it returns (finished or preempted) or a Ctrl-C ends it. The start row
+is written where training begins (a process killed while it starts up is no attempt); a process
+that dies after it (SIGKILL, a hang the watchdog ended) leaves a start with no end. At the next
+start, before any training:
 
 * the last ``max_restarts`` starts since the last end all resumed from the checkpoint this start
   resumes from (no new checkpoint committed in between), or
@@ -100,6 +101,7 @@ class Attempts:
         self._writes = writes
         self._max_restarts = max_restarts or 0
         self._resumed_from: str | None = None
+        self._started = False
 
     def begin(self, resumed_from: str | None, barrier: Callable[[], None]) -> None:
         """Stop here (SystemExit with the crash-loop code) if this start is a crash loop, else
@@ -111,13 +113,20 @@ class Attempts:
         barrier()
         if text is not None:
             raise stop_the_loop(text)
+        self._started = True
         if self._writes:
             record(self._storage, {"event": "start", "from": resumed_from, "time": time.time()})
 
-    def failed(self, at: str | None, error: BaseException) -> None:
-        if self._writes:
+    def ended_by(self, error: BaseException, at: str | None) -> None:
+        """``error`` ends the attempt after split ``at``: an exception is a failure; a Ctrl-C
+        ends it (a person stopped it: no crash); the crash-loop verdict itself records nothing."""
+        if not self._writes or not self._started:
+            return
+        if isinstance(error, Exception):
             record(self._storage, failure_row(self._resumed_from, at, error))
+        elif isinstance(error, KeyboardInterrupt):
+            record(self._storage, {"event": "end", "interrupted": True, "time": time.time()})
 
     def ended(self) -> None:
-        if self._writes:
+        if self._writes and self._started:
             record(self._storage, {"event": "end", "time": time.time()})

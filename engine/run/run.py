@@ -214,6 +214,7 @@ class FitRun:
             self._elapsed_before = resumed.elapsed_seconds
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
+            watchdog.resumed_at(self.tree.units_completed())
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time(),
                                       resumed.world_size_before, self.coordinator.world_size,
                                       None if resumed.fallback is None else resumed.fallback.record())

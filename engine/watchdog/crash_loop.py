@@ -67,7 +67,7 @@ def verdict(rows: list[dict[str, Any]], resumed_from: str | None, max_restarts: 
                     "if a batch causes it, TrainerConfig(anomaly=engine.Rollback(...)) skips it, else fix the code")
     starts = [row for row in since_end if row.get("event") == "start"]
     recent = starts[-max_restarts:]
-    if len(recent) == max_restarts and all(row.get("from") == resumed_from for row in recent):
+    if max_restarts > 0 and len(recent) == max_restarts and all(row.get("from") == resumed_from for row in recent):
         where = resumed_from if resumed_from is not None else "a fresh start"
         return (f"restarted {max_restarts} times from {where} without committing a new checkpoint; the job fails the "
                 "same way each time (see attempts.jsonl and hangs.jsonl in the run dir)")
@@ -103,7 +103,7 @@ class Attempts:
         self._resumed_from: str | None = None
         self._started = False
 
-    def begin(self, resumed_from: str | None, barrier: Callable[[], None]) -> None:
+    def begin(self, resumed_from: str | None, barrier: Callable[[], object]) -> None:
         """Stop here (SystemExit with the crash-loop code) if this start is a crash loop, else
         record it. ``barrier``: every rank has read the rows before rank 0 appends this start."""
         if self._storage is None:

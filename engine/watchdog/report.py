@@ -29,6 +29,12 @@ class AppendOnly(Protocol):
     def append(self, relative: str, data: bytes) -> None: ...
 
 
+class ReadableStorage(Protocol):
+    def exists(self, relative: str) -> bool: ...
+
+    def read(self, relative: str, limit: int | None = None) -> bytes: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class HangReport:
     """What one rank says about a hang: the verdict, who says it, and the hung process's stacks
@@ -102,3 +108,27 @@ def _append(storage: AppendOnly, line: bytes) -> None:
         storage.append(HANGS_FILE, line)
     except Exception as error:  # the report is on stderr already; the process ends either way
         sys.stderr.write(f"splitloop watchdog: could not append to {HANGS_FILE}: {error}\n")
+
+
+def read_hangs(storage: "ReadableStorage") -> list[dict[str, Any]]:
+    """The rows of the run dir's ``hangs.jsonl`` (none when there is no such file)."""
+    if not storage.exists(HANGS_FILE):
+        return []
+    rows = []
+    for line in storage.read(HANGS_FILE).decode("utf-8", "replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a process that ended while writing it
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def describe_hang(row: dict[str, Any]) -> str:
+    """One line for ``python -m engine inspect``."""
+    if row.get("rank") is None:
+        return f"hang: every rank of {row.get('host')} waited in a collective for {row.get('stalled_s')} s"
+    by = "itself" if row.get("reported_by") == row.get("rank") else f"rank {row.get('reported_by')}"
+    return (f"hang: rank {row.get('rank')} on {row.get('host')} in phase {row.get('phase')!r} for "
+            f"{row.get('stalled_s')} s after split {row.get('last_split')} (reported by {by})")

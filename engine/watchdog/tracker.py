@@ -47,6 +47,12 @@ class PhaseTracker:
         self.splits += 1
         self.mark(phase, moved=True)
 
+    def resumed_at(self, splits: int) -> None:
+        """The run resumed with ``splits`` units of step work completed: the word counts the run's
+        splits, not this process's (the report's last split is the run's; ranks compare equal)."""
+        self.splits = splits
+        self._publish()
+
     def set_flag(self, flag: int) -> None:
         self.flags |= flag
         self._publish()
@@ -72,6 +78,12 @@ def split_done(phase: str) -> None:
     """This process completed a split and enters ``phase`` (nothing when no watchdog runs)."""
     if _tracker is not None:
         _tracker.split_done(phase)
+
+
+def resumed_at(splits: int) -> None:
+    """The run resumed with ``splits`` splits completed (nothing when no watchdog runs)."""
+    if _tracker is not None:
+        _tracker.resumed_at(splits)
 
 
 def install(tracker: PhaseTracker | None) -> None:

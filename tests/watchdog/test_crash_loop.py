@@ -4,6 +4,7 @@ makes progress between failures is never stopped by it."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -73,3 +74,19 @@ def test_a_run_that_progresses_between_failures_is_never_stopped(tmp_path: pathl
         with pytest.raises(ValueError, match=f"poisoned at step {step}"):
             fit(tmp_path, step)
     assert fit(tmp_path, None).epochs_completed == 1  # trained to its end
+
+
+def test_inspect_shows_the_crash_loop_verdict_and_the_hangs(tmp_path: pathlib.Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            fit(tmp_path, 3)
+    hang = {"rank": 1, "host": "node7", "phase": "boundary", "stalled_s": 300.4, "last_split": 12, "reported_by": 0}
+    (tmp_path / "hangs.jsonl").write_text(json.dumps(hang) + "\n")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "hang: rank 1 on node7 in phase 'boundary' for 300.4 s after split 12 (reported by rank 0)" in out
+    assert "crash loop: deterministic failure" in out and f"the next start exits {CRASH_LOOP_EXIT_CODE}" in out

@@ -87,3 +87,11 @@ def test_a_moving_word_is_never_reported() -> None:
         monitor.stop()
         board.close()
     assert not hung.is_set()
+
+
+def test_a_resumed_run_counts_the_runs_splits(tmp_path) -> None:
+    first = WordSeen()
+    scenarios.train_with_checkpoints("tbptt", str(tmp_path), epochs=1, callbacks=(first,))
+    second = WordSeen()
+    scenarios.train_with_checkpoints("tbptt", str(tmp_path), epochs=2, callbacks=(second,))
+    assert second.splits[0] == first.splits[-1] + 1  # the run's split count, not this fit's

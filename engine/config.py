@@ -119,6 +119,10 @@ class Watchdog:
             starts all resumed from the checkpoint it resumes from (nothing committed since), or
             that follows two failures at the same split with the same exception, exits with
             ``engine.watchdog.CRASH_LOOP_EXIT_CODE`` ("do not requeue") and a verdict line. None: never.
+        straggler_factor: a rank whose own work per split (its waits left out) stays this many
+            times the fastest local rank's for ``straggler_window`` of its splits is reported
+            (a line, ``stragglers.jsonl``), never stopped. None: not watched.
+        straggler_window: splits a rank must stay that slow before it is reported.
 
     Example::
 
@@ -131,6 +135,8 @@ class Watchdog:
     warmup: int = 10
     poll_s: float | None = None
     max_restarts: int | None = 3
+    straggler_factor: float | None = 1.3
+    straggler_window: int = 10
 
     def __post_init__(self) -> None:
         owner = "Watchdog"
@@ -145,6 +151,13 @@ class Watchdog:
             raise ConfigError(f"{owner}.warmup: expected a positive int, got None")
         _positive_number_or_none(owner, "poll_s", self.poll_s)
         _positive_int_or_none(owner, "max_restarts", self.max_restarts)
+        _positive_number_or_none(owner, "straggler_factor", self.straggler_factor)
+        if self.straggler_factor is not None and self.straggler_factor <= 1:
+            raise ConfigError(f"{owner}.straggler_factor: expected a number above 1 (times the fastest rank) or None, "
+                              f"got {self.straggler_factor!r}")
+        _positive_int_or_none(owner, "straggler_window", self.straggler_window)
+        if self.straggler_window is None:
+            raise ConfigError(f"{owner}.straggler_window: expected a positive int, got None")
 
     @property
     def poll_seconds(self) -> float:

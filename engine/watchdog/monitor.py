@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 from engine.config import Watchdog
 from engine.watchdog.phases import HANG_EXIT_CODE
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
+from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
 from engine.watchdog.tracker import PhaseTracker
 from engine.watchdog.verdict import Hang, judge
 from engine.watchdog.word import REPORTED, Word
@@ -59,6 +60,8 @@ class Monitor:
         self._on_hang = on_hang if on_hang is not None else end_process
         self._host = socket.gethostname()
         self._first_seen: dict[int, int] = {}
+        self._stragglers = (None if policy.straggler_factor is None
+                            else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitloop-watchdog", daemon=True)
 
@@ -77,7 +80,11 @@ class Monitor:
 
     def check(self, now_ns: int) -> bool:
         """Look once; True when a hang was acted on."""
-        hang = judge(self._board.words(), now_ns, alive, stopped)
+        local = self._board.words()
+        if self._stragglers is not None and local and self._tracker.rank == min(word.rank for word in local):
+            for straggler in self._stragglers.look(local):
+                report_straggler(straggler, self._host, self._storage)
+        hang = judge(local, now_ns, alive, stopped)
         if hang is None:
             self._first_seen.clear()
             return False

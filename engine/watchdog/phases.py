@@ -35,3 +35,6 @@ CODE_OF: dict[str, int] = {name: code for code, name in enumerate(PHASES)}
 # ran: a restore, a whole validation pass, the last commit, the first waits for a checkpoint
 # writer (a writer process starting after a restart; a first write to a cold object store).
 FIRST_ALLOWANCE: frozenset[str] = frozenset({STARTING, VALIDATION, FINISHING, WRITER})
+
+# Phases where a rank waits for others (not its own work): left out of its busy time per split.
+WAITS: frozenset[str] = frozenset({COLLECTIVE, BACKWARD, WRITER})

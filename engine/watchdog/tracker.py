@@ -13,7 +13,9 @@ import time
 
 from engine.config import Watchdog
 from engine.watchdog import word as words
-from engine.watchdog.phases import CODE_OF, STARTING
+from engine.watchdog.phases import CODE_OF, STARTING, WAITS
+
+_SMOOTHING = 0.2  # weight of the newest split in the moving average of the busy time
 from engine.watchdog.statistics import PhaseStatistics
 
 
@@ -30,22 +32,35 @@ class PhaseTracker:
         self.splits = 0
         self.flags = 0
         self.sequence = 0
+        self.busy_s = 0.0
+        self._busy = 0.0
         self.started_ns = time.monotonic_ns()
         self._publish()
 
-    def mark(self, phase: str, detail: str = "", moved: bool = False) -> None:
-        """Enter ``phase`` (no change when already in it with the same detail, unless ``moved``)."""
-        if phase == self.phase and detail == self.detail and not moved:
+    def mark(self, phase: str, detail: str = "") -> None:
+        """Enter ``phase`` (no change when already in it with the same detail)."""
+        if phase == self.phase and detail == self.detail:
             return
-        now = time.monotonic_ns()
-        self.statistics.add(self.phase, (now - self.started_ns) / 1e9)
-        self.phase, self.detail, self.started_ns = phase, detail, now
+        self._end_phase()
+        self.phase, self.detail = phase, detail
         self._publish()
+
+    def _end_phase(self) -> None:
+        now = time.monotonic_ns()
+        seconds = (now - self.started_ns) / 1e9
+        self.statistics.add(self.phase, seconds)
+        if self.phase not in WAITS:
+            self._busy += seconds
+        self.started_ns = now
 
     def split_done(self, phase: str) -> None:
         """A split completed: count it, and enter ``phase`` (the boundary's work)."""
         self.splits += 1
-        self.mark(phase, moved=True)
+        self._end_phase()
+        self.busy_s = self._busy if self.busy_s == 0.0 else (1 - _SMOOTHING) * self.busy_s + _SMOOTHING * self._busy
+        self._busy = 0.0
+        self.phase, self.detail = phase, ""
+        self._publish()
 
     def resumed_at(self, splits: int) -> None:
         """The run resumed with ``splits`` units of step work completed: the word counts the run's
@@ -61,7 +76,7 @@ class PhaseTracker:
         self.sequence += 1
         quantiles = self.statistics.quantiles(self.phase) or (0.0, 0.0)
         words.write(self.buffer, words.Word(self.sequence, self.splits, self.started_ns,
-                                            self.statistics.timeout(self.phase, self.splits), quantiles[0], quantiles[1], self.pid,
+                                            self.statistics.timeout(self.phase, self.splits), quantiles[0], quantiles[1], self.busy_s, self.pid,
                                             self.rank, CODE_OF[self.phase], self.flags, self.detail))
 
 

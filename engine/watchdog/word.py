@@ -2,7 +2,7 @@
 
 One fixed-size record per rank (:data:`LAYOUT`): a sequence number written first and last (a
 reader that finds them different read a torn record and reads again), the splits completed, the
-phase code, when the phase began (``CLOCK_MONOTONIC`` in ns: one clock for every process of the
+phase code, the moving average of the rank's own work per split (engine.watchdog.stragglers), when the phase began (``CLOCK_MONOTONIC`` in ns: one clock for every process of the
 node), the timeout the rank publishes for it (engine.watchdog.statistics), the phase's p50/p99,
 the pid, the rank, flags, and a short detail (the writer's pid and checkpoint).
 
@@ -18,7 +18,7 @@ import struct
 
 from engine.watchdog.phases import PHASES
 
-LAYOUT = struct.Struct("<QqqdddiiiI96sQ")
+LAYOUT = struct.Struct("<QqqddddiiiI96sQ")
 SIZE = 256  # bytes per record (the layout, padded)
 DETAIL_BYTES = 96
 
@@ -36,6 +36,7 @@ class Word:
     timeout_s: float
     p50_s: float
     p99_s: float
+    busy_s: float  # moving average of the time per split spent in the rank's own work (no waits)
     pid: int
     rank: int
     phase_code: int
@@ -60,17 +61,17 @@ def write(buffer: mmap.mmap, word: Word) -> None:
     """Publish ``word`` in ``buffer`` (one copy: a concurrent reader sees a torn record as such)."""
     detail = word.detail.encode("utf-8", "replace")[:DETAIL_BYTES]
     LAYOUT.pack_into(buffer, 0, word.sequence, word.splits, word.started_ns, word.timeout_s, word.p50_s, word.p99_s,
-                     word.pid, word.rank, word.phase_code, word.flags, detail, word.sequence)
+                     word.busy_s, word.pid, word.rank, word.phase_code, word.flags, detail, word.sequence)
 
 
 def read(buffer: mmap.mmap | bytes, attempts: int = 100) -> Word | None:
     """The record in ``buffer``; None when it was never written (or stayed torn)."""
     for _ in range(attempts):
-        (sequence, splits, started, timeout, p50, p99, pid, rank, phase, flags, detail,
+        (sequence, splits, started, timeout, p50, p99, busy, pid, rank, phase, flags, detail,
          closing) = LAYOUT.unpack_from(buffer, 0)
         if sequence == closing:
             if sequence == 0:
                 return None
-            return Word(sequence, splits, started, timeout, p50, p99, pid, rank, phase, flags,
+            return Word(sequence, splits, started, timeout, p50, p99, busy, pid, rank, phase, flags,
                         detail.rstrip(b"\0").decode("utf-8", "replace"))
     return None

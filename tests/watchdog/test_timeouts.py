@@ -59,7 +59,7 @@ def test_percentile_is_the_nearest_rank() -> None:
 def test_a_word_round_trips_and_a_torn_one_is_not_read() -> None:
     buffer = words.new_buffer()
     assert words.read(buffer) is None  # never written
-    written = words.Word(7, 12, 123456789, 30.0, 0.5, 2.5, 4242, 3, phases.CODE_OF[phases.WRITER], words.FINISHED,
+    written = words.Word(7, 12, 123456789, 30.0, 0.5, 2.5, 0.125, 4242, 3, phases.CODE_OF[phases.WRITER], words.FINISHED,
                          "writer process 99")
     words.write(buffer, written)
     assert words.read(buffer) == written and written.phase == phases.WRITER

@@ -12,7 +12,7 @@ NOW = 1000 * SECOND
 
 
 def word(rank: int, phase: str, stalled_s: float, splits: int = 10, timeout_s: float = 5.0, flags: int = 0) -> Word:
-    return Word(1, splits, NOW - int(stalled_s * SECOND), timeout_s, 0.0, 0.0, 100 + rank, rank,
+    return Word(1, splits, NOW - int(stalled_s * SECOND), timeout_s, 0.0, 0.0, 0.0, 100 + rank, rank,
                 phases.CODE_OF[phase], flags, "")
 
 

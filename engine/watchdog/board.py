@@ -24,7 +24,8 @@ _RANK_FILE = "rank-{rank}"
 def shared_directory(environment: Mapping[str, str]) -> str | None:
     """The node's directory of this torchrun job's words (this restart's); None outside torchrun
     or in a job of one process."""
-    if int(environment.get("WORLD_SIZE", "1") or 1) <= 1 or "RANK" not in environment:
+    world_size = environment.get("WORLD_SIZE", "1")
+    if not world_size.isdigit() or int(world_size) <= 1 or not environment.get("RANK", "").isdigit():
         return None
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT",

@@ -131,10 +131,24 @@ def end_process() -> None:
     """End this process with :data:`HANG_EXIT_CODE`, from the monitor thread: the main thread is
     stuck, nothing is committed from the hung state. Its child processes (a checkpoint writer
     process, which may be the one that hangs and holds the run dir's lease) end first."""
-    from engine.distributed.launch import descendants
-
-    for pid in descendants(os.getpid()):
+    for pid in _children():
         _kill(pid)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(HANG_EXIT_CODE)
+
+
+def _children() -> list[int]:
+    """This process's child processes, from /proc (every thread's children)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:
+                found += [int(pid) for pid in handle.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found

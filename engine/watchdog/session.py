@@ -23,9 +23,9 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
         yield
         return
     directory = shared_directory(os.environ)
-    board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
-                                     else NodeBoard(directory, int(os.environ["RANK"])))
-    tracker = trackers.PhaseTracker(policy, board.buffer, int(os.environ.get("RANK", "0") or 0))
+    rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    board: AloneBoard | NodeBoard = AloneBoard() if directory is None else NodeBoard(directory, rank)
+    tracker = trackers.PhaseTracker(policy, board.buffer, rank)
     monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker))
     trackers.install(tracker)
     monitor.start()

@@ -4,6 +4,7 @@ Public API (see docs/quickstart.md)::
 
     Trainer, TrainerConfig, CheckpointConfig, FitResult
     Rollback (TrainerConfig.anomaly: roll back past a non-finite or spiking loss)
+    Watchdog (TrainerConfig.watchdog: hang detection, on by default)
     Module, LRSchedule, split_along_time
     Callback, RunView, EarlyStopping
     fingerprint, load_weights, export_weights
@@ -22,7 +23,7 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:
     from engine.callbacks import Callback, RunView
-    from engine.config import CheckpointConfig, Rollback, TrainerConfig
+    from engine.config import CheckpointConfig, Rollback, TrainerConfig, Watchdog
     from engine.callbacks.early_stopping import EarlyStopping
     from engine.errors import (
         AnomalyError,
@@ -74,6 +75,7 @@ __all__ = [
     "WriterConflict",
     "ReplicaDivergence",
     "Rollback",
+    "Watchdog",
     "export_weights",
     "fingerprint",
     "load_weights",
@@ -85,7 +87,7 @@ __all__ = [
 # module -> the names it gives (the same as the TYPE_CHECKING imports above; a test compares them)
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "engine.callbacks": ("Callback", "RunView"),
-    "engine.config": ("CheckpointConfig", "Rollback", "TrainerConfig"),
+    "engine.config": ("CheckpointConfig", "Rollback", "TrainerConfig", "Watchdog"),
     "engine.callbacks.early_stopping": ("EarlyStopping",),
     "engine.errors": (
         "AnomalyError", "CheckpointCorrupt", "CheckpointError", "CheckpointIncompatible", "CheckpointNotFound",

@@ -24,6 +24,7 @@ from engine.run.run_dir import check_local_tier, check_run_dir
 from engine.result import FitResult
 from engine.unknown_keywords import LIGHTNING_FIT, from_lightning, refuse_keywords, refuse_unknown_keywords, trainer_hints
 from engine.checkpoint.store.storage import Storage
+from engine.watchdog import watch
 
 
 class Trainer:
@@ -117,7 +118,8 @@ class Trainer:
             check_run_dir(self.config.run_dir)
             storage = Storage(self.config.run_dir, filesystem=filesystem_for(self.config.run_dir))
         self._exit_if_the_launch_was_preempted()
-        result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
+        with watch(self.config.watchdog, storage):
+            result = FitRun(self.config, self.callbacks, module, train_data, storage, val_data).run(resume)
         if result.preempted and self.config.exit_on_preemption:
             # One write, newline included: the lines of several ranks under torchrun must not interleave.
             sys.stderr.write(f"splitloop: {result.stop_reason}; checkpoint {result.last_checkpoint} committed at "

@@ -373,6 +373,14 @@ def stop_after_fence(count: int) -> None:
     CheckpointStore.write = write  # type: ignore[method-assign]
 
 
+def watchdog_settings(min_timeout_s: float | None) -> dict[str, Any]:
+    """TrainerConfig's watchdog with test-sized timeouts (the default's are minutes)."""
+    if min_timeout_s is None:
+        return {}
+    return {"watchdog": engine.Watchdog(min_timeout_s=min_timeout_s, first_timeout_s=120.0, warmup=3,
+                                        poll_s=0.05)}
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
@@ -392,6 +400,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None, help="another seed: a different run of the same setup")
     parser.add_argument("--writer", choices=["thread", "process"], default="thread",
                         help="'process': checkpoints written by a writer process")
+    parser.add_argument("--watchdog", type=float, default=None,
+                        help="the watchdog's min_timeout_s (first_timeout_s 120, polled every 0.05 s)")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)
@@ -400,7 +410,7 @@ def main(argv: list[str]) -> int:
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
                                     keep_last=args.keep_last or None, lease_expiry=args.lease_expiry, seed=args.seed,
-                                    writer=args.writer,
+                                    writer=args.writer, **watchdog_settings(args.watchdog),
                                     **({"tier": (args.local_tier, args.durable_every)} if args.local_tier else {}))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0

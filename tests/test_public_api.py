@@ -140,7 +140,7 @@ def test_engine_exports_the_documented_api():
         "Callback", "RunView", "fingerprint", "EngineError", "ConfigError", "ModuleContractError", "SplitError",
         "DataError", "CheckpointError", "CheckpointNotFound", "CheckpointCorrupt", "CheckpointIncompatible",
         "CheckpointWriteError", "WriterConflict", "ReplicaDivergence", "InjectedFault", "EarlyStopping", "load_weights",
-        "export_weights", "preemption_safe", "Rollback", "AnomalyError",
+        "export_weights", "preemption_safe", "Rollback", "AnomalyError", "Watchdog",
     }
     assert set(engine.__all__) == documented
 

@@ -12,7 +12,7 @@ from typing import Any
 from engine import faults
 from engine.checkpoint.format.state_keys import CALLBACKS, HYPERPARAMETERS
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
-from engine.config import CheckpointConfig, TrainerConfig
+from engine.config import CheckpointConfig, TrainerConfig, Watchdog
 from engine.distributed.state_parts import saved_world_size
 from engine.errors import ConfigError
 from engine.checkpoint.format.fingerprint import fingerprint
@@ -21,6 +21,9 @@ from engine.data.mixture import source_positions
 from engine.run.run_dir import check_existing_run_dir
 from engine.run import state as run_state
 from engine.run.rollback import anomaly_row
+from engine.watchdog.crash_loop import read_attempts, verdict as crash_loop_verdict
+from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE
+from engine.watchdog.report import describe_hang, read_hangs
 from engine.trainer import Trainer
 
 
@@ -73,6 +76,9 @@ def inspect_run(url: str) -> dict[str, Any]:
         "fingerprint": None,
         "anomalies": [],
         "data": None,
+        "hangs": read_hangs(store.storage),
+        "crash_loop": crash_loop_verdict(read_attempts(store.storage), latest.name if latest is not None else None,
+                                         Watchdog().max_restarts or 0),
     }
     if latest is not None:
         loaded = store.load(latest.name, run_state.validate)
@@ -117,6 +123,10 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(f"hyperparameters: {json.dumps(report['hyperparameters'], sort_keys=True)}")
     for anomaly in report["anomalies"]:
         print(f"anomaly: {anomaly['description']}")
+    for hang in report["hangs"]:
+        print(describe_hang(hang))
+    if report["crash_loop"]:
+        print(f"crash loop: {report['crash_loop']} (the next start exits {CRASH_LOOP_EXIT_CODE})")
     return 0
 
 

@@ -3,6 +3,7 @@
 
 from engine.faults.points import (
     ENVIRONMENT_VARIABLE,
+    HANG_KINDS,
     KINDS,
     POINTS,
     Fault,
@@ -18,6 +19,6 @@ from engine.faults.points import (
 )
 
 __all__ = [
-    "ENVIRONMENT_VARIABLE", "KINDS", "POINTS", "Fault", "arm_from_environment", "armed_at", "arrivals", "clear",
+    "ENVIRONMENT_VARIABLE", "HANG_KINDS", "KINDS", "POINTS", "Fault", "arm_from_environment", "armed_at", "arrivals", "clear",
     "fired", "inject", "io_error_due", "parse_faults", "reach",
 ]

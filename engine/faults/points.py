@@ -4,7 +4,10 @@ test can make the process fail on purpose.
 Configure by API (:func:`inject`) or, for a subprocess, by the environment variable
 ``SPLITLOOP_FAULTS``: a comma-separated list of ``POINT:HIT:KIND`` where HIT is the 1-based
 count of arrivals at POINT that triggers the fault, and KIND one of ``raise``, ``sigkill``,
-``sigterm``, ``enospc``, ``eio``. Example::
+``sigterm``, ``enospc``, ``eio``, ``hang`` (the process sleeps there forever, in Python: a rank
+stuck in user code, or a storage write that never returns at ``filesystem_write``) or ``sigstop``
+(the process stops itself: a rank the kernel stopped). The last two are what the watchdog
+(docs/faults.md, "Hangs") detects. Example::
 
     SPLITLOOP_FAULTS=split_end:7:sigkill python train.py
 
@@ -17,6 +20,7 @@ import dataclasses
 import errno
 import os
 import signal
+import time
 from typing import Iterable
 
 from engine.errors import ConfigError, InjectedFault
@@ -52,7 +56,8 @@ IO_POINTS: dict[str, str] = {
 }
 POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **ROLLBACK_POINTS, **CHECKPOINT_POINTS, **IO_POINTS}
 
-KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio")
+KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio", "hang", "sigstop")
+HANG_KINDS = ("hang", "sigstop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,5 +185,15 @@ def _trigger(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif fault.kind in ("enospc", "eio"):
         raise _os_error(fault.kind, fault.point)
+    elif fault.kind == "hang":
+        _hang_forever()
+    elif fault.kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     else:
         raise InjectedFault(f"injected fault at {fault.point} (arrival {fault.hit})")
+
+
+def _hang_forever() -> None:
+    """Never return (a ``hang`` fault): sleep, as user code stuck in a wait does."""
+    while True:
+        time.sleep(3600)

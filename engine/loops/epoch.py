@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine import faults
+from engine import faults, watchdog
 from engine.data.position import EXHAUSTED, EpochData
 from engine.errors import DataError, warn as warn_user
 from engine.loops.anomaly import AnomalyHistory
@@ -43,6 +43,7 @@ class EpochLoop:
         iterator = self.data.open_epoch(epoch)
         progress = self.progress
         while True:
+            watchdog.mark(watchdog.DATA)
             batch = self.data.next_batch(iterator)
             if batch is EXHAUSTED:
                 break

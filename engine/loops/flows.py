@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from engine import faults
+from engine import faults, watchdog
 from engine.errors import ModuleContractError
 from engine.loops.anomaly import AnomalyWatch, NoAnomalyWatch
 from engine.loops.precision import Precision
@@ -131,6 +131,7 @@ class AutomaticFlow:
         if self.needs_zero_grad[optimizer_index]:
             optimizer.zero_grad()
             self.needs_zero_grad[optimizer_index] = False
+        watchdog.mark(watchdog.STEP)
         faults.reach("step_start")
         unit_ends = last_split or self._per_split
         window_full = unit_ends and self.units_since_step + 1 >= self._accumulate
@@ -144,6 +145,7 @@ class AutomaticFlow:
                 "it was computed without the module's trainable parameters (under torch.no_grad(), from .detach() "
                 "or .item(), or from a new tensor); return the loss computed from the model's output")
         self._watch.check_loss(loss, optimizer_index)  # before backward: a bad loss reaches no gradient
+        watchdog.mark(watchdog.BACKWARD)
         self._precision.backward(loss / self._accumulate if self._accumulate > 1 else loss)
         faults.reach("after_backward")
         self.pending_backward[optimizer_index] = True
@@ -163,6 +165,7 @@ class AutomaticFlow:
             self._precision.unscale(optimizer)
             self._clip(self._optimizer_parameters[index])
         applied_before = self._step_counter.total
+        watchdog.mark(watchdog.OPTIMIZER)
         self._precision.step(optimizer)
         if self._step_counter.total != applied_before:
             for scheduler in self._step_schedulers[index]:
@@ -228,6 +231,7 @@ class ManualFlow:
         self._precision = precision
 
     def run(self, batch: Any, hidden: Hidden, optimizer_index: int, last_split: bool) -> tuple[torch.Tensor, Hidden]:
+        watchdog.mark(watchdog.STEP)
         faults.reach("step_start")
         with self._precision.autocast():
             loss, new_hidden = self._read_output(self._call_step(batch, hidden, optimizer_index))

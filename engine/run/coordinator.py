@@ -13,7 +13,7 @@ from typing import Any, Iterable, Protocol
 
 import torch
 
-from engine import distributed
+from engine import distributed, watchdog
 from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError
@@ -125,10 +125,14 @@ class Group:
         return distributed.RankExchange(self._context).seed_of_rank_zero(seed)
 
     def mean_losses(self, losses: list[float], synced: bytes) -> tuple[list[float], list[bytes]]:
-        return distributed.mean_losses(self._context, losses, synced)
+        watchdog.mark(watchdog.COLLECTIVE)
+        values = distributed.mean_losses(self._context, losses, synced)
+        watchdog.mark(watchdog.BOUNDARY)
+        return values
 
     def agree(self, stop: StopState, checkpoint_due: bool) -> bool:
         """Every rank takes the same stop and checkpoint decisions at this boundary."""
+        watchdog.mark(watchdog.COLLECTIVE)
         agreed = distributed.agree(self._context, stop.preempted, stop.requested, checkpoint_due)
         # Every rank's checkpoint records the same end (the progress is checked equal across
         # ranks): the reason of a rank that stopped by itself, agreed before the others fill one in.
@@ -139,6 +143,7 @@ class Group:
             stop.request("stop requested on another rank")
         if agreed.stop:
             stop.finish_reason = finish_reason
+        watchdog.mark(watchdog.BOUNDARY)
         return agreed.checkpoint
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine import distributed, faults
+from engine import distributed, faults, watchdog
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.checkpointing import Checkpointing, NoCheckpoints
 from engine.checkpoint.policy import RunCheckpointer
@@ -51,6 +51,7 @@ from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import preemption_reason, run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
+from engine.watchdog.crash_loop import Attempts
 from progress import Cursor, ProgressTree
 
 
@@ -94,6 +95,8 @@ class FitRun:
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
+        self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
+                                 writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)
         self.exception_save = self._choose_exception_save()
         self.rollbacks = self._choose_rollbacks()
         self.preemption = PreemptionWatcher(config.preemption_signals)
@@ -117,11 +120,16 @@ class FitRun:
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
+                # Where training begins: a process killed while it starts up is no attempt.
+                self.attempts.begin(self.resumed_from, lambda: self.coordinator.agree(StopState(), False))
                 self._train()
+                watchdog.mark(watchdog.FINISHING)
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
                 self.checkpoints.close(failing=False)
+                self.attempts.ended()
             except BaseException as error:
+                self.attempts.ended_by(error, None if self.cursor is None else str(self.cursor))
                 self.exception_save.save_before_raising(error)
                 self.checkpoints.close(failing=True)
                 raise
@@ -207,6 +215,7 @@ class FitRun:
             self._elapsed_before = resumed.elapsed_seconds
             self.cursor = self.resumed_cursor = loaded.progress.cursor
             self.resumed_from = loaded.name
+            watchdog.resumed_at(self.tree.units_completed())
             self.metrics.record_resume(loaded.name, self.cursor, self.tree.step_counter.total, time.time(),
                                       resumed.world_size_before, self.coordinator.world_size,
                                       None if resumed.fallback is None else resumed.fallback.record())
@@ -245,6 +254,7 @@ class FitRun:
 
     # ---- boundaries -------------------------------------------------------------------
     def _split_boundary(self, split_index: int, losses: list[torch.Tensor]) -> None:
+        watchdog.split_done(watchdog.BOUNDARY)
         position = self.position
         cursor = self.cursor = Cursor(position.epoch, position.batch, split_index, len(losses) - 1)
         values, synced = self.coordinator.mean_losses([loss.item() for loss in losses],
@@ -282,7 +292,9 @@ class FitRun:
 
     def _validate(self, steps: int) -> None:
         assert self.tree.evaluation is not None
+        watchdog.mark(watchdog.VALIDATION)
         values = self.tree.evaluation.run(steps)
+        watchdog.mark(watchdog.BOUNDARY)
         self.metrics.append_aggregate("val", self.cursor, steps, values)
         self.checkpoints.offer_metrics(values)
         self._update_status()
@@ -333,8 +345,10 @@ class FitRun:
                                      self._boundary_mark(), self.metrics, self._elapsed())
 
     def _save(self, force: bool = False) -> None:
+        watchdog.mark(watchdog.CHECKPOINT)
         self.exception_save.forget()
         # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
         snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
+        watchdog.mark(watchdog.BOUNDARY)

@@ -196,6 +196,8 @@ def main() -> int:
                         help="validate after each epoch, sleeping this long per validation split (counted)")
     parser.add_argument("--fail-after-preemption-rank", type=int, default=None,
                         help="this rank exits 3 after its preempted fit (first start only)")
+    parser.add_argument("--watchdog", type=float, default=None,
+                        help="the watchdog's min_timeout_s (test-sized: first_timeout_s 120, polled every 0.05 s)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -240,6 +242,8 @@ def main() -> int:
                  engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else [],
         anomaly=engine.Rollback() if args.poison else None,
         **({} if args.start_timeout is None else {"start_timeout": args.start_timeout}),
+        **({} if args.watchdog is None else {"watchdog": engine.Watchdog(
+            min_timeout_s=args.watchdog, first_timeout_s=120.0, warmup=3, poll_s=0.05)}),
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
     if args.validate_every is not None:

@@ -30,6 +30,7 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.protocol import FastTierCommits
 from engine.checkpoint.writers.worker import BackgroundWork, BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
+from engine.watchdog import WRITER, mark as mark_phase
 
 if TYPE_CHECKING:
     from engine.checkpoint.store.metrics_log import MetricsLog
@@ -165,6 +166,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
                     if pending.monitor is None:
                         self.skipped += 1
                         return False  # every snapshot is being written or must be: skip this one
+                mark_phase(WRITER, "the checkpoint writer thread")
                 self._condition.wait()
                 self._raise_pending_locked()
             buffers = self._free.pop()
@@ -250,6 +252,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         """Wait until every queued snapshot is committed (or failed)."""
         with self._condition:
             while self._queue or self._busy:
+                mark_phase(WRITER, "the checkpoint writer thread")
                 self._condition.wait()
 
     def close(self) -> None:

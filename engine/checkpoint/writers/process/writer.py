@@ -55,6 +55,7 @@ from engine.checkpoint.writers.process.messages import CloseMessage, Message, Sn
 from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
+from engine.watchdog import WRITER, mark as mark_phase
 
 # How long the training process waits for the writer process to answer before it checks that
 # the process still lives (a wait itself is unbounded only while the process lives).
@@ -233,6 +234,7 @@ class ProcessWriter:
 
     def _wait_for_events(self) -> None:
         """Wait a little for events, then apply them; restart a writer process that died."""
+        mark_phase(WRITER, f"writer process {self._process.pid}, {len(self._published)} snapshot(s) in flight")
         select.select([self._events], [], [], _POLL_SECONDS)
         if not self._drain_events() or not self._alive():
             self._writer_died()

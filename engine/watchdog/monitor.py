@@ -1,0 +1,154 @@
+"""The monitor: a daemon thread of each rank that reads the node's progress words and ends the
+process on a hang.
+
+A thread, not a process: it starts in microseconds (the watchdog is on in every fit), reads the
+words from memory, and needs the GIL only once a second for a few microseconds. Every wait a
+rank hangs in that we know of releases the GIL (a gloo or NCCL collective, a sleep, a blocked
+read, write or fsync, a lock, a stopped writer process); a rank stopped whole (SIGSTOP) or stuck
+in C code that holds the GIL cannot run its own monitor, and the monitor of another rank on its
+node reports it instead and kills it (engine.watchdog.verdict says who is to blame).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Protocol
+
+from engine.config import Watchdog
+from engine.watchdog.phases import HANG_EXIT_CODE
+from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
+from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
+from engine.watchdog.tracker import PhaseTracker
+from engine.watchdog.verdict import Hang, judge
+from engine.watchdog.word import REPORTED, Word
+
+_GRACE_S = 2.0  # how long a rank waits for a hung rank on its node to report itself
+
+
+class Board(Protocol):
+    def words(self) -> list[Word]: ...
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not): only to skip a rank that died, which torchrun sees."""
+    state = process_state(pid)
+    return state is not None and state != "a zombie"
+
+
+def stopped(pid: int) -> bool:
+    state = process_state(pid)
+    return state is not None and state.startswith("stopped")
+
+
+class Monitor:
+    """Watches ``board`` every ``policy.poll_seconds`` on a daemon thread; on a hang, publishes
+    the report (this rank's if it is the culprit, or the node's lowest waiting rank's for a rank
+    that cannot report itself) and calls ``on_hang`` (by default: end the process with
+    :data:`HANG_EXIT_CODE`)."""
+
+    def __init__(self, policy: Watchdog, tracker: PhaseTracker, board: Board, storage: AppendOnly | None,
+                 on_hang: Callable[[], None] | None = None) -> None:
+        self._policy = policy
+        self._tracker = tracker
+        self._board = board
+        self._storage = storage
+        self._on_hang = on_hang if on_hang is not None else end_process
+        self._host = socket.gethostname()
+        self._first_seen: dict[int, int] = {}
+        self._stragglers = (None if policy.straggler_factor is None
+                            else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitloop-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._policy.poll_seconds):
+            if self.check(time.monotonic_ns()):
+                return
+
+    def check(self, now_ns: int) -> bool:
+        """Look once; True when a hang was acted on."""
+        local = self._board.words()
+        if self._stragglers is not None and local and self._tracker.rank == min(word.rank for word in local):
+            for straggler in self._stragglers.look(local):
+                report_straggler(straggler, self._host, self._storage)
+        hang = judge(local, now_ns, alive, stopped)
+        if hang is None:
+            self._first_seen.clear()
+            return False
+        return self._act(hang, now_ns)
+
+    def _act(self, hang: Hang, now_ns: int) -> bool:
+        culprit, own = hang.culprit, self._tracker.rank
+        if culprit is not None and culprit.rank == own:
+            self._report(hang, stacks=own_stacks())
+            self._tracker.set_flag(REPORTED)
+        elif culprit is None:
+            if own == min(word.rank for word in hang.waiting):
+                self._report(hang)
+        elif culprit.flags & REPORTED or not alive(culprit.pid):
+            self._say(f"rank {culprit.rank} hung and reported it; rank {own} ends too")
+        else:
+            first = self._first_seen.setdefault(culprit.rank, now_ns)
+            if (now_ns - first) / 1e9 < _GRACE_S + 2 * self._policy.poll_seconds:
+                return False  # give the culprit's own monitor the time to report it with its stacks
+            if own == min(word.rank for word in hang.waiting):
+                self._report(hang, state=process_state(culprit.pid))
+                _kill(culprit.pid)
+        self._on_hang()
+        return True
+
+    def _report(self, hang: Hang, stacks: str | None = None, state: str | None = None) -> None:
+        publish(HangReport(hang, self._tracker.rank, self._host, HANG_EXIT_CODE, stacks, state), self._storage)
+
+    def _say(self, text: str) -> None:
+        sys.stderr.write(f"splitloop watchdog: {text}; exiting with {HANG_EXIT_CODE}\n")
+        sys.stderr.flush()
+
+
+def _kill(pid: int) -> None:
+    """A rank that cannot report itself cannot stop itself either (a stopped process keeps
+    torchrun's SIGTERM pending): end it, so that the group restarts at once."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def end_process() -> None:
+    """End this process with :data:`HANG_EXIT_CODE`, from the monitor thread: the main thread is
+    stuck, nothing is committed from the hung state. Its child processes (a checkpoint writer
+    process, which may be the one that hangs and holds the run dir's lease) end first."""
+    for pid in _children():
+        _kill(pid)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(HANG_EXIT_CODE)
+
+
+def _children() -> list[int]:
+    """This process's child processes, from /proc (every thread's children)."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as handle:
+                found += [int(pid) for pid in handle.read().split()]
+        except (OSError, ValueError):
+            continue
+    return found

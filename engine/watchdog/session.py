@@ -1,0 +1,46 @@
+"""One fit under the watchdog: the word, the tracker :func:`~engine.watchdog.tracker.mark` writes
+to, and the monitor thread, from before the process group is joined until ``fit`` returns."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from engine.config import Watchdog
+from engine.watchdog import tracker as trackers
+from engine.watchdog.board import AloneBoard, NodeBoard, shared_directory
+from engine.watchdog.monitor import Monitor, end_process
+from engine.watchdog.report import AppendOnly
+from engine.watchdog.word import FINISHED, REPORTED
+
+
+@contextlib.contextmanager
+def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]:
+    """Run the body under ``policy`` (None: no watchdog); hang reports go to ``storage``'s
+    ``hangs.jsonl`` (None: stderr only)."""
+    if policy is None or trackers.current() is not None:  # a fit inside a fit (a callback's) is watched already
+        yield
+        return
+    directory = shared_directory(os.environ)
+    rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
+    board: AloneBoard | NodeBoard = AloneBoard() if directory is None else NodeBoard(directory, rank)
+    tracker = trackers.PhaseTracker(policy, board.buffer, rank)
+    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker))
+    trackers.install(tracker)
+    monitor.start()
+    try:
+        yield
+    finally:
+        tracker.set_flag(FINISHED)
+        monitor.stop()
+        trackers.install(None)
+        board.close()
+
+
+def _end_process(board: AloneBoard | NodeBoard, tracker: trackers.PhaseTracker) -> None:
+    """The hung rank leaves its word (flagged REPORTED) for the other ranks of its node to read;
+    a rank that ends because another hung removes the node's words (no file is left in /dev/shm)."""
+    if not tracker.flags & REPORTED:
+        board.remove_all()
+    end_process()

@@ -1,0 +1,97 @@
+"""The monitor thread in process: it runs during ``fit`` and only then, the word it reads moves
+with every split, and on a stalled word it reports (line, row, stacks) and calls its hang action."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+import engine
+import scenarios
+from engine.watchdog import phases, tracker as trackers
+from engine.watchdog.board import AloneBoard
+from engine.watchdog.monitor import Monitor
+from engine.watchdog.word import REPORTED
+
+
+class WordSeen(engine.Callback):
+    """Records, at each split end, the split count of this process's word and the watchdog threads."""
+
+    def __init__(self) -> None:
+        self.splits: list[int] = []
+        self.threads: list[int] = []
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        tracker = trackers.current()
+        assert tracker is not None
+        self.splits.append(tracker.splits)
+        self.threads.append(sum(thread.name == "splitloop-watchdog" for thread in threading.enumerate()))
+
+
+def test_the_monitor_runs_during_fit_only_and_the_word_counts_the_splits() -> None:
+    model, loader = scenarios.build("tbptt")
+    seen = WordSeen()
+    config = engine.TrainerConfig(max_epochs=1, progress_bar="off", **scenarios.SCENARIOS["tbptt"].config_kwargs())
+    engine.Trainer(config, callbacks=[seen]).fit(model, loader)
+    assert seen.splits == list(range(1, len(seen.splits) + 1)) and len(seen.splits) > 3
+    assert set(seen.threads) == {1}
+    assert trackers.current() is None
+    assert not any(thread.name == "splitloop-watchdog" for thread in threading.enumerate())
+
+
+class Appended:
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+
+    def append(self, relative: str, data: bytes) -> None:
+        self.files[relative] = self.files.get(relative, b"") + data
+
+
+def test_a_stalled_word_is_reported_with_the_stacks_and_ends_the_process(capsys: pytest.CaptureFixture[str]) -> None:
+    policy = engine.Watchdog(min_timeout_s=0.2, first_timeout_s=0.2, poll_s=0.01)
+    board = AloneBoard()
+    tracker = trackers.PhaseTracker(policy, board.buffer, rank=0)
+    tracker.split_done(phases.BOUNDARY)
+    storage, ended = Appended(), threading.Event()
+    monitor = Monitor(policy, tracker, board, storage, on_hang=ended.set)
+    monitor.start()
+    try:
+        assert ended.wait(10.0)
+    finally:
+        monitor.stop()
+        board.close()
+    assert tracker.flags & REPORTED
+    row = json.loads(storage.files["hangs.jsonl"])
+    assert (row["rank"], row["phase"], row["last_split"], row["reported_by"]) == (0, "boundary", 1, 0)
+    assert row["stalled_s"] >= 0.2 and "test_a_stalled_word_is_reported" in row["stacks"]
+    err = capsys.readouterr().err
+    assert "rank 0" in err and "hung in phase 'boundary'" in err and "test_a_stalled_word_is_reported" in err
+
+
+def test_a_moving_word_is_never_reported() -> None:
+    policy = engine.Watchdog(min_timeout_s=0.3, first_timeout_s=0.3, poll_s=0.01)
+    board = AloneBoard()
+    tracker = trackers.PhaseTracker(policy, board.buffer, rank=0)
+    hung = threading.Event()
+    monitor = Monitor(policy, tracker, board, None, on_hang=hung.set)
+    monitor.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            tracker.split_done(phases.BOUNDARY)
+            time.sleep(0.01)
+    finally:
+        monitor.stop()
+        board.close()
+    assert not hung.is_set()
+
+
+def test_a_resumed_run_counts_the_runs_splits(tmp_path) -> None:
+    first = WordSeen()
+    scenarios.train_with_checkpoints("tbptt", str(tmp_path), epochs=1, callbacks=(first,))
+    second = WordSeen()
+    scenarios.train_with_checkpoints("tbptt", str(tmp_path), epochs=2, callbacks=(second,))
+    assert second.splits[0] == first.splits[-1] + 1  # the run's split count, not this fit's

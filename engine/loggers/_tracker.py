@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from engine.errors import ConfigError, warn as warn_user
 from engine.loggers.base import Logger, Row, RunInfo, row_scalars, row_step
 
-# One row as a tracker takes it: (optimizer step, {"<stage>/<name>": value}).
-Point = tuple[int, dict[str, float]]
+
+
+class Point(NamedTuple):
+    """One row as a tracker takes it."""
+
+    step: int                  # the row's optimizer step
+    values: dict[str, float]   # "<stage>/<name>" -> value
+    milliseconds: int          # when the row was logged; fixed, so a send tried again is the same send
 
 
 class Tracker(Logger):
@@ -44,6 +50,7 @@ class Tracker(Logger):
         self._down = False               # the tracker did not answer (warned once)
         self._notices: list[str] = []    # warnings from the sender thread, raised on the training thread
         self.unsent: list[Point] = []    # committed rows that never reached the tracker (after close)
+        self._last_milliseconds = 0
 
     # ---- the Logger interface (training thread; committed() also the writer's) -------------
     def bind(self, run: RunInfo) -> None:
@@ -56,9 +63,8 @@ class Tracker(Logger):
         self._start(list(committed_rows))
 
     def log_row(self, row: Row) -> None:
-        point = (row_step(row), dict(row_scalars(row)))
         with self._condition:
-            self._points.append(point)
+            self._points.append(Point(row_step(row), dict(row_scalars(row)), self._now()))
         self._raise_notices()
 
     def committed(self, rows: int) -> None:
@@ -71,7 +77,7 @@ class Tracker(Logger):
         self._stop()
         self._raise_notices()
         if self.unsent:
-            steps = [step for step, _ in self.unsent]
+            steps = [point.step for point in self.unsent]
             warn_user(f"{self!r}: {len(self.unsent)} committed rows (steps {min(steps)} to {max(steps)}) did not "
                       f"reach the tracker within close_timeout={self.close_timeout:g} s; metrics.jsonl keeps them, "
                       "and the next resume of this run sends them")
@@ -92,9 +98,13 @@ class Tracker(Logger):
     def _finish(self) -> None:
         """Everything committed was sent and ``fit`` ends."""
 
+    def _reset(self) -> None:
+        """A new start (no sender thread runs): forget the previous start's connection."""
+
     # ---- the sender thread ------------------------------------------------------------------
     def _start(self, committed_rows: list[Row] | None) -> None:
         self._stop()  # a rollback resumes a running logger: its sender ends first
+        self._reset()
         with self._condition:
             self._points, self._backlog, self.unsent = [], [], []
             self._first = self._committed = 0 if committed_rows is None else len(committed_rows)
@@ -122,9 +132,8 @@ class Tracker(Logger):
             held: list[dict[str, int]] = []
             if not self._until_done(lambda: held.append(self._held_counts())):
                 return
-            backlog, extra = points_missing(committed_rows, held[0])
             with self._condition:
-                self._backlog = backlog
+                self._backlog, extra = points_missing(committed_rows, held[0], self._now)
             if extra:
                 self._notice(f"{self!r}: the tracker run holds points beyond the resumed checkpoint ({extra}); "
                              "a newer checkpoint was lost after its rows were sent, and they stay in the tracker")
@@ -166,6 +175,12 @@ class Tracker(Logger):
                     return False
                 self._condition.wait(min(self.retry_seconds, max(0.0, self._give_up_at - time.monotonic())))
 
+    def _now(self) -> int:
+        """Milliseconds since the epoch, later than every earlier row's (call under the lock):
+        the points of one key at one step stay distinct and in order."""
+        self._last_milliseconds = max(int(time.time() * 1000), self._last_milliseconds + 1)
+        return self._last_milliseconds
+
     def _notice(self, message: str) -> None:
         with self._condition:
             self._notices.append(message)
@@ -177,10 +192,11 @@ class Tracker(Logger):
             warn_user(message)
 
 
-def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple[list[Point], dict[str, int]]:
+def points_missing(committed_rows: Sequence[Row], held: dict[str, int],
+                   clock: Callable[[], int]) -> tuple[list[Point], dict[str, int]]:
     """The points of ``committed_rows`` a tracker run holding ``held[key]`` points of each key
-    lacks (the first ``held[key]`` of each key are there: rows are sent in order), and the keys
-    of which it holds more than the rows have."""
+    lacks (the first ``held[key]`` of each key are there: rows are sent in order), stamped with
+    ``clock()``, and the keys of which it holds more than the rows have."""
     remaining = dict(held)
     missing: list[Point] = []
     for row in committed_rows:
@@ -191,7 +207,7 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple
             else:
                 values[key] = value
         if values:
-            missing.append((row_step(row), values))
+            missing.append(Point(row_step(row), values, clock()))
     return missing, {key: count for key, count in remaining.items() if count > 0}
 
 

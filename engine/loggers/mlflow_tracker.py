@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 import uuid
 from typing import TYPE_CHECKING, Mapping
 
@@ -65,7 +64,7 @@ class MLflow(Tracker):
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.run_id: str | None = None
         self._client: MlflowClient | None = None
-        self._last_milliseconds = 0
+        self._record: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"engine.loggers.MLflow({self.tracking_uri!r}, experiment={self.experiment!r})"
@@ -75,10 +74,13 @@ class MLflow(Tracker):
         from mlflow.tracking import MlflowClient
 
         client = self._client = MlflowClient(self.tracking_uri)
-        record = None if fresh else self._read_record()
-        if record is None or "token" not in record:
-            record = {"token": uuid.uuid4().hex}
-            self._write_record(record)
+        if self._record is None:  # once per start: a connection tried again keeps its token
+            record = None if fresh else self._read_record()
+            if record is None or "token" not in record:
+                record = {"token": uuid.uuid4().hex}
+                self._write_record(record)
+            self._record = record
+        record = self._record
         run_id = record.get("run_id") or self._run_with_token(client, record["token"])
         if run_id is None:
             experiment = client.get_experiment_by_name(self.experiment)
@@ -87,10 +89,14 @@ class MLflow(Tracker):
             run_id = client.create_run(experiment_id, tags={**self.tags, TOKEN_TAG: record["token"]},
                                        run_name=self.run_name).info.run_id
         if record.get("run_id") != run_id:
-            self._write_record({**record, "run_id": run_id})
+            record = self._record = {**record, "run_id": run_id}
+            self._write_record(record)
         client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self._log_missing_params(client, run_id)
+
+    def _reset(self) -> None:
+        self._record, self._client, self.run_id = None, None, None
 
     def _held_counts(self) -> dict[str, int]:
         client, run_id = self._attached()
@@ -101,12 +107,10 @@ class MLflow(Tracker):
         from mlflow.entities import Metric
 
         client, run_id = self._attached()
-        metrics = []
-        for step, values in points:
-            # One timestamp per row, always increasing: points of one key at one step stay
-            # distinct (MLflow drops a point equal to one it holds in key, step, time and value).
-            self._last_milliseconds = max(int(time.time() * 1000), self._last_milliseconds + 1)
-            metrics += [Metric(key, value, self._last_milliseconds, step) for key, value in values.items()]
+        # MLflow keeps one point per (key, step, time, value): a batch sent again after a lost
+        # answer adds nothing, and rows of one key at one step stay distinct (their times differ).
+        metrics = [Metric(key, value, point.milliseconds, point.step)
+                   for point in points for key, value in point.values.items()]
         for start in range(0, len(metrics), _BATCH_METRICS):
             client.log_batch(run_id, metrics=metrics[start:start + _BATCH_METRICS])
 

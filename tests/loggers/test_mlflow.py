@@ -1,0 +1,156 @@
+"""engine.loggers.MLflow against a real MLflow tracking server (tests/mlflow_server.py: MLflow's
+tracking app over SQLite on 127.0.0.1): the MLflow run holds exactly the rows of metrics.jsonl,
+each once; a run SIGKILLed and resumed is one MLflow run whose metric histories (read back with
+MlflowClient.get_metric_history) equal an uninterrupted run's, params logged once; a stopped
+server costs one warning and the rows arrive once it is back, or are listed as unsent."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import pytest
+
+import engine
+import engine.loggers
+import forkserver
+from kill_helpers import TIMEOUT, environment, kill_at_random_instant, run_scenario
+from mlflow_server import MlflowTestServer, mlflow_server  # noqa: F401  (fixture)
+from plateau_scenario import train_plateau
+from resume_helpers import assert_same_run, read_metrics
+
+SCRIPT = str(pathlib.Path(__file__).parent.parent / "plateau_scenario.py")
+History = dict[str, list[tuple[int, float]]]
+
+
+def mlflow_runs(server: MlflowTestServer, experiment: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.uri)
+    found = client.get_experiment_by_name(experiment)
+    return [] if found is None else list(client.search_runs([found.experiment_id]))
+
+
+def histories(server: MlflowTestServer, run_id: str) -> History:
+    """Every metric of the MLflow run: its points in the order they were logged, as (step, value)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.uri)
+    result = {}
+    for key in client.get_run(run_id).data.metrics:
+        points = sorted(client.get_metric_history(run_id, key), key=lambda metric: metric.timestamp)
+        result[key] = [(metric.step, metric.value) for metric in points]
+    return result
+
+
+def expected_histories(run_dir: str) -> History:
+    """What the rows of metrics.jsonl describe, keyed as the TensorBoard tags."""
+    expected: History = {}
+    for line in read_metrics(run_dir).splitlines():
+        row = json.loads(line)
+        for name, value in [("loss", row.get("loss")), *row.get("metrics", {}).items()]:
+            if value is not None:
+                expected.setdefault(f"{row['stage']}/{name}", []).append((row["step"], value))
+    return expected
+
+
+def the_one_run(server: MlflowTestServer, experiment: str, run_dir: str):
+    runs = mlflow_runs(server, experiment)
+    assert len(runs) == 1, [run.info.run_id for run in runs]
+    assert json.loads(pathlib.Path(run_dir, "mlflow-run.json").read_text())["run_id"] == runs[0].info.run_id
+    return runs[0]
+
+
+def assert_same_params(run, reference_run) -> None:
+    """The params of ``run`` are the reference's (each run names its own run_dir)."""
+    def without_run_dir(params):
+        return {key: value for key, value in params.items() if key != "config/run_dir"}
+
+    assert without_run_dir(run.data.params) == without_run_dir(reference_run.data.params)
+
+
+@pytest.fixture(scope="module")
+def reference(mlflow_server, tmp_path_factory):
+    """The plateau scenario (TBPTT, validation, learning rate reduced on plateaus) run once,
+    uninterrupted, with the MLflow logger."""
+    run_dir, experiment = str(tmp_path_factory.mktemp("reference")), mlflow_server.experiment()
+    logger = engine.loggers.MLflow(mlflow_server.uri, experiment=experiment)
+    train_plateau(run_dir, loggers=[logger])
+    return run_dir, the_one_run(mlflow_server, experiment, run_dir)
+
+
+def test_the_mlflow_run_holds_exactly_the_rows_of_metrics_jsonl_and_the_params(mlflow_server, reference):
+    run_dir, run = reference
+    assert histories(mlflow_server, run.info.run_id) == expected_histories(run_dir)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["config/max_epochs"] == "3" and run.data.params["config/val_every_n_steps"] == "5"
+    assert not any(key.startswith("config/loggers") for key in run.data.params)
+
+
+def kill_once_the_tracker_holds_rows(server: MlflowTestServer, experiment: str, run_dir: str, points: int) -> None:
+    """Start the scenario and SIGKILL it once its MLflow run holds ``points`` train/loss points
+    (rows a checkpoint committed and the sender sent; more may be committed and unsent)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(server.uri)
+    with tempfile.TemporaryFile(mode="w+") as stderr:
+        process = forkserver.popen([sys.executable, SCRIPT, "schedule", run_dir, "--sleep", "0.2",
+                                    "--mlflow", server.uri, experiment], env=environment(None),
+                                   stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline and process.poll() is None:
+                runs = mlflow_runs(server, experiment)
+                if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= points:
+                    break
+                time.sleep(0.1)
+            process.send_signal(signal.SIGKILL)
+            process.wait(TIMEOUT)
+            stderr.seek(0)
+            assert process.returncode == -signal.SIGKILL, f"it ended before holding {points} points: " + stderr.read()[-3000:]
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_rows_reached_mlflow_resumes_into_the_same_run_each_point_once(mlflow_server, reference,
+                                                                                       tmp_path):
+    reference_dir, reference_run = reference
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    kill_once_the_tracker_holds_rows(mlflow_server, experiment, run_dir, points=8)
+    process = run_scenario("schedule", run_dir, None, "--mlflow", mlflow_server.uri, experiment, script=SCRIPT)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert_same_run(reference_dir, run_dir)
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    assert histories(mlflow_server, run.info.run_id) == histories(mlflow_server, reference_run.info.run_id)
+    assert_same_params(run, reference_run)
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_sigkill_at_random_instants(mlflow_server, reference, tmp_path):
+    reference_dir, reference_run = reference
+    rng = random.Random(36)
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    kills = 0
+    for _ in range(8):
+        if not kill_at_random_instant("schedule", run_dir, rng, 3.0, "--sleep", "0.05", "--mlflow", mlflow_server.uri,
+                                      experiment, script=SCRIPT):
+            break
+        kills += 1
+    process = run_scenario("schedule", run_dir, None, "--mlflow", mlflow_server.uri, experiment, script=SCRIPT)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert kills >= 3
+    assert_same_run(reference_dir, run_dir)
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    assert histories(mlflow_server, run.info.run_id) == histories(mlflow_server, reference_run.info.run_id)
+    assert_same_params(run, reference_run)

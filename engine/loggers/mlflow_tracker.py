@@ -9,12 +9,20 @@ created with that token as a tag, so a kill between the creation and the record 
 Every later process of the run attaches to that MLflow run, asks it how many points of each metric
 it holds (``get_metric_history``), and sends only the committed rows it lacks. The run's
 hyperparameters are logged as params once (on a resume, only those missing).
+
+MLflow draws from Python's global ``random`` (a run's generated name, the jitter between HTTP
+retries). Drawn on the sender thread beside the training, that would change the training's own
+random stream, and a resumed run would no longer be bit-identical: the modules that draw get a
+private generator instead (:func:`_private_random`), once, when the sender first imports mlflow.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import random
+import sys
 import uuid
 from typing import TYPE_CHECKING, Mapping
 
@@ -25,6 +33,9 @@ if TYPE_CHECKING:  # pragma: no cover - mlflow is optional and imported by the s
     from mlflow.tracking import MlflowClient
 
 RUN_FILE = "mlflow-run.json"
+# The modules that draw from Python's global random while MLflow talks to a server (or a local store).
+_DRAWING_MODULES = ("mlflow.utils.name_utils", "mlflow.utils.rest_utils", "mlflow.utils.request_utils",
+                    "urllib3.util.retry")
 TOKEN_TAG = "splitloop.run_token"
 _BATCH_METRICS, _BATCH_PARAMS = 1000, 100  # MLflow's limits for one log_batch
 
@@ -73,6 +84,7 @@ class MLflow(Tracker):
     def _connect(self, fresh: bool) -> None:
         from mlflow.tracking import MlflowClient
 
+        _private_random()
         client = self._client = MlflowClient(self.tracking_uri)
         if self._record is None:  # once per start: a connection tried again keeps its token
             record = None if fresh else self._read_record()
@@ -149,3 +161,12 @@ class MLflow(Tracker):
     def _write_record(self, record: dict[str, str]) -> None:
         if self.run.files is not None:
             self.run.files.replace(RUN_FILE, json.dumps(record).encode())
+
+
+def _private_random() -> None:
+    """Give the modules of ``_DRAWING_MODULES`` their own generator instead of Python's global
+    ``random`` (see the module docstring); they draw the same kind of numbers."""
+    for name in _DRAWING_MODULES:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        if getattr(module, "random", None) is random:
+            setattr(module, "random", random.Random())

@@ -154,3 +154,83 @@ def test_sigkill_at_random_instants(mlflow_server, reference, tmp_path):
     run = the_one_run(mlflow_server, experiment, run_dir)
     assert histories(mlflow_server, run.info.run_id) == histories(mlflow_server, reference_run.info.run_id)
     assert_same_params(run, reference_run)
+
+
+class ServerOutage(engine.Callback):
+    """Stops the tracking server after split ``down_at`` and starts it again after split
+    ``up_at`` (never, if None), counted in this process."""
+
+    def __init__(self, server: MlflowTestServer, down_at: int, up_at: int | None) -> None:
+        self.server, self.down_at, self.up_at, self.splits = server, down_at, up_at, 0
+
+    def on_split_end(self, view: engine.RunView) -> None:
+        self.splits += 1
+        if self.splits == self.down_at:
+            self.server.stop()
+        elif self.splits == self.up_at:
+            self.server.start()
+
+
+def tracker_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(warning.message) for warning in caught if "engine.loggers.MLflow" in str(warning.message)]
+
+
+def test_a_stopped_server_costs_one_warning_and_gets_every_row_once_it_is_back(mlflow_server, reference, tmp_path):
+    reference_dir, reference_run = reference
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    logger = engine.loggers.MLflow(mlflow_server.uri, experiment=experiment, retry_seconds=0.1)
+    outage = ServerOutage(mlflow_server, down_at=8, up_at=20)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_plateau(run_dir, loggers=[logger], callbacks=(outage,))
+    finally:
+        if outage.splits < outage.up_at:
+            mlflow_server.start()
+    assert outage.splits > outage.up_at
+    messages = tracker_warnings(caught)
+    assert len(messages) == 1 and "cannot reach the tracker" in messages[0] and "training goes on" in messages[0]
+    assert_same_run(reference_dir, run_dir)
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    assert histories(mlflow_server, run.info.run_id) == histories(mlflow_server, reference_run.info.run_id)
+
+
+def test_rows_still_unsent_at_the_end_are_listed_and_the_next_resume_sends_them(mlflow_server, reference, tmp_path):
+    reference_dir, reference_run = reference
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    logger = engine.loggers.MLflow(mlflow_server.uri, experiment=experiment, retry_seconds=0.1, close_timeout=0.5)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_plateau(run_dir, loggers=[logger], callbacks=(ServerOutage(mlflow_server, 30, None),))
+    finally:
+        mlflow_server.start()
+    messages = tracker_warnings(caught)
+    assert len(messages) == 2 and "cannot reach the tracker" in messages[0], messages
+    rows = len(read_metrics(run_dir).splitlines())
+    assert f"{len(logger.unsent)} committed rows (steps" in messages[1] and 0 < len(logger.unsent) < rows
+    assert "the next resume of this run sends them" in messages[1]
+    assert_same_run(reference_dir, run_dir)  # training and its checkpoints went on regardless
+    train_plateau(run_dir, loggers=[logger])  # the finished run, resumed: nothing to train
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    assert histories(mlflow_server, run.info.run_id) == histories(mlflow_server, reference_run.info.run_id)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: engine.loggers.MLflow(""), "MLflow.tracking_uri: expected a URI string or None, got ''"),
+    (lambda: engine.loggers.MLflow(experiment=""), "MLflow.experiment: expected a non-empty experiment name"),
+    (lambda: engine.loggers.MLflow(tags={1: "a"}), "MLflow.tags: expected a mapping of str to str"),
+    (lambda: engine.loggers.MLflow(close_timeout=0), "MLflow.close_timeout: expected a positive number of seconds"),
+])
+def test_settings_are_checked_up_front(make, message):
+    with pytest.raises(engine.ConfigError, match=message):
+        make()
+
+
+def test_without_mlflow_installed_the_logger_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
+    with pytest.raises(engine.ConfigError, match=r"needs the mlflow package.*pip install 'splitloop\[mlflow\]'"):
+        engine.loggers.MLflow("http://127.0.0.1:1")

@@ -141,7 +141,8 @@ def test_preemption_stops_every_rank_at_one_boundary_and_launch_exits_75(tmp_pat
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     out_dir.mkdir()
     command = [helpers.sys.executable, "-m", "engine", "launch", "--marker", str(tmp_path / "marker.json"), "--",
-               *helpers.torchrun_command(2, run_dir, out_dir, "--every", "1000", "--no-epoch-checkpoint", "--slow", "0.2", max_restarts=2)]
+               *helpers.torchrun_command(2, run_dir, out_dir, "--every", "1000", "--no-epoch-checkpoint", "--slow", "0.2", max_restarts=2,
+                                         forked_ranks=True)]  # the signal goes to the training process itself
     with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, cwd=helpers.REPOSITORY) as job:
         helpers.wait_for(lambda: min(helpers.splits_done(out_dir, r) for r in (0, 1)) >= 2, "training started", job)

@@ -95,7 +95,9 @@ def test_two_nodes_one_killed_whole_and_the_job_restarted_resume_exactly(referen
     # Early in the job (a kill after its last commit leaves the resumed job nothing to train).
     victim, delay = rng.randrange(2), rng.uniform(0.0, 0.5)
     job = tmp_path / "job"
-    agents = helpers.start_nodes(job, *OPTIONS, "--slow", "0.1")
+    # Ranks forked through the relay (CI time: no fresh torch per rank): a killed node's relays
+    # take their training processes with them (the fork server SIGKILLs them).
+    agents = helpers.start_nodes(job, *OPTIONS, "--slow", "0.1", forked_ranks=True)
     try:
         helpers.wait_for(lambda: helpers.metrics_lines(job / "run") >= 2, "training started", agents[0])
         time.sleep(delay)
@@ -108,7 +110,7 @@ def test_two_nodes_one_killed_whole_and_the_job_restarted_resume_exactly(referen
             if agent.poll() is None:
                 helpers.kill_node(agent)
     # The scheduler starts the job again: both agents.
-    restarted = helpers.start_nodes(job, *OPTIONS)
+    restarted = helpers.start_nodes(job, *OPTIONS, forked_ranks=True)
     statuses = [agent.wait(timeout=helpers.TIMEOUT) for agent in restarted]
     assert statuses == [0, 0], f"node {victim} killed after {delay:.2f}s: " + helpers.node_logs(job)
     helpers.assert_same_result(reference, job, 2)

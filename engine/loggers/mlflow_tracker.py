@@ -24,14 +24,14 @@ import json
 import random
 import sys
 import uuid
-from typing import TYPE_CHECKING, Mapping
+from types import ModuleType
+from typing import Any, Mapping
 
 from engine.errors import ConfigError
 from engine.loggers._tracker import Point, Tracker
 
-if TYPE_CHECKING:  # pragma: no cover - mlflow is optional and imported by the sender thread
-    from mlflow.tracking import MlflowClient
-
+_MISSING = ("engine.loggers.MLflow needs the mlflow package, which is not installed: "
+            "pip install 'splitloop[mlflow]' (or pip install mlflow-skinny)")
 RUN_FILE = "mlflow-run.json"
 # The modules that draw from Python's global random while MLflow talks to a server (or a local store).
 _DRAWING_MODULES = ("mlflow.utils.name_utils", "mlflow.utils.rest_utils", "mlflow.utils.request_utils",
@@ -69,12 +69,11 @@ class MLflow(Tracker):
         if tags is not None and not (isinstance(tags, Mapping) and all(isinstance(k, str) for k in tags)):
             raise ConfigError(f"MLflow.tags: expected a mapping of str to str, got {tags!r}")
         if importlib.util.find_spec("mlflow") is None:
-            raise ConfigError("engine.loggers.MLflow needs the mlflow package, which is not installed: "
-                              "pip install 'splitloop[mlflow]' (or pip install mlflow-skinny)")
+            raise ConfigError(_MISSING)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.run_id: str | None = None
-        self._client: MlflowClient | None = None
+        self._client: Any = None  # an mlflow.tracking.MlflowClient once connected
         self._record: dict[str, str] | None = None
 
     def __repr__(self) -> str:
@@ -82,10 +81,9 @@ class MLflow(Tracker):
 
     # ---- the sender thread's calls ----------------------------------------------------------
     def _connect(self, fresh: bool) -> None:
-        from mlflow.tracking import MlflowClient
-
+        mlflow = _import_mlflow()
         _private_random()
-        client = self._client = MlflowClient(self.tracking_uri)
+        client = self._client = mlflow.tracking.MlflowClient(self.tracking_uri)
         if self._record is None:  # once per start: a connection tried again keeps its token
             record = None if fresh else self._read_record()
             if record is None or "token" not in record:
@@ -116,8 +114,7 @@ class MLflow(Tracker):
         return {key: len(client.get_metric_history(run_id, key)) for key in keys}
 
     def _send(self, points: list[Point]) -> None:
-        from mlflow.entities import Metric
-
+        Metric = _import_mlflow().entities.Metric
         client, run_id = self._attached()
         # MLflow keeps one point per (key, step, time, value): a batch sent again after a lost
         # answer adds nothing, and rows of one key at one step stay distinct (their times differ).
@@ -131,11 +128,11 @@ class MLflow(Tracker):
         client.set_terminated(run_id, "FINISHED")
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _attached(self) -> tuple[MlflowClient, str]:
+    def _attached(self) -> tuple[Any, str]:
         assert self._client is not None and self.run_id is not None, "called before _connect"
         return self._client, self.run_id
 
-    def _run_with_token(self, client: MlflowClient, token: str) -> str | None:
+    def _run_with_token(self, client: Any, token: str) -> str | None:
         """The MLflow run created with ``token`` by an earlier process killed before recording it."""
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is None:
@@ -143,9 +140,8 @@ class MLflow(Tracker):
         runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{TOKEN_TAG}` = '{token}'")
         return runs[0].info.run_id if runs else None
 
-    def _log_missing_params(self, client: MlflowClient, run_id: str) -> None:
-        from mlflow.entities import Param
-
+    def _log_missing_params(self, client: Any, run_id: str) -> None:
+        Param = _import_mlflow().entities.Param
         held = client.get_run(run_id).data.params
         params = [Param(key, value) for key, value in self.run.hyperparameters.items() if key not in held]
         for start in range(0, len(params), _BATCH_PARAMS):
@@ -161,6 +157,17 @@ class MLflow(Tracker):
     def _write_record(self, record: dict[str, str]) -> None:
         if self.run.files is not None:
             self.run.files.replace(RUN_FILE, json.dumps(record).encode())
+
+
+def _import_mlflow() -> ModuleType:
+    """mlflow, with its tracking client and entities (imported by the sender thread, not by
+    ``import engine``)."""
+    try:
+        import mlflow.entities
+        import mlflow.tracking
+    except ImportError as error:
+        raise ConfigError(_MISSING) from error
+    return mlflow
 
 
 def _private_random() -> None:

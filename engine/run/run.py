@@ -90,7 +90,8 @@ class FitRun:
                                         self.coordinator.world_size, 0 if context is None else context.rank)
         self.storage = storage
         writes_metrics = self.coordinator.is_writer
-        loggers = LoggerSet(config.loggers if writes_metrics else (), run_info(storage, config, original_module(module)))
+        chosen = config.loggers if writes_metrics else ()
+        loggers = LoggerSet(chosen, run_info(storage, config, original_module(module)) if chosen else None)
         self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
 
 import engine
 import engine.lightning
@@ -31,9 +31,21 @@ def test_each_lightning_logger_becomes_the_engines_with_its_settings(tmp_path):
     assert translate_loggers(None) == [] and translate_loggers(False) == []
 
 
+class PrintingLogger(Logger):
+    """Any other Lightning logger (WandbLogger, CometLogger, one's own): refused the same way."""
+
+    name, version = "printing", 0
+
+    def log_metrics(self, metrics, step=None):
+        print(step, metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        print(params)
+
+
 @pytest.mark.parametrize("logger, message", [
-    (lambda tmp: WandbLogger(project="p", offline=True, save_dir=str(tmp)),
-     r"^engine.lightning.Trainer: logger WandbLogger is not supported \(TensorBoardLogger, CSVLogger and "
+    (lambda tmp: PrintingLogger(),
+     r"^engine.lightning.Trainer: logger PrintingLogger is not supported \(TensorBoardLogger, CSVLogger and "
      r"MLFlowLogger are; or give an engine.loggers object in TrainerConfig\(loggers=\[...\]\)\)$"),
     (lambda tmp: [TensorBoardLogger(tmp, prefix="x"), MLFlowLogger(tracking_uri="http://127.0.0.1:1", log_model=True)],
      r"^TensorBoardLogger\(prefix='x'\): not supported by engine.lightning \(metrics keep their names .*\); "

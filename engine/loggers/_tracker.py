@@ -27,7 +27,7 @@ class Point(NamedTuple):
 
     step: int                  # the row's optimizer step
     values: dict[str, float]   # "<stage>/<name>" -> value
-    milliseconds: int          # when the row was logged; fixed, so a send tried again is the same send
+    milliseconds: int          # when first sent (0 before); fixed, so a send tried again is the same send
 
 
 class Tracker(Logger):
@@ -64,7 +64,7 @@ class Tracker(Logger):
 
     def log_row(self, row: Row) -> None:
         with self._condition:
-            self._points.append(Point(row_step(row), dict(row_scalars(row)), self._now()))
+            self._points.append(Point(row_step(row), dict(row_scalars(row)), 0))
         self._raise_notices()
 
     def committed(self, rows: int) -> None:
@@ -133,7 +133,7 @@ class Tracker(Logger):
             if not self._until_done(lambda: held.append(self._held_counts())):
                 return
             with self._condition:
-                self._backlog, extra = points_missing(committed_rows, held[0], self._now)
+                self._backlog, extra = points_missing(committed_rows, held[0])
             if extra:
                 self._notice(f"{self!r}: the tracker run holds points beyond the resumed checkpoint ({extra}); "
                              "a newer checkpoint was lost after its rows were sent, and they stay in the tracker")
@@ -147,7 +147,11 @@ class Tracker(Logger):
             while not (self._closing or self._committed > self._first or self._backlog):
                 self._condition.wait()
             take = min(self._committed - self._first, len(self._points))
-            batch = self._backlog + self._points[:take]
+            # Stamped in the order sent (an earlier process's rows first): the tracker's times
+            # follow the rows' order. A batch tried again keeps its stamps.
+            batch = [point if point.milliseconds else point._replace(milliseconds=self._now())
+                     for point in self._backlog + self._points[:take]]
+            self._backlog, self._points[:take] = batch[:len(self._backlog)], batch[len(self._backlog):]
             if not batch:
                 return False
         if not self._until_done(lambda: self._send(batch)):
@@ -176,8 +180,8 @@ class Tracker(Logger):
                 self._condition.wait(min(self.retry_seconds, max(0.0, self._give_up_at - time.monotonic())))
 
     def _now(self) -> int:
-        """Milliseconds since the epoch, later than every earlier row's (call under the lock):
-        the points of one key at one step stay distinct and in order."""
+        """Milliseconds since the epoch, later than every earlier point's (call under the lock):
+        the points of one key at one step stay distinct and in the order sent."""
         self._last_milliseconds = max(int(time.time() * 1000), self._last_milliseconds + 1)
         return self._last_milliseconds
 
@@ -192,11 +196,10 @@ class Tracker(Logger):
             warn_user(message)
 
 
-def points_missing(committed_rows: Sequence[Row], held: dict[str, int],
-                   clock: Callable[[], int]) -> tuple[list[Point], dict[str, int]]:
+def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple[list[Point], dict[str, int]]:
     """The points of ``committed_rows`` a tracker run holding ``held[key]`` points of each key
-    lacks (the first ``held[key]`` of each key are there: rows are sent in order), stamped with
-    ``clock()``, and the keys of which it holds more than the rows have."""
+    lacks (the first ``held[key]`` of each key are there: rows are sent in order), and the keys
+    of which it holds more than the rows have."""
     remaining = dict(held)
     missing: list[Point] = []
     for row in committed_rows:
@@ -207,7 +210,7 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int],
             else:
                 values[key] = value
         if values:
-            missing.append(Point(row_step(row), values, clock()))
+            missing.append(Point(row_step(row), values, 0))
     return missing, {key: count for key, count in remaining.items() if count > 0}
 
 

@@ -19,7 +19,7 @@ import engine.loggers
 import engine.testing
 import progress
 
-PACKAGES = [engine, engine.lightning, engine.loggers, engine.testing, progress]
+PACKAGES = [engine, engine.distributed, engine.lightning, engine.loggers, engine.testing, progress]
 
 
 def _is_type_checking_block(node: ast.stmt) -> bool:
@@ -94,15 +94,16 @@ def test_star_import_gives_exactly_all():
         assert {name for name in namespace if name != "__builtins__"} == set(package.__all__)
 
 
-def test_engines_lazy_names_come_from_the_modules_its_type_checking_block_imports():
+@pytest.mark.parametrize("package", [engine, engine.distributed], ids=lambda p: p.__name__)
+def test_lazy_names_come_from_the_modules_the_type_checking_block_imports(package):
     imported = {}
-    for node in _top_level_statements(engine):
+    for node in _top_level_statements(package):
         if isinstance(node, ast.ImportFrom):
             imported.setdefault(node.module, set()).update(alias.name for alias in node.names)
-    assert imported == {module: set(names) for module, names in engine._EXPORTS.items()}
+    assert imported == {module: set(names) for module, names in package._EXPORTS.items()}
     for module, names in imported.items():
         for name in names:
-            assert getattr(engine, name) is getattr(importlib.import_module(module), name)
+            assert getattr(package, name) is getattr(importlib.import_module(module), name)
 
 
 def test_import_engine_imports_a_name_s_module_only_when_the_name_is_used():

@@ -8,7 +8,6 @@ import signal
 import sys
 from typing import Callable, Sequence
 
-from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
 from engine.distributed.requeue import RequeuePolicy, parse_signal
 from engine.errors import ConfigError, EngineError
 
@@ -155,6 +154,11 @@ def _after_broken_pipe() -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "launch":  # before the other commands' imports: the launcher needs no torch
+        from engine.distributed.launch import launch
+        command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
+        return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args))
+    from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
     if args.command == "demo":
         return run_demo(args)
     if args.command == "inspect":
@@ -163,10 +167,6 @@ def _run(args: argparse.Namespace) -> int:
         return run_list_faults()
     if args.command == "chaos":
         return run_chaos(args)
-    if args.command == "launch":
-        from engine.distributed.launch import launch
-        command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args))
     if args.command == "plot":
         return run_plot(args.dir, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands

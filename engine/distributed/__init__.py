@@ -3,6 +3,7 @@ the commit of one checkpoint by every rank. See docs/distributed.md.
 
 One job per module:
 
+* :mod:`~engine.distributed.variables`: torchrun's environment variables, read without torch;
 * :mod:`~engine.distributed.environment`: detect torchrun, join the process group
   (:func:`init_process_group` for a script that needs it before ``fit``);
 * :mod:`~engine.distributed.group_start`: the ranks of one try of the group meet, within a bound;
@@ -22,13 +23,48 @@ One job per module:
 * :mod:`~engine.distributed.launch`: ``python -m engine launch -- torchrun ...``.
 """
 
-from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
-from engine.distributed.commit import GroupCommit
-from engine.distributed.environment import DistributedContext, init_process_group, join, launched_by_torchrun
-from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
-from engine.distributed.rank_values import RankExchange
-from engine.distributed.sampler import order_alone, shard_loader, shard_validation_loader
+# Names are imported on first use (PEP 562), as in ``engine``: ``python -m engine launch`` and the
+# launcher's modules (launch, requeue, preemption_marker) run without torch, whose import would
+# cost the launcher seconds of CPU before it starts the job.
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
+    from engine.distributed.commit import GroupCommit
+    from engine.distributed.environment import DistributedContext, init_process_group, join
+    from engine.distributed.variables import launched_by_torchrun
+    from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
+    from engine.distributed.rank_values import RankExchange
+    from engine.distributed.sampler import order_alone, shard_loader, shard_validation_loader
+
+# module -> the names it gives (the same as the TYPE_CHECKING imports above; a test compares them)
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "engine.distributed.agreement": ("AgreedFlags", "agree", "agree_on_reason", "mean_losses"),
+    "engine.distributed.commit": ("GroupCommit",),
+    "engine.distributed.environment": ("DistributedContext", "init_process_group", "join"),
+    "engine.distributed.variables": ("launched_by_torchrun",),
+    "engine.distributed.preemption_marker": ("preempted_exit_status", "register_launched_worker", "write_preemption_marker"),
+    "engine.distributed.rank_values": ("RankExchange",),
+    "engine.distributed.sampler": ("order_alone", "shard_loader", "shard_validation_loader"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "init_process_group", "join",
            "launched_by_torchrun", "mean_losses", "order_alone", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
            "write_preemption_marker"]
+
+
+if not _typing.TYPE_CHECKING:  # hidden from mypy, which then still reports a misspelt name
+
+    def __getattr__(name: str) -> object:
+        """Import a public name's module the first time the name is used (PEP 562)."""
+        module = _MODULE_OF.get(name)
+        if module is None:
+            raise AttributeError(f"module 'engine.distributed' has no attribute {name!r}")
+        value = getattr(_importlib.import_module(module), name)
+        globals()[name] = value  # later uses are plain attribute lookups
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(globals()) | set(_MODULE_OF))

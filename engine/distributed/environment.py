@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed import group_start
+from engine.distributed.variables import int_variable, launched_by_torchrun, requested_world_size
 from engine.errors import ConfigError, GroupStartTimeout
 
 # Collectives of the checkpoint writer wait this long for the slowest rank's part (joining the
@@ -64,34 +65,14 @@ class DistributedContext:
         return torch.tensor(values, dtype=torch.float64, device=self.device)
 
 
-def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether torchrun (its elastic agent) started this process, whatever its world size."""
-    return "TORCHELASTIC_RUN_ID" in (os.environ if environ is None else environ)
-
-
-def requested_world_size(environ: Mapping[str, str] | None = None) -> int:
-    """``WORLD_SIZE`` from the environment (1 when unset), validated."""
-    environ = os.environ if environ is None else environ
-    return _int_variable(environ, "WORLD_SIZE", 1)
-
-
-def _int_variable(environ: Mapping[str, str], name: str, default: int) -> int:
-    value = environ.get(name)
-    if value is None:
-        return default
-    if not value.isdigit():
-        raise ConfigError(f"environment variable {name}: expected a non-negative int, got {value!r}")
-    return int(value)
-
-
 def _store_of_this_try(environ: Mapping[str, str], timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun, the agent's store with keys of this try only (engine.distributed.group_start:
     the agent keeps one store across restarts of the group, and no counter torchrun hands out is
     the same on every node). Waits at most ``timeout`` for every rank."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    rank, world_size = _int_variable(environ, "RANK", 0), requested_world_size(environ)
-    client = dist.TCPStore(environ["MASTER_ADDR"], _int_variable(environ, "MASTER_PORT", 0), world_size,
+    rank, world_size = int_variable(environ, "RANK", 0), requested_world_size(environ)
+    client = dist.TCPStore(environ["MASTER_ADDR"], int_variable(environ, "MASTER_PORT", 0), world_size,
                            is_master=False, timeout=timeout)
     token = group_start.agree_on_token(client, rank, world_size, timeout)
     return dist.PrefixStore(f"splitloop/try-{token}", client)
@@ -129,7 +110,7 @@ def init_process_group(device: torch.device | str = "cpu", start_timeout: float 
                               "(see docs/distributed.md) or start the process group yourself")
     store = _store_of_this_try(environ, timeout)
     # Without torchrun's agent store, env:// starts a store of its own for this try.
-    _start_group(device, timeout, None if store is None else (store, _int_variable(environ, "RANK", 0),
+    _start_group(device, timeout, None if store is None else (store, int_variable(environ, "RANK", 0),
                                                               requested_world_size(environ)))
 
 
@@ -177,12 +158,12 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None,
         return None
     _warn_of_a_group_on_the_shared_store(environ)
     writer_group = _start_writer_group(datetime.timedelta(seconds=start_timeout))
-    restart = _int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
+    restart = int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     # Rank 0 draws the token; every rank takes it, so all parts of one try share a staging name.
     token = [restart * 10 ** 9 + secrets.randbelow(10 ** 9)]
     dist.broadcast_object_list(token, src=0, group=writer_group)
     return DistributedContext(dist.get_rank(), world_size=dist.get_world_size(),
-                              local_rank=_int_variable(environ, "LOCAL_RANK", 0), device=device,
+                              local_rank=int_variable(environ, "LOCAL_RANK", 0), device=device,
                               writer_group=writer_group, attempt=int(token[0]))
 
 

@@ -31,7 +31,7 @@ import time
 from typing import Mapping, Sequence
 
 from engine.distributed import _prctl
-from engine.distributed.environment import requested_world_size
+from engine.distributed.variables import requested_world_size
 
 MARKER_VARIABLE = "SPLITLOOP_PREEMPTION_MARKER"
 

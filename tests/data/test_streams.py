@@ -66,9 +66,10 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     epochs_done = [store.load(name).progress.records["fit.epochs"].total.completed for name in names]
     first_epoch_end = epochs_done.index(1)
     # Each resume trains to the end: the first checkpoint (one worker has not yielded yet: its
-    # position is the one before it iterated), the first epoch's last batch and its end, and one
-    # inside the second epoch.
-    chosen = [names[0], *names[first_epoch_end - 1:first_epoch_end + 1], names[(first_epoch_end + len(names)) // 2]]
+    # position is the one before it iterated; with workers only, CI time: a resume from there is
+    # nearly a whole run), the first epoch's last batch and its end, and one inside the second epoch.
+    first = [names[0]] if not kind.endswith("-0") else []
+    chosen = [*first, *names[first_epoch_end - 1:first_epoch_end + 1], names[(first_epoch_end + len(names)) // 2]]
     for name in sorted(set(chosen)):
         resumed = tmp_path / name / "run"
         copy_run_until(str(reference), str(resumed), name)

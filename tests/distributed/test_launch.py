@@ -19,6 +19,16 @@ import launch_helpers
 from torchrun_helpers import REPOSITORY
 
 
+def test_the_launcher_imports_no_torch() -> None:
+    # It only supervises the job: torch's import would cost seconds of CPU at every start.
+    completed = subprocess.run([sys.executable, "-X", "importtime", "-m", "engine", "launch", "--", sys.executable, "-c", "pass"],
+                               cwd=REPOSITORY, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    imported = {line.rpartition("|")[2].strip() for line in completed.stderr.splitlines() if line.startswith("import time:")}
+    assert "engine.distributed.launch" in imported
+    assert not {"torch", "numpy"} & imported
+
+
 def test_the_command_status_passes_through_without_a_marker(tmp_path: pathlib.Path) -> None:
     assert main(["launch", "--marker", str(tmp_path / "m.json"), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 3
 

@@ -130,6 +130,9 @@ def test_checkpoints_move_between_compiled_and_uncompiled_runs(compiled):
         assert_same_run(reference, resumed)
 
 
+# CI time: inductor's C++ compile is the heaviest default test (about 40 s of CPU); the default run
+# resumes compiled runs with the eager backend above (same graph capture, the kernels of eager mode).
+@pytest.mark.exhaustive
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_inductor_compiled_run_resumes_exactly():

@@ -122,6 +122,7 @@ class NoCheckpoints:
 
     def __init__(self, metrics: MetricsLog) -> None:
         self._metrics = metrics
+        metrics.rows_final_when_added()
 
     def acquire(self) -> None:
         pass

@@ -13,6 +13,7 @@ from engine.errors import ConfigError, warn as warn_user
 from engine.lightning._bridge import LightningBridge
 from engine.lightning._callbacks import Translated, translate_callbacks
 from engine.lightning._hooks import LightningHooks, hyperparameters_of
+from engine.lightning._loggers import translate_loggers
 from engine.lightning._logging import TEST, VALIDATION
 from engine.lightning._packages import overrides, require_datamodule, require_lightning_module
 from engine.lightning._refusals import (UNSUPPORTED_EVALUATION_HOOKS, refuse_together, refuse_unsupported_config,
@@ -50,17 +51,21 @@ class Trainer:
             the field to use; see docs/lightning.md).
         callbacks: Lightning's ``ModelCheckpoint`` and ``EarlyStopping`` (translated to the
             engine's), and engine.Callback objects. Any other Lightning callback is refused.
+        logger: Lightning's ``TensorBoardLogger``, ``CSVLogger`` or ``MLFlowLogger`` (or a list),
+            each translated to the engine's (added to ``config.loggers``); any other is refused.
     """
 
     @refuse_unknown_keywords("engine.lightning.Trainer",
                              trainer_hints(field.name for field in dataclasses.fields(TrainerConfig)))
-    def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[object] = ()) -> None:
+    def __init__(self, config: TrainerConfig | None = None, callbacks: Sequence[object] = (),
+                 logger: object = None) -> None:
         self.config = config if config is not None else TrainerConfig()
         if not isinstance(self.config, TrainerConfig):
             raise ConfigError(f"engine.lightning.Trainer: config must be an engine.TrainerConfig, got "
                               f"{type(config).__name__}")
         self._callbacks = list(callbacks)
         translate_callbacks(self._callbacks, self.config)  # refused here already, as Lightning's Trainer does
+        self._loggers = translate_loggers(logger)
         self._trainer_view: TrainerView | None = None  # the last fit's, which the module keeps after it
 
     @property
@@ -113,7 +118,8 @@ class Trainer:
             lambda: translated.append(translate_callbacks(_with_model_callbacks(model, self._callbacks), self.config)),
             lambda: bridges.append(LightningBridge(model)),  # a TBPTT step without hiddens
         ])
-        engine_config = dataclasses.replace(self.config, checkpoint=translated[0].checkpoint)
+        engine_config = dataclasses.replace(self.config, checkpoint=translated[0].checkpoint,
+                                            loggers=[*self.config.loggers, *self._loggers])
         bridge = bridges[0]
         trainer_view = TrainerView(bridge, engine_config, datamodule)
         self._trainer_view = trainer_view

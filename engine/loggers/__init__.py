@@ -13,6 +13,7 @@ See docs/loggers.md.
 
 from engine.loggers.base import Logger
 from engine.loggers.csv_file import CSV
+from engine.loggers.mlflow_tracker import MLflow
 from engine.loggers.tensorboard import TensorBoard
 
-__all__ = ["CSV", "Logger", "TensorBoard"]
+__all__ = ["CSV", "Logger", "MLflow", "TensorBoard"]

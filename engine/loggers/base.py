@@ -7,27 +7,61 @@ commit; a logger's output runs ahead of it. So at each start the run tells every
 file holds: :meth:`Logger.start_fresh` (nothing, a new run) or :meth:`Logger.resume` (the rows
 the resumed checkpoint committed), and the logger makes its output agree with them before the
 resumed run appends the rows that follow, exactly once.
+
+Loggers that cannot take a point back (the experiment trackers: engine.loggers.MLflow, WandB)
+send a row only once a checkpoint committed it: :meth:`Logger.committed` tells them how many rows
+of ``metrics.jsonl`` are committed so far. :meth:`Logger.bind` hands them, before the start, the
+run's files (where a tracker records its run id) and the run's hyperparameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 from engine.errors import ConfigError, warn as warn_user
 
 Row = dict[str, object]
 
 
+class RunFiles(Protocol):
+    """Small files in the run directory (the run's ``Storage`` is one)."""
+
+    def exists(self, relative: str) -> bool: ...
+
+    def read(self, relative: str, limit: int | None = None) -> bytes: ...
+
+    def replace(self, relative: str, data: bytes) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a logger is told about the run before it starts (:meth:`Logger.bind`).
+
+    Attributes:
+        files: the run directory's files (None without a ``run_dir``).
+        hyperparameters: the run's settings as flat ``name -> text`` pairs (the TrainerConfig's
+            fields as ``config/<field>``, the module's ``hparams`` as ``hparams/<name>``).
+    """
+
+    files: RunFiles | None = None
+    hyperparameters: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
 class Logger:
     """Base of the metric loggers of ``TrainerConfig(loggers=[...])``. Subclass it to write
     rows somewhere else; every method has a no-op default.
 
-    The run calls, on rank 0: ``start_fresh()`` or ``resume(rows, step)`` once at the start;
-    ``log_row(row)`` for each row of ``metrics.jsonl``; ``flush()`` whenever a checkpoint
-    seals the rows so far; ``close()`` when ``fit`` ends (also on an error). An exception
-    from any of them is a warning, never the end of the training.
+    The run calls, on rank 0: ``bind(run)``, then ``start_fresh()`` or ``resume(rows, step)``
+    once at the start; ``log_row(row)`` for each row of ``metrics.jsonl``; ``flush()`` whenever
+    a checkpoint seals the rows so far; ``committed(count)`` once a checkpoint committed them
+    (possibly from the checkpoint writer's thread); ``close()`` when ``fit`` ends (also on an
+    error). An exception from any of them is a warning, never the end of the training.
     """
+
+    def bind(self, run: RunInfo) -> None:
+        """The run about to start (called before ``start_fresh`` or ``resume``)."""
 
     def start_fresh(self) -> None:
         """A new run: drop whatever an earlier run left where this logger writes."""
@@ -43,6 +77,11 @@ class Logger:
     def flush(self) -> None:
         """Make what was logged so far durable (a checkpoint is being taken)."""
 
+    def committed(self, rows: int) -> None:
+        """The first ``rows`` rows of ``metrics.jsonl`` (counted from the file's start, the
+        resumed rows included) are committed: no resume will take them back. Without
+        checkpoints every row is committed as it is logged."""
+
     def close(self) -> None:
         """``fit`` ends."""
 
@@ -52,18 +91,21 @@ class LoggerSet:
     raises is named in a warning while the run trains on (a metric sink's failure is not worth
     a training run; ``metrics.jsonl`` and the checkpoints are the record)."""
 
-    def __init__(self, loggers: Sequence[Logger]) -> None:
+    def __init__(self, loggers: Sequence[Logger], run: RunInfo | None = None) -> None:
         self._loggers = list(loggers)
+        self._run = run if run is not None else RunInfo()
 
     def __bool__(self) -> bool:
         return bool(self._loggers)
 
     def start_fresh(self) -> None:
         for logger in self._loggers:
+            self._call(logger, "start", lambda: logger.bind(self._run))
             self._call(logger, "start", logger.start_fresh)
 
     def resume(self, committed_rows: Sequence[Row], resumed_step: int) -> None:
         for logger in self._loggers:
+            self._call(logger, "resume", lambda: logger.bind(self._run))
             self._call(logger, "resume", lambda: logger.resume(committed_rows, resumed_step))
 
     def log_row(self, row: Row) -> None:
@@ -73,6 +115,10 @@ class LoggerSet:
     def flush(self) -> None:
         for logger in self._loggers:
             self._call(logger, "flush", logger.flush)
+
+    def committed(self, rows: int) -> None:
+        for logger in self._loggers:
+            self._call(logger, "take the committed rows", lambda: logger.committed(rows))
 
     def close(self) -> None:
         for logger in self._loggers:
@@ -85,6 +131,28 @@ class LoggerSet:
         except Exception as error:  # noqa: BLE001 - any failure of a logger only warns
             warn_user(f"{logger!r} could not {action}: {type(error).__name__}: {error}; training goes on "
                       "(metrics.jsonl keeps every row)")
+
+
+def row_step(row: Row) -> int:
+    """The optimizer step a row of metrics.jsonl was logged at."""
+    step = row.get("step")
+    return step if isinstance(step, int) else 0
+
+
+def row_scalars(row: Row) -> Iterator[tuple[str, float]]:
+    """A row's values as ``(<stage>/<name>, value)``: ``<stage>/loss`` (``<stage>/loss_0``, ...
+    with several optimizers) and ``<stage>/<metric>``."""
+    stage = row.get("stage", "train")
+    if "loss" in row and isinstance(row["loss"], (int, float)):
+        yield f"{stage}/loss", float(row["loss"])
+    losses = row.get("losses")
+    if isinstance(losses, list):
+        for index, value in enumerate(losses):
+            yield f"{stage}/loss_{index}", float(value)
+    metrics = row.get("metrics")
+    if isinstance(metrics, dict):
+        for name, value in metrics.items():
+            yield f"{stage}/{name}", float(value)
 
 
 def local_path(owner: str, field: str, value: object) -> str:

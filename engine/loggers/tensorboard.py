@@ -21,10 +21,10 @@ import importlib.util
 import os
 import re
 import time
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.errors import ConfigError, warn as warn_user
-from engine.loggers.base import Logger, Row, local_path, refuse_existing
+from engine.loggers.base import Logger, Row, local_path, refuse_existing, row_scalars, row_step
 
 if TYPE_CHECKING:  # pragma: no cover - the import is optional and happens when a run starts
     from torch.utils.tensorboard import SummaryWriter
@@ -66,15 +66,15 @@ class TensorBoard(Logger):
     def resume(self, committed_rows: Sequence[Row], resumed_step: int) -> None:
         self._open(purge_step=resumed_step)
         for row in committed_rows:
-            if _step_of(row) >= resumed_step:
+            if row_step(row) >= resumed_step:
                 self.log_row(row)
 
     def log_row(self, row: Row) -> None:
         writer = self._writer
         if writer is None:
             return
-        step = _step_of(row)
-        for tag, value in _scalars(row):
+        step = row_step(row)
+        for tag, value in row_scalars(row):
             writer.add_scalar(tag, value, step)
 
     def flush(self) -> None:
@@ -93,25 +93,6 @@ class TensorBoard(Logger):
         os.makedirs(self.log_dir, exist_ok=True)
         _wait_past_newest_event_file(self.log_dir)
         self._writer = SummaryWriter(self.log_dir, purge_step=purge_step, flush_secs=int(max(1, self.flush_secs)))
-
-
-def _step_of(row: Row) -> int:
-    step = row.get("step")
-    return step if isinstance(step, int) else 0
-
-
-def _scalars(row: Row) -> Iterator[tuple[str, float]]:
-    stage = row.get("stage", "train")
-    if "loss" in row and isinstance(row["loss"], (int, float)):
-        yield f"{stage}/loss", float(row["loss"])
-    losses = row.get("losses")
-    if isinstance(losses, list):
-        for index, value in enumerate(losses):
-            yield f"{stage}/loss_{index}", float(value)
-    metrics = row.get("metrics")
-    if isinstance(metrics, dict):
-        for name, value in metrics.items():
-            yield f"{stage}/{name}", float(value)
 
 
 def _wait_past_newest_event_file(log_dir: str) -> None:

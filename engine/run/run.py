@@ -47,6 +47,7 @@ from engine.loops.anomaly import AnomalyDetected
 from engine.loops.logged import MetricLogger
 from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.loggers.base import LoggerSet
+from engine.loggers.hyperparameters import run_info
 from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import preemption_reason, run_requeue_command
@@ -91,7 +92,9 @@ class FitRun:
                                         self.coordinator.world_size, 0 if context is None else context.rank)
         self.storage = storage
         writes_metrics = self.coordinator.is_writer
-        self.metrics = MetricsLog(storage if writes_metrics else None, LoggerSet(config.loggers if writes_metrics else ()))
+        chosen = config.loggers if writes_metrics else ()
+        loggers = LoggerSet(chosen, run_info(storage, config, original_module(module)) if chosen else None)
+        self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))

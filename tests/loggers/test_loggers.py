@@ -205,8 +205,9 @@ def test_without_tensorboard_installed_the_logger_says_what_to_install(tmp_path,
         engine.loggers.TensorBoard(tmp_path)
 
 
-def test_importing_engine_imports_no_tensorboard():
-    code = ("import sys, engine, engine.loggers; "
-            "print(sorted(m for m in sys.modules if m.startswith(('tensorboard', 'torch.utils.tensorboard'))))")
+def test_importing_engine_imports_no_tensorboard_and_no_tracker():
+    code = ("import sys, engine, engine.loggers; engine.loggers.MLflow('http://127.0.0.1:1'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('tensorboard', 'torch.utils.tensorboard', 'mlflow', "
+            "'wandb'))))")
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "[]"

@@ -21,7 +21,10 @@ nothing.
 
 Loggers (``TrainerConfig.loggers``, engine.loggers) get every row as it is added, on the writer
 rank only; at each start they are told what the file holds (nothing, or the rows the resumed
-checkpoint committed) and at each snapshot they flush.
+checkpoint committed) and at each snapshot they flush. Once a checkpoint committed the lines a
+snapshot sealed, :meth:`MetricsLog.committed` tells them how many rows are committed (loggers
+that cannot take a row back send only those); without checkpoints a row is committed as it is
+added (:meth:`MetricsLog.rows_final_when_added`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,23 @@ class MetricsLog:
         self.committed_bytes = 0             # the file's length as this writer left it
         self._lock = threading.Lock()        # snapshot (training thread) vs write (writer thread)
         self._fence: Callable[[], None] | None = None  # while a writer lease guards the file
+        self._rows = 0                       # rows added, counted from the file's start
+        self._sealed_rows: list[tuple[int, int]] = []  # (file length, rows) of each snapshot not yet committed
+        self._rows_final = storage is None   # no checkpoint will ever take a row back
+
+    def rows_final_when_added(self) -> None:
+        """No checkpoint commits the rows (a run without checkpoints): tell the loggers each row
+        is committed as it is added."""
+        self._rows_final = True
+
+    def committed(self, metrics_bytes: int) -> None:
+        """A checkpoint committed the file up to ``metrics_bytes``: tell the loggers how many
+        rows that is (called by the checkpoint writer after each commit)."""
+        with self._lock:
+            done = [rows for length, rows in self._sealed_rows if length <= metrics_bytes]
+            self._sealed_rows = [(length, rows) for length, rows in self._sealed_rows if length > metrics_bytes]
+        if done and self._loggers:
+            self._loggers.committed(done[-1])
 
     def fence_with(self, fence: Callable[[], None]) -> None:
         """From now on a writer lease guards the file: ``fence`` (it raises once the lease is
@@ -62,6 +82,7 @@ class MetricsLog:
         self._fence = fence
 
     def start_fresh(self) -> None:
+        self._rows = 0
         self._loggers.start_fresh()
         if self._storage is None:
             return
@@ -77,12 +98,14 @@ class MetricsLog:
         with self._lock:
             self._lines.clear()
             self._unwritten.clear()
+            self._sealed_rows.clear()
         self.resume_at(committed_bytes, resumed_step)
 
     def resume_at(self, committed_bytes: int, resumed_step: int = 0) -> None:
         """Drop whatever was written after the checkpoint being resumed (at optimizer step
         ``resumed_step``), and tell the loggers which rows it committed."""
         self.committed_bytes = committed_bytes
+        self._rows = 0
         if self._storage is None:
             self._loggers.resume([], resumed_step)
             return
@@ -97,7 +120,9 @@ class MetricsLog:
         elif size > committed_bytes:
             self._storage.truncate(METRICS_FILE, committed_bytes)
         if self._loggers:
-            self._loggers.resume(self._committed_rows(), resumed_step)
+            rows = self._committed_rows()
+            self._rows = len(rows)
+            self._loggers.resume(rows, resumed_step)
 
     def _committed_rows(self) -> list[dict[str, object]]:
         """The rows the resumed checkpoint committed, for the loggers (a file that does not parse
@@ -143,6 +168,9 @@ class MetricsLog:
         if self._storage is not None:
             self._lines.append(json.dumps(record))  # before the loggers see the row
         self._loggers.log_row(record)
+        self._rows += 1
+        if self._rows_final:
+            self._loggers.committed(self._rows)
         if self._storage is None:
             return
         if len(self._lines) >= _FLUSH_EVERY_LINES and self._fence is None:
@@ -159,7 +187,10 @@ class MetricsLog:
             if self._lines:
                 self._unwritten += ("\n".join(self._lines) + "\n").encode()
                 self._lines.clear()
-            return self.committed_bytes + len(self._unwritten)
+            length = self.committed_bytes + len(self._unwritten)
+            if self._loggers and not self._rows_final:
+                self._sealed_rows.append((length, self._rows))
+            return length
 
     def write_until(self, length: int) -> None:
         """Append sealed bytes until the file is ``length`` long (page cache only: a checkpoint

@@ -81,6 +81,8 @@ class _WriterBase:
             raise
         self.committer.settle(self.store, name)
         self.last_name = name
+        if self.metrics is not None:
+            self.metrics.committed(pending.metrics_bytes)  # the loggers may send these rows now
 
     def _request(self, pending: PendingCheckpoint) -> CommitRequest:
         return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,

@@ -205,6 +205,7 @@ class ProcessWriter:
             self.last_name = event["name"]
             del self._handed[:max(0, event["metrics_bytes"] - self._committed_metrics)]
             self._committed_metrics = event["metrics_bytes"]  # lower after a rollback
+            self._metrics.committed(event["metrics_bytes"])
         elif kind == "failed":
             self._settle(published, event["id"])
             error_type = WriterConflict if event["error"] == "WriterConflict" else CheckpointWriteError

@@ -1,0 +1,78 @@
+"""engine.lightning.Trainer(logger=...): Lightning's TensorBoardLogger, CSVLogger and MLFlowLogger
+(and a list) become the engine's loggers with their settings; any other logger, or an option with
+no engine equivalent, is refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger
+
+import engine
+import engine.lightning
+from lit_modules import build, loaders
+
+
+def test_each_lightning_logger_becomes_the_engines_with_its_settings(tmp_path):
+    from engine.lightning._loggers import translate_loggers
+
+    tensorboard, csv, mlflow = translate_loggers([
+        TensorBoardLogger(tmp_path, name="lm", version=3), CSVLogger(tmp_path / "csv"),
+        MLFlowLogger("lm-experiment", run_name="lm-a", tracking_uri="http://127.0.0.1:1", tags={"team": "speech"})])
+    assert isinstance(tensorboard, engine.loggers.TensorBoard)
+    assert tensorboard.log_dir == os.path.join(tmp_path, "lm", "version_3")
+    assert isinstance(csv, engine.loggers.CSV)
+    # Lightning's next free version would change at every restart: a resumed run writes where it wrote.
+    assert csv.path == os.path.join(tmp_path / "csv", "lightning_logs", "version_0", "metrics.csv")
+    assert isinstance(mlflow, engine.loggers.MLflow)
+    assert (mlflow.tracking_uri, mlflow.experiment, mlflow.run_name, mlflow.tags) == \
+        ("http://127.0.0.1:1", "lm-experiment", "lm-a", {"team": "speech"})
+    assert translate_loggers(None) == [] and translate_loggers(False) == []
+
+
+class PrintingLogger(Logger):
+    """Any other Lightning logger (WandbLogger, CometLogger, one's own): refused the same way."""
+
+    name, version = "printing", 0
+
+    def log_metrics(self, metrics, step=None):
+        print(step, metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        print(params)
+
+
+@pytest.mark.parametrize("logger, message", [
+    (lambda tmp: PrintingLogger(),
+     r"^engine.lightning.Trainer: logger PrintingLogger is not supported \(TensorBoardLogger, CSVLogger and "
+     r"MLFlowLogger are; or give an engine.loggers object in TrainerConfig\(loggers=\[...\]\)\)$"),
+    (lambda tmp: [TensorBoardLogger(tmp, prefix="x"), MLFlowLogger(tracking_uri="http://127.0.0.1:1", log_model=True)],
+     r"^TensorBoardLogger\(prefix='x'\): not supported by engine.lightning \(metrics keep their names .*\); "
+     r"MLFlowLogger\(log_model=True\): not supported by engine.lightning \(.*\)$"),
+    (lambda tmp: True, r"logger=True \(Lightning's default TensorBoard logger\) is not supported"),
+])
+def test_other_loggers_and_options_are_refused_in_one_line(tmp_path, logger, message):
+    with pytest.raises(engine.ConfigError, match=message):
+        engine.lightning.Trainer(engine.TrainerConfig(), logger=logger(tmp_path))
+
+
+def test_a_fit_writes_through_the_translated_loggers_what_the_engines_write(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(log_dir):
+        accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+                for tag in accumulator.Tags()["scalars"]}
+
+    direct = [engine.loggers.TensorBoard(tmp_path / "tb"), engine.loggers.CSV(tmp_path / "metrics.csv")]
+    config = engine.TrainerConfig(max_epochs=2, run_dir=str(tmp_path / "run"), progress_bar="off", loggers=direct)
+    trainer = engine.lightning.Trainer(config, logger=[TensorBoardLogger(tmp_path / "lit", version=0),
+                                                      CSVLogger(tmp_path / "lit", name="csv")])
+    train_loader, val_loader = loaders("autoencoder")
+    trainer.fit(build("autoencoder"), train_loader, val_loader)
+    lines = (tmp_path / "metrics.csv").read_bytes()
+    assert lines.count(b"\n") > 10
+    assert (tmp_path / "lit" / "csv" / "version_0" / "metrics.csv").read_bytes() == lines
+    assert scalars(tmp_path / "lit" / "lightning_logs" / "version_0") == scalars(tmp_path / "tb")

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Callable, Protocol
 
+from engine.errors import warn
 from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -80,8 +81,15 @@ def failure_row(resumed_from: str | None, at: str | None, error: BaseException) 
 
 
 def record(storage: AttemptStorage | None, row: dict[str, Any]) -> None:
-    if storage is not None:
+    """Append ``row`` to the attempts file. A row that cannot be written (a full disk, a store
+    down) costs the crash-loop rule one row, never the run: a warning, not an error that would
+    replace the exception that ended the attempt."""
+    if storage is None:
+        return
+    try:
         storage.append(ATTEMPTS_FILE, (json.dumps(row, sort_keys=True) + "\n").encode())
+    except Exception as error:  # noqa: BLE001 - any storage failure; the run's own error matters more
+        warn(f"could not record the attempt's {row.get('event')!r} row in {ATTEMPTS_FILE}: {error}")
 
 
 def stop_the_loop(text: str) -> SystemExit:

@@ -72,7 +72,7 @@ def test_each_rank_saves_its_own_shards_with_their_placement(reference_two: path
 
 def test_the_documented_reader_decodes_rank_0s_shards(reference_two: pathlib.Path) -> None:
     import importlib.util
-    path = pathlib.Path(__file__).resolve().parents[1] / "checkpoint" / "test_format_doc_reader.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "checkpoint" / "format" / "test_format_doc_reader.py"
     spec = importlib.util.spec_from_file_location("format_doc_reader", path)
     assert spec is not None and spec.loader is not None
     reader_test = importlib.util.module_from_spec(spec)

@@ -5,8 +5,17 @@ Test folders mirror the package layout, except that the tests of ``progress/`` l
 package (as a namespace package) for scripts started from ``tests/``."""
 
 import os
+import sys
 
-import torch
+# Hundreds of interpreters the tests start import torch. The README's install leaves byte-compiling
+# to the first import (pip --no-compile, uv's default); with PYTHONDONTWRITEBYTECODE set (some
+# shells and containers set it) nothing would be cached and each process would compile torch's
+# sources again, seconds of CPU each (the suite took 9:28 instead of 5:50). Bytecode is written on
+# first import, by this process and every process it starts.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
+import torch  # noqa: E402 - after the bytecode setting
 
 torch.set_num_threads(1)
 

@@ -7,8 +7,9 @@ is written where training begins (a process killed while it starts up is no atte
 that dies after it (SIGKILL, a hang the watchdog ended) leaves a start with no end. At the next
 start, before any training:
 
-* the last ``max_restarts`` starts since the last end all resumed from the checkpoint this start
-  resumes from (no new checkpoint committed in between), or
+* the last ``max_restarts`` attempts an exception ended since the last end all resumed from the
+  checkpoint this start resumes from (no new checkpoint committed in between; an attempt killed
+  from outside, which leaves a start with no end, does not count), or
 * the last two failures happened at the same split with the same exception
 
 is a crash loop: one verdict line on stderr and the process exits with
@@ -66,13 +67,28 @@ def verdict(rows: list[dict[str, Any]], resumed_from: str | None, max_restarts: 
         if last.get("at") is not None and (last.get("at"), last.get("error")) == (before.get("at"), before.get("error")):
             return (f"deterministic failure at split {last.get('at')}: the same exception twice ({last.get('error')}); "
                     "if a batch causes it, TrainerConfig(anomaly=engine.Rollback(...)) skips it, else fix the code")
-    starts = [row for row in since_end if row.get("event") == "start"]
-    recent = starts[-max_restarts:]
+    recent = failed_attempts(since_end)[-max_restarts:]
     if max_restarts > 0 and len(recent) == max_restarts and all(row.get("from") == resumed_from for row in recent):
         where = resumed_from if resumed_from is not None else "a fresh start"
         return (f"restarted {max_restarts} times from {where} without committing a new checkpoint; the job fails the "
                 "same way each time (see attempts.jsonl and hangs.jsonl in the run dir)")
     return None
+
+
+def failed_attempts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The start rows of the attempts an exception ended (a ``failed`` row before the next start).
+    An attempt killed from outside (SIGKILL, a preemption without grace, the OOM killer) leaves no
+    row after its start and does not count: a job killed again and again before it commits is
+    unlucky, not looping, and must be requeued."""
+    counted: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for row in rows:
+        if row.get("event") == "start":
+            current = row
+        elif row.get("event") == "failed" and current is not None:
+            counted.append(current)
+            current = None
+    return counted
 
 
 def failure_row(resumed_from: str | None, at: str | None, error: BaseException) -> dict[str, Any]:

@@ -23,12 +23,23 @@ def failed(source: str | None, at: str, error: str = "ValueError: bad") -> dict:
     return {"event": "failed", "from": source, "at": at, "error": error}
 
 
-def test_restarts_from_one_checkpoint_are_a_loop_restarts_that_move_on_are_not() -> None:
-    assert verdict([start("ckpt-1"), start("ckpt-1")], "ckpt-1", 3) is None
-    looping = verdict([start("ckpt-1"), start("ckpt-1"), start("ckpt-1")], "ckpt-1", 3)
+def test_failures_from_one_checkpoint_are_a_loop_failures_that_move_on_are_not() -> None:
+    def failing(source: str | None, at: str) -> list[dict]:
+        return [start(source), failed(source, at, f"ValueError: at {at}")]
+
+    assert verdict([*failing("ckpt-1", "a"), *failing("ckpt-1", "b")], "ckpt-1", 3) is None
+    looping = verdict([*failing("ckpt-1", "a"), *failing("ckpt-1", "b"), *failing("ckpt-1", "c")], "ckpt-1", 3)
     assert looping is not None and "restarted 3 times from ckpt-1" in looping
-    assert verdict([start("ckpt-1"), start("ckpt-2"), start("ckpt-3")], "ckpt-4", 3) is None
-    assert verdict([start("ckpt-1"), start("ckpt-1"), {"event": "end"}, start("ckpt-1")], "ckpt-1", 3) is None
+    assert verdict([*failing("ckpt-1", "a"), *failing("ckpt-2", "b"), *failing("ckpt-3", "c")], "ckpt-4", 3) is None
+    assert verdict([*failing("ckpt-1", "a"), *failing("ckpt-1", "b"), {"event": "end"}, *failing("ckpt-1", "c")],
+                   "ckpt-1", 3) is None
+
+
+def test_attempts_killed_from_outside_before_a_commit_are_no_loop() -> None:
+    # SIGKILLs at random instants, several before the next commit: the job must be requeued.
+    assert verdict([start("ckpt-1")] * 5, "ckpt-1", 3) is None
+    assert verdict([start("ckpt-1"), failed("ckpt-1", "a"), start("ckpt-1"), start("ckpt-1"),
+                    start("ckpt-1")], "ckpt-1", 3) is None
 
 
 def test_the_same_exception_at_the_same_split_twice_is_deterministic() -> None:

@@ -377,7 +377,7 @@ def watchdog_settings(min_timeout_s: float | None) -> dict[str, Any]:
     """TrainerConfig's watchdog with test-sized timeouts (the default's are minutes)."""
     if min_timeout_s is None:
         return {}
-    return {"watchdog": engine.Watchdog(min_timeout_s=min_timeout_s, first_timeout_s=120.0, warmup=3,
+    return {"watchdog": engine.Watchdog(min_timeout_s=min_timeout_s, first_timeout_s=60.0, warmup=3,
                                         poll_s=0.05)}
 
 
@@ -401,7 +401,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--writer", choices=["thread", "process"], default="thread",
                         help="'process': checkpoints written by a writer process")
     parser.add_argument("--watchdog", type=float, default=None,
-                        help="the watchdog's min_timeout_s (first_timeout_s 120, polled every 0.05 s)")
+                        help="the watchdog's min_timeout_s (first_timeout_s 60, polled every 0.05 s)")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)

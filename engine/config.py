@@ -12,8 +12,10 @@ import signal
 from typing import Literal, Sequence
 
 from engine.errors import ConfigError
+from engine.field_checks import bool_field, one_of, positive_int_or_none, positive_number_or_none
 from engine.loggers.base import Logger
 from engine.unknown_keywords import LIGHTNING_CHECKPOINT, LIGHTNING_TRAINER, from_lightning, refuse_unknown_fields
+from engine.watchdog.settings import Watchdog
 
 Precision = Literal["32", "bf16-mixed", "16-mixed"]
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -24,31 +26,6 @@ DEFAULT_START_TIMEOUT = 180.0
 
 AccumulateOver = Literal["batches", "splits"]
 ClipAlgorithm = Literal["norm", "value"]
-
-
-def _positive_int_or_none(owner: str, name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{owner}.{name}: expected a positive int or None, got {value!r}")
-
-
-def _positive_number_or_none(owner: str, name: str, value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ConfigError(f"{owner}.{name}: expected a positive finite number or None, got {value!r}")
-
-
-def _bool(owner: str, name: str, value: object) -> None:
-    # Not ``value in (True, False)``: 1 == True, and a 0 or "no" would be taken for a flag.
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name}: expected True or False, got {value!r}")
-
-
-def _one_of(owner: str, name: str, value: object, allowed: Sequence[object]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{owner}.{name}: expected one of {list(allowed)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,88 +58,18 @@ class Rollback:
     def __post_init__(self) -> None:
         owner = "Rollback"
         if self.factor is not None:
-            _positive_number_or_none(owner, "factor", self.factor)
+            positive_number_or_none(owner, "factor", self.factor)
             if self.factor <= 1:
                 raise ConfigError(f"{owner}.factor: expected a number above 1 (times the median loss) or None, "
                                   f"got {self.factor!r}")
-        _positive_int_or_none(owner, "window", self.window)
-        _positive_int_or_none(owner, "skip_batches", self.skip_batches)
-        _positive_int_or_none(owner, "max_rollbacks", self.max_rollbacks)
+        positive_int_or_none(owner, "window", self.window)
+        positive_int_or_none(owner, "skip_batches", self.skip_batches)
+        positive_int_or_none(owner, "max_rollbacks", self.max_rollbacks)
         for name in ("window", "skip_batches", "max_rollbacks"):
             if getattr(self, name) is None:
                 raise ConfigError(f"{owner}.{name}: expected a positive int, got None")
         if isinstance(self.back, bool) or not isinstance(self.back, int) or self.back < 0:
             raise ConfigError(f"{owner}.back: expected an int >= 0 (optimizer steps), got {self.back!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Watchdog:
-    """Hang detection (docs/faults.md, "Hangs"), on by default: every rank publishes a progress
-    word (splits completed, phase, when the phase began) that a monitor thread reads without the
-    rank's help; a rank whose word has not moved for ``max(min_timeout_s, factor x p99)`` of its
-    current phase (learned online, per phase, after ``warmup`` samples; ``first_timeout_s`` until
-    then: the first split and its compilation, a checkpoint load, a validation pass) is hung: the
-    monitor writes one report (rank, host, phase, how long, the last split, the Python stacks) to
-    stderr and ``hangs.jsonl``, and the process exits with ``engine.watchdog.HANG_EXIT_CODE`` so
-    that torchrun (``--max-restarts``) or the scheduler restarts the job from its newest checkpoint.
-
-    Args:
-        min_timeout_s: no phase is called hung before this many seconds without progress. The
-            default, 5 minutes, is NVIDIA's resiliency-extension heartbeat: generous enough that a
-            loaded machine never trips it, short against gloo/NCCL's 10-30 minutes.
-        factor: a phase is hung after ``factor`` times the 99th percentile of its durations seen so far.
-        first_timeout_s: the allowance of a phase seen fewer than ``warmup`` times (30 minutes:
-            a first split that compiles, a restore from a slow store, a whole validation pass).
-        warmup: how many durations of a phase are seen before its own p99 applies.
-        poll_s: how often the monitor looks; None: a twentieth of ``min_timeout_s``, at most 1 s.
-        max_restarts: crash loops (engine.watchdog.crash_loop): a start whose last ``max_restarts``
-            starts all resumed from the checkpoint it resumes from (nothing committed since), or
-            that follows two failures at the same split with the same exception, exits with
-            ``engine.watchdog.CRASH_LOOP_EXIT_CODE`` ("do not requeue") and a verdict line. None: never.
-        straggler_factor: a rank whose own work per split (its waits left out) stays this many
-            times the fastest local rank's for ``straggler_window`` of its splits is reported
-            (a line, ``stragglers.jsonl``), never stopped. None: not watched.
-        straggler_window: splits a rank must stay that slow before it is reported.
-
-    Example::
-
-        engine.TrainerConfig(run_dir="runs/lm", watchdog=engine.Watchdog(min_timeout_s=120, factor=10))
-    """
-
-    min_timeout_s: float = 300.0
-    factor: float = 5.0
-    first_timeout_s: float = 1800.0
-    warmup: int = 10
-    poll_s: float | None = None
-    max_restarts: int | None = 3
-    straggler_factor: float | None = 1.3
-    straggler_window: int = 10
-
-    def __post_init__(self) -> None:
-        owner = "Watchdog"
-        for name in ("min_timeout_s", "factor", "first_timeout_s"):
-            _positive_number_or_none(owner, name, getattr(self, name))
-            if getattr(self, name) is None:
-                raise ConfigError(f"{owner}.{name}: expected a positive finite number, got None")
-        if self.factor < 1:
-            raise ConfigError(f"{owner}.factor: expected a number >= 1 (times the p99 of a phase), got {self.factor!r}")
-        _positive_int_or_none(owner, "warmup", self.warmup)
-        if self.warmup is None:
-            raise ConfigError(f"{owner}.warmup: expected a positive int, got None")
-        _positive_number_or_none(owner, "poll_s", self.poll_s)
-        _positive_int_or_none(owner, "max_restarts", self.max_restarts)
-        _positive_number_or_none(owner, "straggler_factor", self.straggler_factor)
-        if self.straggler_factor is not None and self.straggler_factor <= 1:
-            raise ConfigError(f"{owner}.straggler_factor: expected a number above 1 (times the fastest rank) or None, "
-                              f"got {self.straggler_factor!r}")
-        _positive_int_or_none(owner, "straggler_window", self.straggler_window)
-        if self.straggler_window is None:
-            raise ConfigError(f"{owner}.straggler_window: expected a positive int, got None")
-
-    @property
-    def poll_seconds(self) -> float:
-        """How often the monitor reads the progress words."""
-        return self.poll_s if self.poll_s is not None else min(1.0, self.min_timeout_s / 20)
 
 
 @refuse_unknown_fields(from_lightning(LIGHTNING_CHECKPOINT))
@@ -267,33 +174,33 @@ class CheckpointConfig:
         if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
             raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
         if self.every_n_splits != "auto":
-            _positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
+            positive_int_or_none(owner, "every_n_splits", self.every_n_splits)
         if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)) \
                 or not 0 < self.max_overhead < 1:
             raise ConfigError(f"{owner}.max_overhead: expected a fraction of training time between 0 and 1 "
                               f"(0.05 for 5%), got {self.max_overhead!r}")
-        _positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
-        _positive_number_or_none(owner, "every_seconds", self.every_seconds)
-        _bool(owner, "at_epoch_end", self.at_epoch_end)
-        _bool(owner, "asynchronous", self.asynchronous)
-        _positive_int_or_none(owner, "keep_last", self.keep_last)
-        _positive_int_or_none(owner, "max_in_flight", self.max_in_flight)
+        positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
+        positive_number_or_none(owner, "every_seconds", self.every_seconds)
+        bool_field(owner, "at_epoch_end", self.at_epoch_end)
+        bool_field(owner, "asynchronous", self.asynchronous)
+        positive_int_or_none(owner, "keep_last", self.keep_last)
+        positive_int_or_none(owner, "max_in_flight", self.max_in_flight)
         if self.max_in_flight is None:
             raise ConfigError(f"{owner}.max_in_flight: expected a positive int, got None")
-        _one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
-        _one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
+        one_of(owner, "when_behind", self.when_behind, ["wait", "skip"])
+        one_of(owner, "on_io_error", self.on_io_error, ["raise", "warn"])
         if self.monitor is not None and (not isinstance(self.monitor, str) or not self.monitor):
             raise ConfigError(f"{owner}.monitor: expected a metric name or None, got {self.monitor!r}")
-        _one_of(owner, "mode", self.mode, ["min", "max"])
+        one_of(owner, "mode", self.mode, ["min", "max"])
         if isinstance(self.keep_best, bool) or not isinstance(self.keep_best, int) or self.keep_best < 0:
             raise ConfigError(f"{owner}.keep_best: expected an int >= 0, got {self.keep_best!r}")
-        _positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
+        positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
         self._check_combinations()
         self._check_writer()
-        _positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
-        _positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
+        positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
+        positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
         if self.local_tier is None:
             if self.durable_every_n_splits is not None or self.durable_every_seconds is not None:
                 raise ConfigError(f"{owner}.durable_every_n_splits / durable_every_seconds: only meaningful with "
@@ -309,7 +216,7 @@ class CheckpointConfig:
 
     def _check_writer(self) -> None:
         owner = "CheckpointConfig"
-        _one_of(owner, "writer", self.writer, ["thread", "process"])
+        one_of(owner, "writer", self.writer, ["thread", "process"])
         if self.writer == "process" and not self.asynchronous:
             raise ConfigError(f"{owner}.writer='process' writes asynchronously, but asynchronous is False; "
                               "set asynchronous=True or drop it")
@@ -449,35 +356,35 @@ class TrainerConfig:
         owner = "TrainerConfig"
         if not isinstance(self.device, str) or not _DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"{owner}.device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        _one_of(owner, "precision", self.precision, PRECISIONS)
-        _positive_int_or_none(owner, "max_epochs", self.max_epochs)
-        _positive_int_or_none(owner, "max_steps", self.max_steps)
-        _positive_number_or_none(owner, "max_time", self.max_time)
+        one_of(owner, "precision", self.precision, PRECISIONS)
+        positive_int_or_none(owner, "max_epochs", self.max_epochs)
+        positive_int_or_none(owner, "max_steps", self.max_steps)
+        positive_number_or_none(owner, "max_time", self.max_time)
         if self.max_epochs is None and self.max_steps is None and self.max_time is None:
             raise ConfigError(
                 f"{owner}: no stop condition (max_epochs, max_steps and max_time are all None); "
                 "set at least one so the run can end"
             )
-        _positive_int_or_none(owner, "accumulate_grad", self.accumulate_grad)
+        positive_int_or_none(owner, "accumulate_grad", self.accumulate_grad)
         if self.accumulate_grad is None:
             raise ConfigError(f"{owner}.accumulate_grad: expected a positive int, got None")
-        _one_of(owner, "accumulate_over", self.accumulate_over, ["batches", "splits"])
-        _positive_number_or_none(owner, "gradient_clip_val", self.gradient_clip_val)
-        _one_of(owner, "gradient_clip_algorithm", self.gradient_clip_algorithm, ["norm", "value"])
-        _one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
-        _positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
-        _bool(owner, "val_at_epoch_end", self.val_at_epoch_end)
-        _bool(owner, "distributed_sampler", self.distributed_sampler)
-        _bool(owner, "elastic", self.elastic)
-        _positive_number_or_none(owner, "start_timeout", self.start_timeout)
+        one_of(owner, "accumulate_over", self.accumulate_over, ["batches", "splits"])
+        positive_number_or_none(owner, "gradient_clip_val", self.gradient_clip_val)
+        one_of(owner, "gradient_clip_algorithm", self.gradient_clip_algorithm, ["norm", "value"])
+        one_of(owner, "progress_bar", self.progress_bar, ["auto", "bar", "log", "off"])
+        positive_int_or_none(owner, "val_every_n_steps", self.val_every_n_steps)
+        bool_field(owner, "val_at_epoch_end", self.val_at_epoch_end)
+        bool_field(owner, "distributed_sampler", self.distributed_sampler)
+        bool_field(owner, "elastic", self.elastic)
+        positive_number_or_none(owner, "start_timeout", self.start_timeout)
         if self.start_timeout is None:
             raise ConfigError(f"{owner}.start_timeout: expected a positive finite number of seconds, got None")
         if self.elastic and not self.distributed_sampler:
             raise ConfigError(f"{owner}.elastic: True needs the engine's sampler, which distributed_sampler=False "
                               "turns off; set one of them")
-        _bool(owner, "exit_on_preemption", self.exit_on_preemption)
+        bool_field(owner, "exit_on_preemption", self.exit_on_preemption)
         _loggers(owner, self.loggers)
-        _bool(owner, "save_on_exception", self.save_on_exception)
+        bool_field(owner, "save_on_exception", self.save_on_exception)
         if self.watchdog is not None and not isinstance(self.watchdog, Watchdog):
             raise ConfigError(f"{owner}.watchdog: expected engine.Watchdog(...) or None, got {self.watchdog!r}")
         if self.anomaly is not None and not isinstance(self.anomaly, Rollback):
@@ -485,7 +392,7 @@ class TrainerConfig:
         if self.anomaly is not None and self.checkpoint is None:
             raise ConfigError(f"{owner}.anomaly: Rollback needs checkpoints to roll back to; set run_dir (and keep "
                               "a checkpoint policy)")
-        _positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
+        positive_number_or_none(owner, "log_every_seconds", self.log_every_seconds)
         if self.log_every_seconds is None:
             raise ConfigError(f"{owner}.log_every_seconds: expected a positive number of seconds, got None")
         if self.run_dir is not None and (not isinstance(self.run_dir, str) or not self.run_dir.strip()):

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Protocol
 
-from engine.config import Watchdog
+from engine.watchdog.settings import Watchdog
 from engine.watchdog.phases import HANG_EXIT_CODE
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
 from engine.watchdog.stragglers import StragglerWatch, report as report_straggler

@@ -7,7 +7,7 @@ import contextlib
 import os
 from typing import Iterator
 
-from engine.config import Watchdog
+from engine.watchdog.settings import Watchdog
 from engine.watchdog import tracker as trackers
 from engine.watchdog.board import AloneBoard, NodeBoard, shared_directory
 from engine.watchdog.monitor import Monitor, end_process

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import math
 
-from engine.config import Watchdog
+from engine.watchdog.settings import Watchdog
 from engine.watchdog.phases import FIRST_ALLOWANCE
 
 WINDOW = 512  # recent durations kept per phase

@@ -11,7 +11,7 @@ import mmap
 import os
 import time
 
-from engine.config import Watchdog
+from engine.watchdog.settings import Watchdog
 from engine.watchdog import word as words
 from engine.watchdog.phases import CODE_OF, STARTING, WAITS
 

@@ -5,12 +5,12 @@ What is measured: the wall time of one training run (``engine.Trainer.fit``, Ada
 epoch, ``resume="off"``, model built outside the timing), four ways:
 
 * ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
-* ``last-only``: ``CheckpointConfig(every_n_splits=None, keep_last=2, asynchronous=True)``: a
+* ``last-only``: ``CheckpointConfig(every_n_splits=None, keep_last=2, writer="thread")``: a
   run dir and the one checkpoint every run ends with (which ``fit`` waits for), no cadence:
   what any run with checkpoints pays once, which no interval can reduce;
 * ``auto-sync``: ``CheckpointConfig(every_n_splits="auto", max_overhead=0.05, keep_last=2)``,
   checkpoints written on the training thread;
-* ``auto-async``: the same with ``asynchronous=True`` (``max_in_flight=1``,
+* ``auto-async``: the same with ``writer="thread"`` (``max_in_flight=1``,
   ``when_behind="wait"``): the budget counts the time a checkpoint blocks training plus the
   slowdown of the splits its background write overlaps.
 * ``auto-process``: the same with ``writer="process"``: the budget counts the training
@@ -139,10 +139,9 @@ def checkpoint_policy(way: str) -> engine.CheckpointConfig | None:
     if way == "none":
         return None
     if way == "last-only":
-        return engine.CheckpointConfig(every_n_splits=None, keep_last=2, asynchronous=True)
+        return engine.CheckpointConfig(every_n_splits=None, keep_last=2, writer="thread")
     return engine.CheckpointConfig(every_n_splits="auto", max_overhead=MAX_OVERHEAD, keep_last=2,
-                                   asynchronous=way in ("auto-async", "auto-process"),
-                                   writer="process" if way == "auto-process" else "thread")
+                                   writer={"auto-async": "thread", "auto-process": "process"}.get(way, "sync"))
 
 
 def timed_run(workload: Workload, way: str, batches: list[Batch], work: str, log: CheckpointLog,

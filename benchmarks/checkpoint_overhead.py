@@ -7,7 +7,7 @@ epoch, ``resume="off"``, built model excluded from the timing) run five ways (``
 * ``none``: ``TrainerConfig(run_dir=None, checkpoint=None)``;
 * ``sync``: a checkpoint after every split, ``CheckpointConfig(every_n_splits=1, keep_last=2)``,
   written on the training thread;
-* ``async``: the same with ``asynchronous=True`` (``max_in_flight=1``, ``when_behind="wait"``):
+* ``async``: the same with ``writer="thread"`` (``max_in_flight=1``, ``when_behind="wait"``):
   the training thread encodes the state and copies its tensors into reused buffers, a
   background thread writes, fsyncs and commits.
 
@@ -248,14 +248,14 @@ def checkpoint_policy(way: str, local_tier: str | None = None) -> engine.Checkpo
     if way in ("none", "floor"):
         return None
     if way == "fast":
-        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, local_tier=local_tier,
+        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, writer="thread", local_tier=local_tier,
                                        durable_every_seconds=60.0)
     if way == "process":
         # "Latest wins": training never waits for the writer process (a snapshot not yet taken
         # up is replaced by a newer one); the run's last checkpoint is always written.
-        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=True, writer="process",
+        return engine.CheckpointConfig(every_n_splits=1, keep_last=2, writer="process",
                                        when_behind="skip")
-    return engine.CheckpointConfig(every_n_splits=1, keep_last=2, asynchronous=way == "async")
+    return engine.CheckpointConfig(every_n_splits=1, keep_last=2, writer="thread" if way == "async" else "sync")
 
 
 class CopyFloor(engine.Callback):

@@ -9,7 +9,7 @@ twice per round, alternating which goes first:
   the checkpoint codec (each DTensor as its local shard and its placement, nothing gathered),
   written through the run directory's Storage with a CRC-32C of every byte, and fsynced;
 * **sharded save with an asynchronous snapshot**: the same, the state first copied into one
-  snapshot buffer as ``CheckpointConfig(asynchronous=True)`` does (so training can go on);
+  snapshot buffer as ``CheckpointConfig(writer="thread")`` does (so training can go on);
 * **DCP save**: ``torch.distributed.checkpoint.save`` of the same state dict into its own
   directory (its default FileSystemWriter, fsync on).
 
@@ -78,7 +78,7 @@ def sharded_save(state: dict[str, Any], directory: str, rank: int, snapshot: boo
     from engine.checkpoint.writers.buffers import SnapshotBuffers
     storage = Storage(directory)
     encoded = encode_state(state)
-    if snapshot:  # as CheckpointConfig(asynchronous=True) does: one copy, so training can go on
+    if snapshot:  # as CheckpointConfig(writer="thread") does: one copy, so training can go on
         buffers = SnapshotBuffers()
         copies = buffers.capture(encoded.tensors, encoded.layout)
         encoded = EncodedState(encoded.header, copies, encoded.layout, flat=buffers.flat)

@@ -11,7 +11,8 @@ import re
 import signal
 from typing import Literal, Sequence
 
-from engine.errors import ConfigError
+from engine.checkpoint.plan import CheckpointPlan
+from engine.errors import ConfigError, warn
 from engine.field_checks import bool_field, one_of, positive_int_or_none, positive_number_or_none
 from engine.loggers.base import Logger
 from engine.unknown_keywords import LIGHTNING_CHECKPOINT, LIGHTNING_TRAINER, from_lightning, refuse_unknown_fields
@@ -93,13 +94,21 @@ class CheckpointConfig:
             produced a new ``monitor`` value is checkpointed whatever this says).
         keep_last: how many valid checkpoints to keep (older ones are deleted only after a
             newer one is committed). None keeps all.
-        asynchronous: snapshot on the training thread, write in a background thread.
-        max_in_flight: with ``asynchronous``, how many snapshots may exist at once (being
-            written or queued); each holds a reusable copy of the state's tensors. This field,
-            ``when_behind``, ``mode``, ``keep_best`` and ``max_overhead`` are refused at a
-            non-default value when the field they apply to (``asynchronous``, ``monitor``,
+        writer: who writes checkpoints. ``"sync"`` (the default): the training thread encodes,
+            writes, fsyncs and commits each one before training goes on. ``"thread"``: the
+            training thread only takes a snapshot (a bulk copy of the state's tensors); a
+            background thread of the training process encodes and writes it. ``"process"``: the
+            snapshot is copied into shared memory and a writer process the engine starts encodes
+            nothing, writes, fsyncs and commits under the lease, and still commits the last
+            snapshot it received when the training process is killed (a local run dir, one
+            process; docs/guarantees.md, "A writer process").
+        asynchronous: deprecated: ``asynchronous=True`` is ``writer="thread"`` (a warning says so).
+        max_in_flight: with ``writer="thread"`` or ``"process"``, how many snapshots may exist at
+            once (being written or queued); each holds a reusable copy of the state's tensors.
+            This field, ``when_behind``, ``mode``, ``keep_best`` and ``max_overhead`` are refused
+            at a non-default value when what they apply to (a background writer, ``monitor``,
             ``every_n_splits="auto"``) is not set.
-        when_behind: with ``asynchronous`` and ``max_in_flight`` snapshots in flight: ``"wait"``
+        when_behind: with a background writer and ``max_in_flight`` snapshots in flight: ``"wait"``
             blocks training until the writer frees one; ``"skip"`` never blocks: the newest
             snapshot replaces the oldest queued one, or, when every snapshot is being written,
             this checkpoint is skipped. A run's last checkpoint, a preemption checkpoint and one
@@ -130,12 +139,6 @@ class CheckpointConfig:
             count of completed splits crosses a multiple of N.
         durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T
             seconds passed since the last copy.
-        writer: with ``asynchronous``, where checkpoints are written: ``"thread"`` (a background
-            thread of the training process) or ``"process"`` (a writer process the engine starts:
-            the training process only copies the state into shared memory; the writer encodes
-            nothing, writes, fsyncs and commits under the lease, and still commits the last
-            snapshot it received when the training process is killed). See
-            docs/guarantees.md ("A writer process").
     """
 
     every_n_splits: int | Literal["auto"] | None = 1
@@ -143,7 +146,7 @@ class CheckpointConfig:
     every_seconds: float | None = None
     at_epoch_end: bool = True
     keep_last: int | None = 2
-    asynchronous: bool = False
+    asynchronous: bool | None = None
     max_in_flight: int = 1
     when_behind: Literal["wait", "skip"] = "wait"
     on_io_error: Literal["raise", "warn"] = "raise"
@@ -158,18 +161,33 @@ class CheckpointConfig:
     durable_every_n_splits: int | None = None
     durable_every_seconds: float | None = None
     max_overhead: float = 0.05
-    writer: Literal["thread", "process"] = "thread"
+    # A key of engine.checkpoint.writers.choice.WRITER_KINDS (checked by CheckpointPlan).
+    writer: str = "sync"
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Check every field and their combinations; ``Trainer.fit`` calls it again, so that a
-        field changed after construction is checked too.
+        """Check every field and their combinations; ``Trainer.fit`` checks them again (building
+        its run's :meth:`plan`), so that a field changed after construction is checked too.
 
         Raises:
             ConfigError: naming the field, the value and what was expected.
         """
+        self.plan()
+
+    def plan(self) -> CheckpointPlan:
+        """This configuration checked and resolved (engine.checkpoint.plan holds the rules that
+        tie fields together): ``Trainer.fit`` builds its run's plan once, with this.
+
+        Raises:
+            ConfigError: naming the field, the value and what was expected.
+        """
+        self._check_each_field()
+        self._resolve_asynchronous()
+        return CheckpointPlan.from_config(self)
+
+    def _check_each_field(self) -> None:
         owner = "CheckpointConfig"
         if isinstance(self.every_n_splits, str) and self.every_n_splits != "auto":
             raise ConfigError(f"{owner}.every_n_splits: expected a positive int, 'auto' or None, got {self.every_n_splits!r}")
@@ -182,7 +200,6 @@ class CheckpointConfig:
         positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
         positive_number_or_none(owner, "every_seconds", self.every_seconds)
         bool_field(owner, "at_epoch_end", self.at_epoch_end)
-        bool_field(owner, "asynchronous", self.asynchronous)
         positive_int_or_none(owner, "keep_last", self.keep_last)
         positive_int_or_none(owner, "max_in_flight", self.max_in_flight)
         if self.max_in_flight is None:
@@ -197,52 +214,34 @@ class CheckpointConfig:
         positive_number_or_none(owner, "lease_expiry_seconds", self.lease_expiry_seconds)
         if self.lease_expiry_seconds is None:
             raise ConfigError(f"{owner}.lease_expiry_seconds: expected a positive number of seconds, got None")
-        self._check_combinations()
-        self._check_writer()
         positive_int_or_none(owner, "durable_every_n_splits", self.durable_every_n_splits)
         positive_number_or_none(owner, "durable_every_seconds", self.durable_every_seconds)
-        if self.local_tier is None:
-            if self.durable_every_n_splits is not None or self.durable_every_seconds is not None:
-                raise ConfigError(f"{owner}.durable_every_n_splits / durable_every_seconds: only meaningful with "
-                                  "local_tier (without a fast tier every checkpoint is durable); set local_tier or drop them")
-        else:
-            if not isinstance(self.local_tier, str) or not self.local_tier or "://" in self.local_tier \
-                    or "::" in self.local_tier:
-                raise ConfigError(f"{owner}.local_tier: expected a local directory path such as '/dev/shm/my-run', "
-                                  f"got {self.local_tier!r}")
-            if self.durable_every_n_splits is None and self.durable_every_seconds is None:
-                raise ConfigError(f"{owner}.local_tier={self.local_tier!r}: say how often checkpoints reach the run dir "
-                                  "with durable_every_n_splits and/or durable_every_seconds")
+        if self.local_tier is not None and (not isinstance(self.local_tier, str) or not self.local_tier
+                                            or "://" in self.local_tier or "::" in self.local_tier):
+            raise ConfigError(f"{owner}.local_tier: expected a local directory path such as '/dev/shm/my-run', "
+                              f"got {self.local_tier!r}")
+        if not isinstance(self.writer, str):
+            raise ConfigError(f"{owner}.writer: expected a writer's name such as 'thread', got {self.writer!r}")
 
-    def _check_writer(self) -> None:
+    def _resolve_asynchronous(self) -> None:
+        """The deprecated ``asynchronous`` spelling, turned into ``writer`` once, with a warning:
+        ``asynchronous=True`` is a background writer (``"thread"`` unless ``writer`` names
+        another), ``asynchronous=False`` the synchronous one (``writer="thread"``, the old
+        default, included)."""
         owner = "CheckpointConfig"
-        one_of(owner, "writer", self.writer, ["thread", "process"])
-        if self.writer == "process" and not self.asynchronous:
-            raise ConfigError(f"{owner}.writer='process' writes asynchronously, but asynchronous is False; "
-                              "set asynchronous=True or drop it")
-        if self.writer == "process" and self.local_tier is not None:
-            raise ConfigError(f"{owner}.writer='process' is not supported with local_tier yet "
-                              f"(got local_tier={self.local_tier!r}); use writer='thread' with a fast tier")
-
-    def _check_combinations(self) -> None:
-        """Refuse a field set to a non-default value that the rest of the policy would ignore."""
-        owner = "CheckpointConfig"
-        if not self.asynchronous:
-            for name, default in (("max_in_flight", 1), ("when_behind", "wait")):
-                if getattr(self, name) != default:
-                    raise ConfigError(f"{owner}.{name}={getattr(self, name)!r} applies to asynchronous checkpoints only, "
-                                      "but asynchronous is False; set asynchronous=True or drop it")
-        if self.monitor is None:
-            for name, default in (("mode", "min"), ("keep_best", 1)):
-                if getattr(self, name) != default:
-                    raise ConfigError(f"{owner}.{name}={getattr(self, name)!r} applies to best checkpoints only, but "
-                                      "monitor is None; set monitor to a metric name (e.g. 'val_loss') or drop it")
-        elif self.monitor != self.monitor.strip():
-            raise ConfigError(f"{owner}.monitor: {self.monitor!r} has leading or trailing whitespace; "
-                              "give the metric name exactly as it is logged")
-        if self.every_n_splits != "auto" and self.max_overhead != 0.05:
-            raise ConfigError(f"{owner}.max_overhead={self.max_overhead!r} applies to every_n_splits='auto' only, "
-                              f"but every_n_splits is {self.every_n_splits!r}; set every_n_splits='auto' or drop it")
+        if self.asynchronous is None:
+            return
+        bool_field(owner, "asynchronous", self.asynchronous)
+        if self.asynchronous and self.writer == "sync":
+            self.writer = "thread"
+        elif not self.asynchronous and self.writer == "thread":
+            self.writer = "sync"
+        elif not self.asynchronous and self.writer != "sync":
+            raise ConfigError(f"{owner}.writer={self.writer!r} writes in the background, but asynchronous is False; "
+                              "drop asynchronous (deprecated: writer alone says who writes)")
+        self.asynchronous = None
+        warn(f"{owner}(asynchronous=...) is deprecated: say writer={self.writer!r} alone "
+             "(writer='sync', 'thread' or 'process')", FutureWarning)
 
 
 def _default_checkpoint_policy() -> CheckpointConfig:

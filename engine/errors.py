@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 import warnings
 
 
@@ -115,6 +116,13 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 def _user_stacklevel() -> int:
     """The ``stacklevel`` :func:`warn` passes: 1 is warn itself, 2 the engine code that called it."""
     frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PASS_THROUGH):
+    while frame.f_back is not None and (os.path.abspath(frame.f_code.co_filename).startswith(_PASS_THROUGH)
+                                        or _is_generated_init(frame)):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _is_generated_init(frame: types.FrameType) -> bool:
+    """A dataclass's ``__init__`` (compiled from a string): the configuration's own warnings
+    pass through it to the user's line."""
+    return frame.f_code.co_name == "__init__" and frame.f_code.co_filename == "<string>"

@@ -341,7 +341,7 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
         lease.update(local_tier=tier[0], durable_every_n_splits=tier[1])
     writer = extra.pop("writer", "thread")  # "process": a writer process (implies asynchronous)
     checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last,
-                                         asynchronous=asynchronous or writer == "process", writer=writer,
+                                         writer=writer if asynchronous or writer == "process" else "sync",
                                          on_io_error=extra.pop("on_io_error", "raise"), **lease)
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())

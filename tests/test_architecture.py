@@ -184,11 +184,14 @@ def test_the_checkpoint_package_has_few_entries_at_its_top() -> None:
 
 
 def test_a_writer_is_seen_through_its_protocol_and_chosen_in_one_place() -> None:
-    """Adding a writer needs no edit outside engine/checkpoint/writers/ but the one call that
-    chooses it (and the name the configuration accepts): no module outside the room imports a
-    writer class, and one module calls ``choose_writer``."""
+    """Adding a writer needs no edit outside engine/checkpoint/writers/ but its line in
+    ``WRITER_KINDS``: no module outside the room imports a writer class, one module calls
+    ``choose_writer``, and no module outside the room lists the writers' names (the configuration
+    checks a name against ``WRITER_KINDS``; tests/checkpoint/test_plan.py adds a writer that way)."""
+    from engine.checkpoint.writers.choice import WRITER_KINDS
     reaching_in = []
     choosers = []
+    listing = []
     graph = module_graph()
     for module, path in engine_modules().items():
         if module == WRITERS or module.startswith(WRITERS + "."):
@@ -199,8 +202,13 @@ def test_a_writer_is_seen_through_its_protocol_and_chosen_in_one_place() -> None
         calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
         if any(getattr(call.func, "id", getattr(call.func, "attr", None)) == "choose_writer" for call in calls):
             choosers.append(module)
+        listing += [module for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict))
+                    and len({getattr(element, "value", None) for element in getattr(node, "elts", getattr(node, "keys", []))}
+                            & set(WRITER_KINDS)) >= 2]
     assert not reaching_in, "modules that reach into engine.checkpoint.writers:\n  " + "\n  ".join(sorted(reaching_in))
     assert choosers == ["engine.checkpoint.policy"], choosers
+    assert not listing, f"modules that list the writers' names outside engine.checkpoint.writers: {sorted(set(listing))}"
 
 
 def test_the_engines_units_import_each_other_without_a_cycle() -> None:

@@ -13,8 +13,8 @@ import time
 from typing import Protocol
 
 from engine.checkpoint.budget import OverheadBudget
+from engine.checkpoint.plan import CadencePlan
 from engine.checkpoint.writers.worker import BackgroundWork
-from engine.config import CheckpointConfig
 
 
 class Cadence(Protocol):
@@ -46,11 +46,10 @@ class FixedCadence:
     """Every ``every_n_splits`` splits (or never by splits), every ``every_n_steps`` optimizer
     steps, every ``every_seconds``: whichever comes first."""
 
-    def __init__(self, policy: CheckpointConfig) -> None:
-        every = policy.every_n_splits
-        self._every_n_splits = every if isinstance(every, int) else None
-        self._every_n_steps = policy.every_n_steps
-        self._every_seconds = policy.every_seconds
+    def __init__(self, plan: CadencePlan) -> None:
+        self._every_n_splits = plan.every_n_splits
+        self._every_n_steps = plan.every_n_steps
+        self._every_seconds = plan.every_seconds
         self._last_save_time = time.monotonic()
         self._steps_at_last_save = 0
 
@@ -90,9 +89,9 @@ class AutoCadence(FixedCadence):
     """``every_n_splits="auto"``: as often as ``max_overhead`` allows (engine.checkpoint.budget),
     measured online. The per-split cost: one clock read and a few comparisons."""
 
-    def __init__(self, policy: CheckpointConfig) -> None:
-        super().__init__(policy)
-        self._budget = OverheadBudget(policy.max_overhead)
+    def __init__(self, plan: CadencePlan) -> None:
+        super().__init__(plan)
+        self._budget = OverheadBudget(plan.max_overhead)
         self._units_at_last_save = 0
         # When the split being timed started, when due_at_split said yes, when the current save
         # began, and whether background checkpoint work ran since a given time (None: none runs).
@@ -149,6 +148,6 @@ class AutoCadence(FixedCadence):
             self._units_at_last_save = units_completed
 
 
-def choose_cadence(policy: CheckpointConfig) -> Cadence:
-    """The cadence ``policy`` asks for."""
-    return AutoCadence(policy) if policy.every_n_splits == "auto" else FixedCadence(policy)
+def choose_cadence(plan: CadencePlan) -> Cadence:
+    """The cadence ``plan`` asks for."""
+    return AutoCadence(plan) if plan.auto else FixedCadence(plan)

@@ -22,6 +22,7 @@ from engine.checkpoint.cadence import Cadence, choose_cadence
 from engine.checkpoint.checkpointing import BoundaryMark, Snapshot
 from engine.checkpoint.format.codec import EncodedState, encode_state
 from engine.checkpoint.format.manifest import MonitorRecord
+from engine.checkpoint.plan import CheckpointPlan
 from engine.checkpoint.resume_choice import (AUTOMATIC, AnchorFallback, choose_checkpoint, fall_back_to_anchor,
                                              newer_than, record_abandoned)
 from engine.checkpoint.store.abandoned import read_abandoned
@@ -36,7 +37,6 @@ from engine.checkpoint.writers.committer import Committer
 from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.protocol import Writer
 from engine.checkpoint.writers.worker import BackgroundWork
-from engine.config import CheckpointConfig
 from engine.errors import CheckpointWriteError, WriterConflict
 from progress import Cursor
 
@@ -45,27 +45,28 @@ class RunCheckpointer:
     """A run's checkpoints (see the module docstring): its cadence (fixed or automatic) and its
     tiering (one tier or two) are objects chosen here, once."""
 
-    def __init__(self, storage: Storage, policy: CheckpointConfig, metrics: MetricsLog,
+    def __init__(self, storage: Storage, plan: CheckpointPlan, metrics: MetricsLog,
                  group: RankGroup | None = None) -> None:
+        plan.refuse_where(distributed=group is not None, run_dir_url=storage.url, run_dir_is_local=storage.is_local)
         self.store = CheckpointStore(storage)
         # A distributed run: rank 0 holds the one lease of the job and commits (engine.distributed).
         self._group = group
         self._side: CommitSide = _Alone() if group is None else _InGroup(group)
-        self.policy = policy
+        self.plan = plan
         self._storage = storage
         self._metrics = metrics
         # The writer, chosen once: synchronous, a background thread or a writer process.
-        self._writer_kind = choose_writer(policy.writer if policy.asynchronous else "sync", distributed=group is not None)
-        self._lease = WriterLease(storage, stale_after=policy.lease_expiry_seconds,
+        self._writer_kind = choose_writer(plan.writer.kind)
+        self._lease = WriterLease(storage, stale_after=plan.writer.lease_expiry_seconds,
                                   uses_writer_process=self._writer_kind.uses_process)
         self._writer: Writer | None = None
         self._mark_of_last_save: BoundaryMark | None = None
         self._fresh_monitor: MonitorRecord | None = None
-        self._cadence: Cadence = choose_cadence(policy)
+        self._cadence: Cadence = choose_cadence(plan.cadence)
         self._resumed_name: str | None = None
         # Set by select() on rank 0 when "auto" went back to an anchor (another world size).
         self.anchor_fallback: AnchorFallback | None = None
-        self._tiering: Tiering = choose_tiering(policy, storage, self.store, distributed=group is not None)
+        self._tiering: Tiering = choose_tiering(plan.tiers, storage, self.store)
 
     @property
     def last_name(self) -> str | None:
@@ -139,13 +140,13 @@ class RunCheckpointer:
             self._mark_of_last_save = None
         units = resumed_mark[0] if resumed_mark is not None else 0
         also_sync = (lambda: [METRICS_FILE]) if self._storage.is_local else (lambda: [])
-        policy = self.policy
+        kept, writer = self.plan.retention, self.plan.writer
         abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
-        retention = Retention(policy.keep_last, policy.keep_best if policy.monitor else 0, policy.monitor, abandoned)
+        retention = Retention(kept.keep_last, kept.keep_best, kept.monitor, abandoned)
         tier = self._tiering.start(retention, also_sync, self._lease, units)
         self._writer = self._writer_kind.build(WriterParts(self.store, self._storage, self._lease, retention, also_sync,
-                                                           self._metrics, self._group, tier, policy.max_in_flight,
-                                                           policy.when_behind))
+                                                           self._metrics, self._group, tier, writer.max_in_flight,
+                                                           writer.when_behind))
         self._cadence.start(optimizer_steps, units, self._background_work())
 
     def _background_work(self) -> BackgroundWork | None:
@@ -178,7 +179,7 @@ class RunCheckpointer:
         for one (to stop), the policy asks for one after each epoch, or the epoch end produced a
         monitored value (its record belongs to a checkpoint of this boundary's weights, see
         :meth:`offer_metrics`)."""
-        return asked or self.policy.at_epoch_end or self._fresh_monitor is not None
+        return asked or self.plan.cadence.at_epoch_end or self._fresh_monitor is not None
 
     def due_at_split(self, units_completed: int, optimizer_steps: int, asked: bool = False) -> bool:
         """Whether a checkpoint is due at this split boundary: the run ``asked`` for one (to
@@ -191,9 +192,9 @@ class RunCheckpointer:
         current boundary: the checkpoint saved at this boundary records the monitored one, which
         makes it a candidate best checkpoint. The record belongs to that checkpoint only: the
         next :meth:`save` takes it whatever becomes of it, so it never lands on later weights."""
-        monitor = self.policy.monitor
+        monitor = self.plan.retention.monitor
         if monitor is not None and monitor in values and math.isfinite(values[monitor]):
-            self._fresh_monitor = MonitorRecord(monitor, self.policy.mode, float(values[monitor]))
+            self._fresh_monitor = MonitorRecord(monitor, self.plan.retention.mode, float(values[monitor]))
 
     def save(self, snapshot: Snapshot, cursor: Cursor | None, optimizer_steps: int, mark: BoundaryMark,
              force: bool) -> bool:
@@ -246,7 +247,7 @@ class RunCheckpointer:
             self._handle_io_error(error)
 
     def _handle_io_error(self, error: BaseException) -> None:
-        if self.policy.on_io_error == "raise":
+        if self.plan.writer.on_io_error == "raise":
             if isinstance(error, CheckpointWriteError):
                 raise error
             raise CheckpointWriteError(f"checkpoint not written: {error}; earlier checkpoints are intact") from error

@@ -37,7 +37,7 @@ def run_demo(args: argparse.Namespace) -> int:
     config = TrainerConfig(
         max_epochs=args.epochs,
         run_dir=args.dir,
-        checkpoint=CheckpointConfig(every_n_splits=args.checkpoint_every, asynchronous=args.async_checkpoints),
+        checkpoint=CheckpointConfig(every_n_splits=args.checkpoint_every, writer="thread" if args.async_checkpoints else "sync"),
         progress_bar=args.progress,
     )
     result = Trainer(config).fit(module, loader, resume="off" if args.fresh else "auto")

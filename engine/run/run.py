@@ -96,7 +96,7 @@ class FitRun:
         loggers = LoggerSet(chosen, run_info(storage, config, original_module(module)) if chosen else None)
         self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
-            RunCheckpointer(storage, config.checkpoint, self.metrics, self.coordinator.commit_group())
+            RunCheckpointer(storage, config.checkpoint.plan(), self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
         self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
                                  writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)

@@ -13,7 +13,7 @@ from scenarios import train_with_checkpoints
 def checkpointer(tmp_path, **policy):
     storage = Storage(str(tmp_path / "run"))
     config = engine.CheckpointConfig(**policy)
-    return RunCheckpointer(storage, config, MetricsLog(storage))
+    return RunCheckpointer(storage, config.plan(), MetricsLog(storage))
 
 
 def test_every_n_splits(tmp_path):
@@ -59,7 +59,7 @@ def trained(tmp_path):
 
 def selector(run_dir):
     storage = Storage(run_dir)
-    return RunCheckpointer(storage, engine.CheckpointConfig(), MetricsLog(storage))
+    return RunCheckpointer(storage, engine.CheckpointConfig().plan(), MetricsLog(storage))
 
 
 def test_select_off_auto_latest_and_by_name(trained):

@@ -25,6 +25,10 @@ checkpoint committed) and at each snapshot they flush. Once a checkpoint committ
 snapshot sealed, :meth:`MetricsLog.committed` tells them how many rows are committed (loggers
 that cannot take a row back send only those); without checkpoints a row is committed as it is
 added (:meth:`MetricsLog.rows_final_when_added`).
+
+Where the lines go is a :class:`MetricsFile`: :class:`StoredMetricsFile` in the run dir, or
+:class:`NullMetricsFile` for a process that writes none (no run dir, or a rank other than the
+writer's), whose rows are final as they are added.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from engine.checkpoint.store.storage import Storage
 from engine.errors import CheckpointWriteError, WriterConflict
@@ -50,7 +54,7 @@ class MetricsLog:
     """The run's ``metrics.jsonl``; see the module docstring."""
 
     def __init__(self, storage: Storage | None, loggers: LoggerSet | None = None) -> None:
-        self._storage = storage
+        self._file: MetricsFile = StoredMetricsFile(storage) if storage is not None else NullMetricsFile()
         self._loggers = loggers if loggers is not None else LoggerSet([])
         self._lines: list[str] = []          # the training thread's, since the last snapshot
         self._unwritten = bytearray()        # snapshotted, not yet in the file
@@ -59,7 +63,7 @@ class MetricsLog:
         self._fence: Callable[[], None] | None = None  # while a writer lease guards the file
         self._rows = 0                       # rows added, counted from the file's start
         self._sealed_rows: list[tuple[int, int]] = []  # (file length, rows) of each snapshot not yet committed
-        self._rows_final = storage is None   # no checkpoint will ever take a row back
+        self._rows_final = not self._file.kept   # no checkpoint will ever take a row back
 
     def rows_final_when_added(self) -> None:
         """No checkpoint commits the rows (a run without checkpoints): tell the loggers each row
@@ -84,11 +88,7 @@ class MetricsLog:
     def start_fresh(self) -> None:
         self._rows = 0
         self._loggers.start_fresh()
-        if self._storage is None:
-            return
-        if self._storage.exists(METRICS_FILE) and self._storage.size(METRICS_FILE) > 0:
-            warnings.warn(f"starting a fresh run: {METRICS_FILE} of an earlier run in {self._storage.url} is replaced", stacklevel=3)
-        self._storage.write(METRICS_FILE, [], durable=False)
+        self._file.start_fresh()
         self.committed_bytes = 0
 
     def roll_back_to(self, committed_bytes: int, resumed_step: int) -> None:
@@ -104,21 +104,8 @@ class MetricsLog:
     def resume_at(self, committed_bytes: int, resumed_step: int = 0) -> None:
         """Drop whatever was written after the checkpoint being resumed (at optimizer step
         ``resumed_step``), and tell the loggers which rows it committed."""
-        self.committed_bytes = committed_bytes
+        self.committed_bytes = self._file.cut_to(committed_bytes)
         self._rows = 0
-        if self._storage is None:
-            self._loggers.resume([], resumed_step)
-            return
-        size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
-        if size < committed_bytes:
-            warnings.warn(
-                f"{METRICS_FILE} holds {size} bytes but the checkpoint recorded {committed_bytes}: "
-                "lines written before the checkpoint are missing from it",
-                stacklevel=3,
-            )
-            self.committed_bytes = size
-        elif size > committed_bytes:
-            self._storage.truncate(METRICS_FILE, committed_bytes)
         if self._loggers:
             rows = self._committed_rows()
             self._rows = len(rows)
@@ -127,11 +114,10 @@ class MetricsLog:
     def _committed_rows(self) -> list[dict[str, object]]:
         """The rows the resumed checkpoint committed, for the loggers (a file that does not parse
         is a warning: the loggers are not worth stopping the resume for)."""
-        assert self._storage is not None
         if self.committed_bytes == 0:
             return []
         try:
-            data = self._storage.read(METRICS_FILE, limit=self.committed_bytes)
+            data = self._file.read(self.committed_bytes)
             return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
         except (OSError, ValueError) as error:
             warnings.warn(f"the loggers cannot be given the rows of {METRICS_FILE} the checkpoint committed "
@@ -165,14 +151,12 @@ class MetricsLog:
         self._add(record)
 
     def _add(self, record: dict[str, object]) -> None:
-        if self._storage is not None:
+        if self._file.kept:
             self._lines.append(json.dumps(record))  # before the loggers see the row
         self._loggers.log_row(record)
         self._rows += 1
         if self._rows_final:
             self._loggers.committed(self._rows)
-        if self._storage is None:
-            return
         if len(self._lines) >= _FLUSH_EVERY_LINES and self._fence is None:
             try:
                 self.flush()
@@ -196,46 +180,17 @@ class MetricsLog:
         """Append sealed bytes until the file is ``length`` long (page cache only: a checkpoint
         commit fsyncs the file in its own batch). Call after the fence check. On an error the
         bytes stay sealed, and the next call first cuts what a torn append left."""
-        if self._storage is None:
-            return
         with self._lock:
             count = length - self.committed_bytes
             if count <= 0:
                 return
-            if self._storage.exclusive_create:
-                self._replace_if_unchanged(bytes(self._unwritten[:count]))
-            else:
-                self._cut_and_append(bytes(self._unwritten[:count]))
+            self._file.append_after(self.committed_bytes, bytes(self._unwritten[:count]), self._check_fence)
             del self._unwritten[:count]
             self.committed_bytes += count
 
     def _check_fence(self) -> None:
         if self._fence is not None:
             self._fence()
-
-    def _cut_and_append(self, data: bytes) -> None:
-        storage = self._storage
-        assert storage is not None
-        size = storage.size(METRICS_FILE) if storage.exists(METRICS_FILE) else 0
-        self._check_fence()  # after the read: what is cut beyond our length is a stale writer's
-        if size > self.committed_bytes:
-            storage.truncate(METRICS_FILE, self.committed_bytes)
-        storage.append(METRICS_FILE, data)
-
-    def _replace_if_unchanged(self, data: bytes) -> None:
-        """Object stores: one conditional rewrite of the object (see the module docstring)."""
-        storage = self._storage
-        assert storage is not None
-        size, version = storage.version(METRICS_FILE)
-        self._check_fence()  # after the read: the version read is still this writer's to replace
-        if size < self.committed_bytes:
-            raise CheckpointWriteError(
-                f"{METRICS_FILE} in {storage.url} holds {size} bytes, fewer than the {self.committed_bytes} this "
-                "writer wrote: it was changed outside this run; nothing was appended")
-        if not storage.replace_prefix_if_unchanged(METRICS_FILE, self.committed_bytes, data, version):
-            raise WriterConflict(
-                f"{METRICS_FILE} in {storage.url} changed while this writer appended to it: another writer took "
-                "the run over; this writer changes nothing and stops")
 
     def close_loggers(self) -> None:
         """``fit`` ends: close the loggers (after the last snapshot flushed them)."""
@@ -247,15 +202,13 @@ class MetricsLog:
         """Append a row to resumes.jsonl: this process resumed from ``checkpoint`` (on another
         world size than it was written with: ``world_size_before`` -> ``world_size``), with
         ``notes`` (how the checkpoint was chosen) added to the row."""
-        if self._storage is None:
-            return
         row: dict[str, object] = {"checkpoint": checkpoint, "step": optimizer_steps, "time": round(wall_time, 3)}
         if cursor is not None:
             row.update(epoch=cursor.epoch, batch=cursor.batch, split=cursor.split)
         if world_size_before is not None:
             row.update(world_size_before=world_size_before, world_size=world_size)
         row.update(notes or {})
-        self._storage.append(RESUMES_FILE, (json.dumps(row) + "\n").encode())
+        self._file.record_resume((json.dumps(row) + "\n").encode())
 
     def hand_over(self) -> bytes:
         """The sealed bytes not yet handed over, counted as written from now on: a writer
@@ -289,3 +242,110 @@ class MetricsLog:
         self._check_fence()
         self.write_until(length)
         return length
+
+
+class MetricsFile(Protocol):
+    """Where a :class:`MetricsLog`'s lines go."""
+
+    # Whether the lines are kept (in the run dir, where a checkpoint's resume cuts them back).
+    kept: bool
+
+    def start_fresh(self) -> None:
+        """A fresh run: empty the file."""
+
+    def cut_to(self, committed_bytes: int) -> int:
+        """A resume: drop what lies beyond ``committed_bytes``; returns the file's length after."""
+
+    def read(self, limit: int) -> bytes:
+        """The file's first ``limit`` bytes."""
+
+    def append_after(self, length: int, data: bytes, check_fence: Callable[[], None]) -> None:
+        """Append ``data`` where this writer's ``length`` bytes end, cutting whatever lies beyond
+        them; ``check_fence`` is called after the file's state was read, right before changing it."""
+
+    def record_resume(self, row: bytes) -> None:
+        """Append a row to resumes.jsonl."""
+
+
+class StoredMetricsFile:
+    """``metrics.jsonl`` (and ``resumes.jsonl``) in the run dir ``storage``."""
+
+    kept = True
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+
+    def start_fresh(self) -> None:
+        storage = self._storage
+        if storage.exists(METRICS_FILE) and storage.size(METRICS_FILE) > 0:
+            warnings.warn(f"starting a fresh run: {METRICS_FILE} of an earlier run in {storage.url} is replaced",
+                          stacklevel=4)
+        storage.write(METRICS_FILE, [], durable=False)
+
+    def cut_to(self, committed_bytes: int) -> int:
+        size = self._storage.size(METRICS_FILE) if self._storage.exists(METRICS_FILE) else 0
+        if size < committed_bytes:
+            warnings.warn(
+                f"{METRICS_FILE} holds {size} bytes but the checkpoint recorded {committed_bytes}: "
+                "lines written before the checkpoint are missing from it",
+                stacklevel=4,
+            )
+            return size
+        if size > committed_bytes:
+            self._storage.truncate(METRICS_FILE, committed_bytes)
+        return committed_bytes
+
+    def read(self, limit: int) -> bytes:
+        return self._storage.read(METRICS_FILE, limit=limit)
+
+    def append_after(self, length: int, data: bytes, check_fence: Callable[[], None]) -> None:
+        if self._storage.exclusive_create:
+            self._replace_if_unchanged(length, data, check_fence)
+        else:
+            self._cut_and_append(length, data, check_fence)
+
+    def record_resume(self, row: bytes) -> None:
+        self._storage.append(RESUMES_FILE, row)
+
+    def _cut_and_append(self, length: int, data: bytes, check_fence: Callable[[], None]) -> None:
+        storage = self._storage
+        size = storage.size(METRICS_FILE) if storage.exists(METRICS_FILE) else 0
+        check_fence()  # after the read: what is cut beyond our length is a stale writer's
+        if size > length:
+            storage.truncate(METRICS_FILE, length)
+        storage.append(METRICS_FILE, data)
+
+    def _replace_if_unchanged(self, length: int, data: bytes, check_fence: Callable[[], None]) -> None:
+        """Object stores: one conditional rewrite of the object (see the module docstring)."""
+        storage = self._storage
+        size, version = storage.version(METRICS_FILE)
+        check_fence()  # after the read: the version read is still this writer's to replace
+        if size < length:
+            raise CheckpointWriteError(
+                f"{METRICS_FILE} in {storage.url} holds {size} bytes, fewer than the {length} this "
+                "writer wrote: it was changed outside this run; nothing was appended")
+        if not storage.replace_prefix_if_unchanged(METRICS_FILE, length, data, version):
+            raise WriterConflict(
+                f"{METRICS_FILE} in {storage.url} changed while this writer appended to it: another writer took "
+                "the run over; this writer changes nothing and stops")
+
+
+class NullMetricsFile:
+    """No file: a process that writes no metrics (no run dir, or not the writer rank)."""
+
+    kept = False
+
+    def start_fresh(self) -> None:
+        pass
+
+    def cut_to(self, committed_bytes: int) -> int:
+        return committed_bytes
+
+    def read(self, limit: int) -> bytes:
+        return b""
+
+    def append_after(self, length: int, data: bytes, check_fence: Callable[[], None]) -> None:
+        pass
+
+    def record_resume(self, row: bytes) -> None:
+        pass

@@ -11,6 +11,7 @@ engine.checkpoint.tiers.fast for the protocol.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Protocol
 
@@ -21,14 +22,22 @@ from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.fast import FastTier, TierWriter
 from engine.checkpoint.writers.protocol import FastTierCommits
 from engine.checkpoint.writers.worker import BackgroundWork
-from engine.config import CheckpointConfig
-from engine.errors import ConfigError
 
 
 class Closer(Protocol):
     """Something whose pending work :meth:`RunCheckpointer.close` waits for."""
 
     def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TierPlan:
+    """The tiers' part of a run's plan (engine.checkpoint.plan): one tier (``local_tier`` None),
+    or a fast tier in front of the run dir and how often checkpoints reach the run dir."""
+
+    local_tier: str | None
+    durable_every_n_splits: int | None
+    durable_every_seconds: float | None
 
 
 class Tiering(Protocol):
@@ -115,11 +124,11 @@ class TwoTiers:
     """Every checkpoint goes to the fast tier; every ``durable_every_n_splits`` splits /
     ``durable_every_seconds`` (and forced and candidate best ones always) also to the run dir."""
 
-    def __init__(self, policy: CheckpointConfig, local_tier: str, storage: Storage, durable: CheckpointStore) -> None:
+    def __init__(self, plan: TierPlan, local_tier: str, storage: Storage, durable: CheckpointStore) -> None:
         self._fast = FastTier(local_tier, storage)
         self._durable = durable
-        self._every_n_splits = policy.durable_every_n_splits
-        self._every_seconds = policy.durable_every_seconds
+        self._every_n_splits = plan.durable_every_n_splits
+        self._every_seconds = plan.durable_every_seconds
         self._writer: TierWriter | None = None
         self._last_durable_time = time.monotonic()
         self._units_at_last_durable = 0
@@ -176,11 +185,8 @@ class TwoTiers:
         self._fast.release()
 
 
-def choose_tiering(policy: CheckpointConfig, storage: Storage, durable: CheckpointStore, distributed: bool) -> Tiering:
-    """The tiering ``policy`` asks for (``distributed``: several processes write the run)."""
-    if policy.local_tier is None:
+def choose_tiering(plan: TierPlan, storage: Storage, durable: CheckpointStore) -> Tiering:
+    """The tiering ``plan`` asks for."""
+    if plan.local_tier is None:
         return SingleTier(durable)
-    if distributed:
-        raise ConfigError("CheckpointConfig.local_tier is not supported with several processes yet; "
-                          "leave it unset under torchrun")
-    return TwoTiers(policy, policy.local_tier, storage, durable)
+    return TwoTiers(plan, plan.local_tier, storage, durable)

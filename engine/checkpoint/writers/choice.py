@@ -13,18 +13,18 @@ kind), and one line in :data:`WRITER_KINDS`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from engine.checkpoint.store.checkpoint_store import CheckpointStore
-from engine.checkpoint.store.lease import WriterLease
-from engine.checkpoint.store.metrics_log import MetricsLog
-from engine.checkpoint.store.retention import Retention
-from engine.checkpoint.store.storage import Storage
-from engine.checkpoint.writers.committer import Committer
-from engine.checkpoint.writers.process.writer import LaunchedWriter, ProcessWriter
-from engine.checkpoint.writers.protocol import FastTierCommits, Writer
-from engine.checkpoint.writers.writer import BackgroundWriter, SyncWriter
-from engine.errors import ConfigError
+if TYPE_CHECKING:  # the writers themselves are imported when one is built: the configuration
+    # checks a writer's name against WRITER_KINDS without importing torch
+    from engine.checkpoint.store.checkpoint_store import CheckpointStore
+    from engine.checkpoint.store.lease import WriterLease
+    from engine.checkpoint.store.metrics_log import MetricsLog
+    from engine.checkpoint.store.retention import Retention
+    from engine.checkpoint.store.storage import Storage
+    from engine.checkpoint.writers.committer import Committer
+    from engine.checkpoint.writers.process.writer import LaunchedWriter
+    from engine.checkpoint.writers.protocol import FastTierCommits, Writer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,22 +82,19 @@ class _InProcess:
 
 class _WriterProcess:
     """A writer process (engine.checkpoint.writers.process), started as soon as the lease is
-    held; not yet with several processes (torchrun)."""
+    held (engine.checkpoint.plan refuses it where it cannot write yet)."""
 
     uses_process = True
 
-    def __init__(self, distributed: bool) -> None:
-        self._distributed = distributed
+    def __init__(self) -> None:
         self._launched: LaunchedWriter | None = None
 
     def launch(self, storage: Storage, lease: WriterLease) -> None:
-        if not self._distributed:
-            self._launched = LaunchedWriter.for_storage(storage, lease)
+        from engine.checkpoint.writers.process.writer import LaunchedWriter
+        self._launched = LaunchedWriter(lease)
 
     def build(self, parts: WriterParts) -> Writer:
-        if self._distributed:
-            raise ConfigError("CheckpointConfig.writer='process' is not supported with several processes (torchrun) "
-                              "yet; use writer='thread' there")
+        from engine.checkpoint.writers.process.writer import ProcessWriter
         assert self._launched is not None, "launch() before build()"
         launched, self._launched = self._launched, None
         return ProcessWriter(launched, parts.storage, parts.lease, parts.retention, parts.metrics,
@@ -110,24 +107,25 @@ class _WriterProcess:
 
 
 def _synchronous(parts: WriterParts) -> Writer:
+    from engine.checkpoint.writers.writer import SyncWriter
     return SyncWriter(parts.store, parts.lease, parts.retention, parts.also_sync, parts.committer, parts.metrics,
                       parts.tier)
 
 
 def _thread(parts: WriterParts) -> Writer:
+    from engine.checkpoint.writers.writer import BackgroundWriter
     return BackgroundWriter(parts.store, parts.lease, parts.retention, parts.also_sync, parts.max_in_flight,
                             parts.when_behind, parts.committer, parts.metrics, parts.tier)
 
 
-# Each kind of writer, by the name the configuration gives it (engine.config.CheckpointConfig).
-WRITER_KINDS: dict[str, Callable[[bool], WriterKind]] = {
-    "sync": lambda distributed: _InProcess(_synchronous),
-    "thread": lambda distributed: _InProcess(_thread),
+# Each kind of writer, by the name the configuration gives it (CheckpointConfig.writer).
+WRITER_KINDS: dict[str, Callable[[], WriterKind]] = {
+    "sync": lambda: _InProcess(_synchronous),
+    "thread": lambda: _InProcess(_thread),
     "process": _WriterProcess,
 }
 
 
-def choose_writer(kind: str, distributed: bool) -> WriterKind:
-    """The writer ``kind`` names (a key of :data:`WRITER_KINDS`); ``distributed``: several
-    processes write the run."""
-    return WRITER_KINDS[kind](distributed)
+def choose_writer(kind: str) -> WriterKind:
+    """The writer ``kind`` names (a key of :data:`WRITER_KINDS`, checked by engine.checkpoint.plan)."""
+    return WRITER_KINDS[kind]()

@@ -17,11 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from engine.checkpoint.format.encoded_state import EncodedState
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.lease import WriterLease
+from engine.checkpoint.store.metrics_log import MetricsLog
 from engine.checkpoint.store.request import CheckpointFiles, CommitCallbacks, CommitRequest
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.writers.buffers import SnapshotBuffers
@@ -32,8 +33,6 @@ from engine.checkpoint.writers.worker import BackgroundWork, BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
 from engine.watchdog import WRITER, mark as mark_phase
 
-if TYPE_CHECKING:
-    from engine.checkpoint.store.metrics_log import MetricsLog
 
 
 class _WriterBase:
@@ -42,10 +41,11 @@ class _WriterBase:
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], committer: Committer | None = None,
-                 metrics: "MetricsLog | None" = None, tier: FastTierCommits | None = None) -> None:
+                 metrics: MetricsLog | None = None, tier: FastTierCommits | None = None) -> None:
         self.store = store
         self.committer: Committer = committer if committer is not None else SingleCommitter()
-        self.metrics = metrics  # publishes each checkpoint's metrics lines
+        # Publishes each checkpoint's metrics lines (a log without a file when none is given).
+        self.metrics = metrics if metrics is not None else MetricsLog(None)
         self.lease = lease
         self.retention = retention
         self.also_sync = also_sync
@@ -67,8 +67,7 @@ class _WriterBase:
             return
         try:
             self._fence(callbacks)
-            if self.metrics is not None:
-                self.metrics.write_until(pending.metrics_bytes)
+            self.metrics.write_until(pending.metrics_bytes)
             if self.tiers is not None:  # a fast tier: committed there first, its own retention
                 name = self._commit_to_tiers(pending, request, callbacks)
             else:
@@ -81,8 +80,7 @@ class _WriterBase:
             raise
         self.committer.settle(self.store, name)
         self.last_name = name
-        if self.metrics is not None:
-            self.metrics.committed(pending.metrics_bytes)  # the loggers may send these rows now
+        self.metrics.committed(pending.metrics_bytes)  # the loggers may send these rows now
 
     def _request(self, pending: PendingCheckpoint) -> CommitRequest:
         return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
@@ -144,7 +142,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
-                 committer: Committer | None = None, metrics: "MetricsLog | None" = None,
+                 committer: Committer | None = None, metrics: MetricsLog | None = None,
                  tier: FastTierCommits | None = None) -> None:
         _WriterBase.__init__(self, store, lease, retention, also_sync, committer, metrics, tier)
         BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")

@@ -1,4 +1,4 @@
-"""``CheckpointConfig(asynchronous=True, writer="process")``: checkpoints written by a writer
+"""``CheckpointConfig(writer="process")``: checkpoints written by a writer
 process, so that a checkpoint costs the training process one copy of its tensors.
 
 The training process encodes the state's description (engine.checkpoint.format.codec), copies the
@@ -54,7 +54,7 @@ from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, Fr
 from engine.checkpoint.writers.process.messages import CloseMessage, Message, SnapshotMessage, WriterConfig
 from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
-from engine.errors import CheckpointWriteError, ConfigError, WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 from engine.watchdog import WRITER, mark as mark_phase
 
 # How long the training process waits for the writer process to answer before it checks that
@@ -450,15 +450,6 @@ class LaunchedWriter:
         self.events = events_read
         os.set_blocking(events_read, False)
         _PIPE_DESCRIPTORS.update((self.input, self.events))
-
-    @classmethod
-    def for_storage(cls, storage: Storage, lease: WriterLease) -> "LaunchedWriter":
-        """Start one for the run dir ``storage`` (ConfigError where a writer process cannot
-        write yet: a run dir that is not on a local filesystem)."""
-        if not storage.is_local:
-            raise ConfigError(f"CheckpointConfig.writer='process' needs a local run dir for now, got {storage.url!r}; "
-                              "use writer='thread' there")
-        return cls(lease)
 
     def close_pipes(self) -> None:
         """Close this side's pipes (the process, if still running, then ends: stdin at EOF)."""

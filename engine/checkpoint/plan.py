@@ -1,0 +1,187 @@
+"""A run's checkpoint plan: ``CheckpointConfig`` resolved once, with every rule that ties its
+fields together and its refusal.
+
+``CheckpointConfig`` (engine.config) checks each field on its own and builds a plan to check the
+rest (so that a bad combination is refused where the configuration is made); ``Trainer.fit``
+builds the plan a run uses, once, and :meth:`CheckpointPlan.refuse_where` refuses what cannot
+work where the run writes (several processes, a run dir that is not local). The parts of the run's
+checkpointer read their part of the plan (:class:`CadencePlan`, :class:`WriterPlan`,
+:class:`RetentionPlan`, :class:`TierPlan`), never the configuration.
+
+This module imports no torch: a configuration is checked without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from engine.checkpoint.tiers.tiering import TierPlan
+from engine.checkpoint.writers.choice import WRITER_KINDS
+from engine.errors import ConfigError
+
+OWNER = "CheckpointConfig"
+# The writer that writes on the training thread (max_in_flight and when_behind apply to the others only).
+SYNCHRONOUS = "sync"
+
+
+class CheckpointSettings(Protocol):
+    """The fields of engine.config.CheckpointConfig a plan is built from (this package does not
+    import engine.config)."""
+
+    @property
+    def every_n_splits(self) -> int | str | None: ...
+    @property
+    def every_n_steps(self) -> int | None: ...
+    @property
+    def every_seconds(self) -> float | None: ...
+    @property
+    def at_epoch_end(self) -> bool: ...
+    @property
+    def max_overhead(self) -> float: ...
+    @property
+    def keep_last(self) -> int | None: ...
+    @property
+    def monitor(self) -> str | None: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def keep_best(self) -> int: ...
+    @property
+    def writer(self) -> str: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def when_behind(self) -> str: ...
+    @property
+    def on_io_error(self) -> str: ...
+    @property
+    def lease_expiry_seconds(self) -> float: ...
+    @property
+    def local_tier(self) -> str | None: ...
+    @property
+    def durable_every_n_splits(self) -> int | None: ...
+    @property
+    def durable_every_seconds(self) -> float | None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CadencePlan:
+    """When a checkpoint is due (engine.checkpoint.cadence)."""
+
+    # Splits between checkpoints (None: not by splits, or chosen online when ``auto``).
+    every_n_splits: int | None
+    auto: bool
+    # With ``auto``: the fraction of training time checkpoints may cost.
+    max_overhead: float
+    every_n_steps: int | None
+    every_seconds: float | None
+    at_epoch_end: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterPlan:
+    """Who writes (a key of engine.checkpoint.writers.choice.WRITER_KINDS) and how it behaves."""
+
+    kind: str
+    max_in_flight: int
+    when_behind: str
+    on_io_error: str
+    lease_expiry_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPlan:
+    """What is kept (engine.checkpoint.store.retention)."""
+
+    keep_last: int | None
+    monitor: str | None
+    mode: str
+    # Best checkpoints by ``monitor`` never deleted (0 without a monitor).
+    keep_best: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """A run's checkpoint plan (see the module docstring)."""
+
+    cadence: CadencePlan
+    writer: WriterPlan
+    retention: RetentionPlan
+    tiers: TierPlan
+
+    @classmethod
+    def from_config(cls, config: CheckpointSettings) -> CheckpointPlan:
+        """The plan ``config`` asks for, each field already checked on its own.
+
+        Raises:
+            ConfigError: for a combination the plan cannot honour, naming the fields.
+        """
+        _refuse_what_would_be_ignored(config)
+        _refuse_an_unknown_writer(config)
+        _refuse_a_tier_without_its_cadence(config)
+        every = config.every_n_splits
+        return cls(
+            cadence=CadencePlan(every if isinstance(every, int) else None, every == "auto", config.max_overhead,
+                                config.every_n_steps, config.every_seconds, config.at_epoch_end),
+            writer=WriterPlan(config.writer, config.max_in_flight, config.when_behind, config.on_io_error,
+                              config.lease_expiry_seconds),
+            retention=RetentionPlan(config.keep_last, config.monitor, config.mode,
+                                    config.keep_best if config.monitor is not None else 0),
+            tiers=TierPlan(config.local_tier, config.durable_every_n_splits, config.durable_every_seconds),
+        )
+
+    def refuse_where(self, distributed: bool, run_dir_url: str, run_dir_is_local: bool) -> None:
+        """Refuse what this plan cannot do where the run writes: with several processes
+        (``distributed``: a torchrun group), or into a run dir that is not on a local filesystem.
+
+        Raises:
+            ConfigError: naming the field and what to use instead.
+        """
+        if distributed and self.tiers.local_tier is not None:
+            raise ConfigError(f"{OWNER}.local_tier is not supported with several processes yet; "
+                              "leave it unset under torchrun")
+        if self.writer.kind == "process" and distributed:
+            raise ConfigError(f"{OWNER}.writer='process' is not supported with several processes (torchrun) "
+                              "yet; use writer='thread' there")
+        if self.writer.kind == "process" and not run_dir_is_local:
+            raise ConfigError(f"{OWNER}.writer='process' needs a local run dir for now, got {run_dir_url!r}; "
+                              "use writer='thread' there")
+
+
+def _refuse_what_would_be_ignored(config: CheckpointSettings) -> None:
+    """Refuse a field set to a non-default value that the rest of the configuration would ignore."""
+    if config.writer == SYNCHRONOUS:
+        for name, default in (("max_in_flight", 1), ("when_behind", "wait")):
+            if getattr(config, name) != default:
+                raise ConfigError(f"{OWNER}.{name}={getattr(config, name)!r} applies to checkpoints written in the "
+                                  "background only, but writer is 'sync'; set writer='thread' (or 'process') or drop it")
+    if config.monitor is None:
+        for name, default in (("mode", "min"), ("keep_best", 1)):
+            if getattr(config, name) != default:
+                raise ConfigError(f"{OWNER}.{name}={getattr(config, name)!r} applies to best checkpoints only, but "
+                                  "monitor is None; set monitor to a metric name (e.g. 'val_loss') or drop it")
+    elif config.monitor != config.monitor.strip():
+        raise ConfigError(f"{OWNER}.monitor: {config.monitor!r} has leading or trailing whitespace; "
+                          "give the metric name exactly as it is logged")
+    if config.every_n_splits != "auto" and config.max_overhead != 0.05:
+        raise ConfigError(f"{OWNER}.max_overhead={config.max_overhead!r} applies to every_n_splits='auto' only, "
+                          f"but every_n_splits is {config.every_n_splits!r}; set every_n_splits='auto' or drop it")
+
+
+def _refuse_an_unknown_writer(config: CheckpointSettings) -> None:
+    if config.writer not in WRITER_KINDS:
+        raise ConfigError(f"{OWNER}.writer: expected one of {list(WRITER_KINDS)}, got {config.writer!r}")
+    if config.writer == "process" and config.local_tier is not None:
+        raise ConfigError(f"{OWNER}.writer='process' is not supported with local_tier yet "
+                          f"(got local_tier={config.local_tier!r}); use writer='thread' with a fast tier")
+
+
+def _refuse_a_tier_without_its_cadence(config: CheckpointSettings) -> None:
+    if config.local_tier is None:
+        if config.durable_every_n_splits is not None or config.durable_every_seconds is not None:
+            raise ConfigError(f"{OWNER}.durable_every_n_splits / durable_every_seconds: only meaningful with "
+                              "local_tier (without a fast tier every checkpoint is durable); set local_tier or drop them")
+    elif config.durable_every_n_splits is None and config.durable_every_seconds is None:
+        raise ConfigError(f"{OWNER}.local_tier={config.local_tier!r}: say how often checkpoints reach the run dir "
+                          "with durable_every_n_splits and/or durable_every_seconds")

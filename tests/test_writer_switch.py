@@ -19,7 +19,7 @@ def test_unset_it_changes_nothing(monkeypatch, tmp_path):
 def test_process_writes_a_local_run_dirs_checkpoints_in_a_writer_process(monkeypatch, tmp_path):
     monkeypatch.setenv(VARIABLE, "process")
     checkpoint = checkpoint_of(run_dir=str(tmp_path), checkpoint=engine.CheckpointConfig(every_n_splits=4, keep_last=2))
-    assert (checkpoint.writer, checkpoint.asynchronous) == ("process", True)
+    assert checkpoint.writer == "process"
     assert (checkpoint.every_n_splits, checkpoint.keep_last) == (4, 2)
 
 
@@ -41,7 +41,7 @@ def test_process_keeps_what_the_writer_process_refuses(settings, monkeypatch, tm
 def test_process_keeps_a_torchrun_rank_as_it_is(monkeypatch, tmp_path):
     monkeypatch.setenv(VARIABLE, "process")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert checkpoint_of(run_dir=str(tmp_path)).writer == "thread"
+    assert checkpoint_of(run_dir=str(tmp_path)).writer == engine.CheckpointConfig().writer
 
 
 def test_an_unknown_writer_is_refused_naming_the_variable(monkeypatch, tmp_path):

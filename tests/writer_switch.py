@@ -1,5 +1,5 @@
 """One switch that runs the kill and preemption tests with their checkpoints written by a
-writer process (``CheckpointConfig(asynchronous=True, writer="process")``, docs/guarantees.md
+writer process (``CheckpointConfig(writer="process")``, docs/guarantees.md
 "A writer process")::
 
     SPLITLOOP_TEST_WRITER=process .venv/bin/python -m pytest -n 0 tests/run/test_kill.py
@@ -51,8 +51,7 @@ def with_requested_writer(config: engine.TrainerConfig) -> engine.TrainerConfig:
     checkpoint = config.checkpoint
     if writer is None or checkpoint is None or not writer_process_allowed(config):
         return config
-    asynchronous = checkpoint.asynchronous or writer == "process"
-    checkpoint = dataclasses.replace(checkpoint, asynchronous=asynchronous, writer=writer)
+    checkpoint = dataclasses.replace(checkpoint, writer=writer)
     return dataclasses.replace(config, checkpoint=checkpoint)
 
 

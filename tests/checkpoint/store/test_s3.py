@@ -136,7 +136,7 @@ class Writer:
     """One writer of a run dir: its lease (the fence) and its metrics.jsonl."""
 
     def __init__(self, url, stale_after):
-        storage = Storage(url)
+        self.storage = storage = Storage(url)
         self.lease = WriterLease(storage, stale_after=stale_after)
         self.lease.acquire()
         self.metrics = MetricsLog(storage)
@@ -222,7 +222,7 @@ def test_past_5_mib_the_holder_keeps_its_bytes_server_side_and_cuts_a_stale_writ
     holder = Writer(s3_run_url, stale_after=60)
     holder.metrics.resume_at(len(head))
     storage.append(METRICS_FILE, b'{"stage": "train", "stale": true}\n')
-    s3 = holder.metrics._storage.fs
+    s3 = holder.storage.fs
     bucket, key, _ = s3.split_path(storage.path(METRICS_FILE))
     version = s3.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
     calls = []

@@ -104,9 +104,7 @@ class AutoCadence(FixedCadence):
     def interval(self) -> int | None:
         return self._budget.interval
 
-    @property
-    def auto_interval(self) -> int | None:
-        return self._budget.interval
+    auto_interval = interval
 
     def start(self, optimizer_steps: int, units_completed: int, background_work: BackgroundWork | None) -> None:
         super().start(optimizer_steps, units_completed, background_work)

@@ -14,7 +14,7 @@ This module imports no torch: a configuration is checked without it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Literal, Protocol
 
 from engine.checkpoint.tiers.tiering import TierPlan
 from engine.checkpoint.writers.choice import WRITER_KINDS
@@ -29,40 +29,23 @@ class CheckpointSettings(Protocol):
     """The fields of engine.config.CheckpointConfig a plan is built from (this package does not
     import engine.config)."""
 
-    @property
-    def every_n_splits(self) -> int | str | None: ...
-    @property
-    def every_n_steps(self) -> int | None: ...
-    @property
-    def every_seconds(self) -> float | None: ...
-    @property
-    def at_epoch_end(self) -> bool: ...
-    @property
-    def max_overhead(self) -> float: ...
-    @property
-    def keep_last(self) -> int | None: ...
-    @property
-    def monitor(self) -> str | None: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def keep_best(self) -> int: ...
-    @property
-    def writer(self) -> str: ...
-    @property
-    def max_in_flight(self) -> int: ...
-    @property
-    def when_behind(self) -> str: ...
-    @property
-    def on_io_error(self) -> str: ...
-    @property
-    def lease_expiry_seconds(self) -> float: ...
-    @property
-    def local_tier(self) -> str | None: ...
-    @property
-    def durable_every_n_splits(self) -> int | None: ...
-    @property
-    def durable_every_seconds(self) -> float | None: ...
+    every_n_splits: int | Literal["auto"] | None
+    every_n_steps: int | None
+    every_seconds: float | None
+    at_epoch_end: bool
+    max_overhead: float
+    keep_last: int | None
+    monitor: str | None
+    mode: Literal["min", "max"]
+    keep_best: int
+    writer: str
+    max_in_flight: int
+    when_behind: Literal["wait", "skip"]
+    on_io_error: Literal["raise", "warn"]
+    lease_expiry_seconds: float
+    local_tier: str | None
+    durable_every_n_splits: int | None
+    durable_every_seconds: float | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -295,51 +295,43 @@ class RunCheckpointer:
             raise first
 
 
-class CommitSide(Protocol):
-    """This process's side of choosing and committing checkpoints: alone, or one rank of a
-    group (engine.distributed.commit)."""
+class TakesPart(Protocol):
+    """How a process takes part in choosing the checkpoint to resume from and in encoding what it
+    writes: alone, or one rank of a group."""
 
     @property
     def is_writer(self) -> bool:
-        """Whether this process holds the lease and writes the run's shared files."""
+        """Whether this process holds the lease and commits (alone, or rank 0 of a group)."""
+        ...
+
+    def after_acquire(self, store: CheckpointStore) -> None:
+        """The lease is held (by rank 0): the other ranks may read the run dir."""
+        ...
+
+    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
+               validate: StateValidator) -> LoadedCheckpoint | None:
+        """The checkpoint ``choose`` returns (rank 0's choice, loaded by every rank)."""
+        ...
+
+    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
+        """What this process writes, and the digest of its replicated state (None: alone)."""
+        ...
+
+
+class CommitSide(TakesPart, Protocol):
+    """This process's side of choosing and committing checkpoints (engine.distributed.commit
+    for a group's)."""
 
     @property
     def writes_every_save(self) -> bool:
         """Whether every save is forced (the ranks must all write every agreed checkpoint)."""
-
-    def after_acquire(self, store: CheckpointStore) -> None:
-        """The lease is held (by rank 0)."""
-
-    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
-        """The checkpoint ``choose`` returns (rank 0's choice, for every rank)."""
-
-    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
-        """What this process writes, and the digest of its replicated state (None: alone)."""
+        ...
 
 
-class RankGroup(Committer, Protocol):
+class RankGroup(Committer, TakesPart, Protocol):
     """One rank's part in the checkpoints of a torchrun group: it commits with the other ranks
     (a :class:`Committer`), and rank 0 chooses the checkpoint all ranks resume from. Implemented
     by engine.distributed.commit.GroupCommit; this package never imports engine.distributed."""
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this rank holds the lease and commits (rank 0)."""
-        ...
-
-    def after_acquire(self, store: CheckpointStore) -> None:
-        """Rank 0 holds the lease: the other ranks may read the run dir."""
-        ...
-
-    def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
-        """Rank 0's ``choose()``, loaded by every rank."""
-        ...
-
-    def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
-        """This rank's part of the state, encoded, and the digest of its replicated state."""
-        ...
 
 
 class _Alone:

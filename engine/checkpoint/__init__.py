@@ -15,7 +15,7 @@ it so; docs/concepts.md draws the map):
   ``catalogue`` (listing, verifying, loading), ``request`` (the plain-data ``CommitRequest``),
   ``staged`` (the commit protocol), ``checkpoint_store`` (the catalogue plus committing and
   cleaning up), ``retention`` (what to keep), ``lease`` and ``file_lock`` (the writer lease and
-  its fence), ``metrics_log`` (``metrics.jsonl``, exactly once), ``abandoned`` (what a resume by
+  its fence), ``metrics_log`` (``metrics.jsonl``, exactly once, or a null file), ``abandoned`` (what a resume by
   name abandons).
 - ``writers/``: who writes. ``protocol`` (the one ``Writer`` protocol the rest of the package
   sees), ``choice`` (the kind of writer, chosen once from the configuration, and how it is
@@ -23,8 +23,9 @@ it so; docs/concepts.md draws the map):
   copied into; ``snapshot_buffer``: the bulk copy), ``committer`` (how this process takes part in
   a commit), ``process/`` (the writer process: ``writer``, ``main``, ``channel``, ``arena``).
 - ``tiers/``: ``tiering`` (one tier or two, chosen once) and ``fast`` (the fast node-local tier).
-- The front, what a run asks: ``checkpointing`` (the protocol, and ``NoCheckpoints`` for a run
-  without any), ``policy`` (``RunCheckpointer``: saves, the lease, failures), ``cadence`` and
+- The front, what a run asks: ``plan`` (``CheckpointPlan``: the configuration resolved once, with
+  every rule that ties its fields together and its refusals), ``checkpointing`` (the protocol,
+  and ``NoCheckpoints`` for a run without any), ``policy`` (``RunCheckpointer``: saves, the lease, failures), ``cadence`` and
   ``budget`` (when a checkpoint is due: fixed, or "auto" within an overhead budget),
   ``resume_choice`` (which checkpoint a run resumes from).
 

@@ -38,6 +38,14 @@ Robustness, with no knob:
 * A baseline that has had no sample for :data:`_BASELINE_MAX_AGE` cycles (every split overlaps
   a write) is refreshed: each next interval is one split longer until a split runs free.
 
+With a failure rate (``CheckpointConfig(mtbf_seconds=...)``, the mean time between failures of
+the job), the interval is also the one that minimizes the expected waste per second of training,
+checkpoint cost plus the work a failure loses (half an interval on average): Young's
+``sqrt(2 x cost x MTBF)`` seconds, first order of Daly's (:func:`young_daly_interval`). The
+cadence takes the longer of the two (the budget caps how often checkpoints happen; a rare
+failure makes checkpoints rarer still), and never more than :data:`AUTO_MAX_INTERVAL` splits (the
+most a kill may lose). docs/performance.md says which wins when.
+
 Background work is the background writer's writes and a fast tier's copies into the durable
 tier (``DurablePromoter.copied_since`` in engine.checkpoint.tiers.fast); a synchronous writer without a fast tier has none:
 every split is a baseline split and the cost is the blocking time. Only *when* checkpoints happen depends on these timings, never a training
@@ -85,8 +93,9 @@ class OverheadBudget:
         interval = budget.record(blocked_seconds=0.001)  # the second checkpoint
     """
 
-    def __init__(self, max_overhead: float) -> None:
+    def __init__(self, max_overhead: float, mtbf_seconds: float | None = None) -> None:
         self.max_overhead = max_overhead
+        self.mtbf_seconds = mtbf_seconds
         self.interval = 1  # the first checkpoints measure the cost
         self._baseline = _Recent(min)
         self._cost = _Recent(statistics.median)
@@ -145,6 +154,16 @@ class OverheadBudget:
             wanted = self.interval + 1  # not measured yet: leave room for a write-free split
         else:
             wanted = math.ceil(cost / (self.max_overhead * baseline))
+            if self.mtbf_seconds is not None:
+                wanted = max(wanted, round(young_daly_interval(cost, self.mtbf_seconds) / baseline))
             if self._cycles_without_baseline >= _BASELINE_MAX_AGE:  # longer until a split runs free
                 wanted = max(wanted, self.interval + 1)
         return max(1, min(AUTO_MAX_INTERVAL, wanted))
+
+
+def young_daly_interval(cost_seconds: float, mtbf_seconds: float) -> float:
+    """The checkpoint interval, in seconds of training, that minimizes the expected waste per
+    second: each checkpoint costs ``cost_seconds`` and a failure, every ``mtbf_seconds`` on
+    average, loses half an interval; waste(T) = cost / T + T / (2 x MTBF) is least at
+    T = sqrt(2 x cost x MTBF) (Young 1974; the first order of Daly 2006)."""
+    return math.sqrt(2.0 * cost_seconds * mtbf_seconds)

@@ -91,7 +91,7 @@ class AutoCadence(FixedCadence):
 
     def __init__(self, plan: CadencePlan) -> None:
         super().__init__(plan)
-        self._budget = OverheadBudget(plan.max_overhead)
+        self._budget = OverheadBudget(plan.max_overhead, plan.mtbf_seconds)
         self._units_at_last_save = 0
         # When the split being timed started, when due_at_split said yes, when the current save
         # began, and whether background checkpoint work ran since a given time (None: none runs).

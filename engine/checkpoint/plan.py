@@ -34,6 +34,7 @@ class CheckpointSettings(Protocol):
     every_seconds: float | None
     at_epoch_end: bool
     max_overhead: float
+    mtbf_seconds: float | None
     keep_last: int | None
     monitor: str | None
     mode: Literal["min", "max"]
@@ -55,8 +56,10 @@ class CadencePlan:
     # Splits between checkpoints (None: not by splits, or chosen online when ``auto``).
     every_n_splits: int | None
     auto: bool
-    # With ``auto``: the fraction of training time checkpoints may cost.
+    # With ``auto``: the fraction of training time checkpoints may cost, and the job's mean time
+    # between failures (None: not weighed; engine.checkpoint.budget).
     max_overhead: float
+    mtbf_seconds: float | None
     every_n_steps: int | None
     every_seconds: float | None
     at_epoch_end: bool
@@ -106,7 +109,7 @@ class CheckpointPlan:
         every = config.every_n_splits
         return cls(
             cadence=CadencePlan(every if isinstance(every, int) else None, every == "auto", config.max_overhead,
-                                config.every_n_steps, config.every_seconds, config.at_epoch_end),
+                                config.mtbf_seconds, config.every_n_steps, config.every_seconds, config.at_epoch_end),
             writer=WriterPlan(config.writer, config.max_in_flight, config.when_behind, config.on_io_error,
                               config.lease_expiry_seconds),
             retention=RetentionPlan(config.keep_last, config.monitor, config.mode,
@@ -147,9 +150,12 @@ def _refuse_what_would_be_ignored(config: CheckpointSettings) -> None:
     elif config.monitor != config.monitor.strip():
         raise ConfigError(f"{OWNER}.monitor: {config.monitor!r} has leading or trailing whitespace; "
                           "give the metric name exactly as it is logged")
-    if config.every_n_splits != "auto" and config.max_overhead != 0.05:
-        raise ConfigError(f"{OWNER}.max_overhead={config.max_overhead!r} applies to every_n_splits='auto' only, "
-                          f"but every_n_splits is {config.every_n_splits!r}; set every_n_splits='auto' or drop it")
+    auto_only: tuple[tuple[str, object], ...] = (("max_overhead", 0.05), ("mtbf_seconds", None))
+    if config.every_n_splits != "auto":
+        for field, unset in auto_only:
+            if getattr(config, field) != unset:
+                raise ConfigError(f"{OWNER}.{field}={getattr(config, field)!r} applies to every_n_splits='auto' only, "
+                                  f"but every_n_splits is {config.every_n_splits!r}; set every_n_splits='auto' or drop it")
 
 
 def _refuse_an_unknown_writer(config: CheckpointSettings) -> None:

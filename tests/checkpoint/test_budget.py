@@ -16,7 +16,7 @@ import torch
 import engine
 import engine.errors
 from engine import faults
-from engine.checkpoint.budget import AUTO_MAX_INTERVAL, OverheadBudget
+from engine.checkpoint.budget import AUTO_MAX_INTERVAL, OverheadBudget, young_daly_interval
 from engine.checkpoint.format.codec import encode_state
 from engine.checkpoint.store.request import CommitRequest
 from engine.checkpoint.store.retention import Retention
@@ -41,11 +41,11 @@ def splits(budget, free=(), overlapped=()):
         budget.note_split(seconds, overlapped=True)
 
 
-def settled_budget():
+def settled_budget(mtbf_seconds=None):
     """A budget past its start, at max_overhead 0.1: baseline 10 ms, each checkpoint blocking
     1.5 ms and slowing the next split to 12 ms (cost 3.5 ms: an interval of 4), for six
     cycles, so that the windows of five hold only these samples."""
-    budget = OverheadBudget(0.1)
+    budget = OverheadBudget(0.1, mtbf_seconds)
     splits(budget, free=[2.0])  # the first split of a run: first-call costs, not a sample
     budget.record(0.0015)
     for _ in range(6):
@@ -183,6 +183,28 @@ def test_the_interval_is_bounded():
 
 
 # ---- the background writer tells which splits overlapped a write ------------------------------
+@pytest.mark.parametrize("mtbf_seconds, interval", [
+    # Young: sqrt(2 x 3.5 ms x 10 s) = 0.2646 s of training, 26 splits of 10 ms: rarer than the budget's 4.
+    (10.0, 26),
+    # sqrt(2 x 3.5 ms x 50 ms) = 18.7 ms, 2 splits: the budget's 4 (how often checkpoints may cost) wins.
+    (0.05, 4),
+    # A failure a year: the most a kill may lose wins.
+    (3.2e7, AUTO_MAX_INTERVAL),
+])
+def test_a_failure_rate_makes_the_interval_the_one_of_least_expected_waste(mtbf_seconds, interval):
+    assert settled_budget(mtbf_seconds).interval == interval
+    assert settled_budget().interval == 4
+
+
+def test_the_least_waste_interval_is_youngs():
+    # waste(T) = cost / T + T / (2 MTBF) is least where its derivative vanishes.
+    cost, mtbf = 0.2, 3600.0
+    best = young_daly_interval(cost, mtbf)
+    assert best == pytest.approx((2 * cost * mtbf) ** 0.5)
+    waste = lambda interval: cost / interval + interval / (2 * mtbf)  # noqa: E731
+    assert waste(best) < waste(best * 0.9) and waste(best) < waste(best * 1.1)
+
+
 def test_the_background_writer_reports_when_it_was_writing():
     store = CheckpointStore(Storage(f"memory://budget-{uuid.uuid4().hex}"))
     writer = BackgroundWriter(store, None, Retention(keep_last=None), lambda: [], max_in_flight=1, when_behind="wait")
@@ -322,7 +344,11 @@ def test_splits_that_ran_during_a_copy_into_the_durable_tier_are_not_write_free(
 
 @pytest.mark.parametrize("settings, field", [(dict(every_n_splits="sometimes"), "every_n_splits"),
                                              (dict(every_n_splits="auto", max_overhead=0), "max_overhead"),
-                                             (dict(every_n_splits="auto", max_overhead=1.5), "max_overhead")])
+                                             (dict(every_n_splits="auto", max_overhead=1.5), "max_overhead"),
+                                             (dict(every_n_splits="auto", mtbf_seconds=0), "mtbf_seconds"),
+                                             (dict(every_n_splits="auto", mtbf_seconds=float("inf")), "mtbf_seconds"),
+                                             (dict(every_n_splits=4, mtbf_seconds=3600.0), "mtbf_seconds=3600.0 applies "
+                                                                                           "to every_n_splits='auto' only")])
 def test_budget_settings_are_validated(settings, field):
     with pytest.raises(engine.ConfigError, match=field):
         engine.CheckpointConfig(**settings)

@@ -17,13 +17,14 @@ from scenarios import train_with_checkpoints
 
 
 def test_the_plan_holds_each_part_of_the_configuration():
-    config = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.1, every_seconds=30.0, keep_last=3,
+    config = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.1, mtbf_seconds=7200.0, every_seconds=30.0,
+                                     keep_last=3,
                                      monitor="val_loss", mode="max", keep_best=2, writer="thread", max_in_flight=2,
                                      when_behind="skip", on_io_error="warn", local_tier="/dev/shm/plan-test",
                                      durable_every_n_splits=4)
     plan = config.plan()
-    assert (plan.cadence.auto, plan.cadence.every_n_splits, plan.cadence.max_overhead, plan.cadence.every_seconds) == \
-        (True, None, 0.1, 30.0)
+    assert (plan.cadence.auto, plan.cadence.every_n_splits, plan.cadence.max_overhead, plan.cadence.mtbf_seconds,
+            plan.cadence.every_seconds) == (True, None, 0.1, 7200.0, 30.0)
     assert (plan.writer.kind, plan.writer.max_in_flight, plan.writer.when_behind, plan.writer.on_io_error) == \
         ("thread", 2, "skip", "warn")
     assert (plan.retention.keep_last, plan.retention.monitor, plan.retention.mode, plan.retention.keep_best) == \
@@ -75,7 +76,7 @@ def test_what_cannot_work_where_the_run_writes_is_refused(config, where, message
 
 def test_a_plan_refuses_a_combination_it_cannot_honour():
     class Settings:  # a configuration changed behind CheckpointConfig's back (no field checks)
-        every_n_splits, every_n_steps, every_seconds, at_epoch_end, max_overhead = 1, None, None, True, 0.05
+        every_n_splits, every_n_steps, every_seconds, at_epoch_end, max_overhead, mtbf_seconds = 1, None, None, True, 0.05, None
         keep_last, monitor, mode, keep_best = 2, None, "min", 1
         writer, max_in_flight, when_behind, on_io_error, lease_expiry_seconds = "sync", 1, "wait", "raise", 60.0
         local_tier, durable_every_n_splits, durable_every_seconds = None, 3, None

@@ -1,6 +1,6 @@
 """A best-checkpoint record lands on the weights it was computed on, and is never lost:
 
-* with ``asynchronous=True, when_behind="skip"`` a snapshot that records a validation's value is
+* with ``writer="thread", when_behind="skip"`` a snapshot that records a validation's value is
   neither skipped nor superseded (it replaces a queued snapshot that records none, or waits for
   a buffer), and no later checkpoint inherits its value;
 * after a SIGKILL, a candidate the fast tier alone holds still reaches the run dir;
@@ -123,7 +123,7 @@ def hold_writes_until_training_waits(monkeypatch):
 def test_skip_policy_never_loses_or_moves_a_validation_record(monkeypatch, tmp_path, reference, max_in_flight):
     hold_writes_until_training_waits(monkeypatch)
     run_dir = str(tmp_path / "run")
-    train_validated(run_dir, checkpoint=best_policy(asynchronous=True, when_behind="skip",
+    train_validated(run_dir, checkpoint=best_policy(writer="thread", when_behind="skip",
                                                     max_in_flight=max_in_flight), **VALIDATION)
     names = CheckpointStore(Storage(run_dir)).names()
     assert len(names) < len(CheckpointStore(Storage(reference)).names())  # the policy did skip some

@@ -294,7 +294,7 @@ def auto_interval(tmp_path, when_behind, fast_tier, asynchronous=True, durable_e
     model, loader = build("tbptt")
     tier = dict(local_tier=str(tmp_path / f"tier-{uuid.uuid4().hex}"),
                 durable_every_n_splits=durable_every_n_splits) if fast_tier else {}
-    checkpoint = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.5, asynchronous=asynchronous,
+    checkpoint = engine.CheckpointConfig(every_n_splits="auto", max_overhead=0.5, writer="thread" if asynchronous else "sync",
                                          when_behind=when_behind, keep_last=2, **tier)
     run_dir = str(tmp_path / f"run-{uuid.uuid4().hex}") if fast_tier else f"memory://budget-{uuid.uuid4().hex}"
     config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",

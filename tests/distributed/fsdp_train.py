@@ -174,7 +174,7 @@ def main() -> int:
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate,
         device="cpu", gradient_clip_val=args.clip,
-        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous),
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer="thread" if args.asynchronous else "sync"),
         val_at_epoch_end=args.validate, start_timeout=args.start_timeout,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))

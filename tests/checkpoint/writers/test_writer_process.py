@@ -115,7 +115,7 @@ def test_structure_changes_are_laid_out_again(tmp_path):
 
     reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
     train(reference)
-    train(process, asynchronous=True, writer="process")
+    train(process, writer="process")
     names = CheckpointStore(Storage(reference)).names()
     assert CheckpointStore(Storage(process)).names() == names
     assert_same_checkpoints(reference, process, names)
@@ -207,7 +207,7 @@ def test_latest_wins_replaces_snapshots_the_stopped_writer_has_not_taken_up(tmp_
     reference, process = str(tmp_path / "sync"), str(tmp_path / "process")
     train_with_checkpoints("tbptt", reference, epochs=1, keep_last=None)
     model, loader = build("tbptt")
-    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, writer="process",
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, writer="process",
                                          when_behind="skip")
     config = engine.TrainerConfig(max_epochs=1, run_dir=process, checkpoint=checkpoint, progress_bar="off")
     engine.Trainer(config, callbacks=[StopTheWriter()]).fit(model, loader)
@@ -307,7 +307,7 @@ def test_a_rollback_with_a_writer_process_writes_the_same_run(tmp_path):
                        checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
     with pytest.warns(UserWarning, match="rolled back to"):
         train_poisoned("nan", process, anomaly=rollback, checkpoint=engine.CheckpointConfig(
-            every_n_splits=1, keep_last=None, asynchronous=True, writer="process"))
+            every_n_splits=1, keep_last=None, writer="process"))
     assert_same_run(reference, process)
 
 
@@ -423,7 +423,7 @@ class Wide(engine.Module):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 config = engine.TrainerConfig(max_epochs=1, run_dir=sys.argv[1], progress_bar="off", checkpoint=engine.CheckpointConfig(
-    every_n_splits=1, asynchronous=True, writer="process"))
+    every_n_splits=1, writer="process"))
 engine.Trainer(config).fit(Wide(), [torch.ones(2, 256)] * 3)
 """
 

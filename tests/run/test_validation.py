@@ -12,6 +12,7 @@ import engine
 import engine.testing
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from models import Regression
 from resume_helpers import assert_same_run, copy_run_until, read_metrics
 from scenarios import LossRecorder
 from validation_scenarios import build_validated, train_validated, val_loader
@@ -44,20 +45,10 @@ def test_training_with_validation_is_bit_identical_to_training_without():
 def test_validation_runs_in_eval_mode_without_grad_and_restores_training_mode():
     seen = []
 
-    class Probe(engine.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch):
-            return self.layer(batch).pow(2).mean()
-
+    class Probe(Regression):
         def validation_step(self, batch):
             seen.append((self.training, torch.is_grad_enabled()))
-            return self.layer(batch).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return self.net(batch).mean()
 
     model = Probe()
     result = engine.Trainer(engine.TrainerConfig(max_epochs=2, progress_bar="off", checkpoint=None)).fit(

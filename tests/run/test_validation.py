@@ -13,7 +13,7 @@ import engine.testing
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from models import Regression
-from resume_helpers import assert_same_run, copy_run_until, read_metrics
+from resume_helpers import assert_resumes_are_exact, assert_same_run, read_metrics
 from scenarios import LossRecorder
 from validation_scenarios import build_validated, train_validated, val_loader
 
@@ -100,12 +100,9 @@ def reference(tmp_path_factory):
 def test_resume_from_every_checkpoint_is_exact_with_validation_and_aggregates(reference, tmp_path):
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) > 20
-    for name in names[::3] + [names[-1]]:
-        run_dir = str(tmp_path / name)
-        copy_run_until(reference, run_dir, name)
-        _, result = train_validated(run_dir, epochs=2, every_steps=5)
-        assert result.resumed_from == name
-        assert_same_run(reference, run_dir)
+    assert_resumes_are_exact(reference, names[::3] + [names[-1]],
+                             lambda run_dir: train_validated(run_dir, epochs=2, every_steps=5)[1],
+                             lambda name: str(tmp_path / name))
 
 
 def test_a_failure_inside_validation_resumes_and_logs_its_rows_once(reference, tmp_path):

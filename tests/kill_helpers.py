@@ -109,5 +109,11 @@ class AtSplit(engine.Callback):
             self.action(*self.arguments)
 
 
+def signals_to_self(*numbers):
+    """Sends each signal of ``numbers`` to this process, in order."""
+    for number in numbers:
+        os.kill(os.getpid(), number)
+
+
 def sigterm_to_self():
-    os.kill(os.getpid(), signal.SIGTERM)
+    signals_to_self(signal.SIGTERM)

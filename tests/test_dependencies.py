@@ -15,6 +15,7 @@ import engine
 from engine.checkpoint.format.tensor_bytes import tensor_bytes_view
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from models import Regression
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OWN_PACKAGES = {"engine", "progress"}
@@ -84,22 +85,11 @@ def test_checkpoints_and_fingerprints_need_no_numpy(tmp_path, monkeypatch):
         raise RuntimeError("Numpy is not available")
 
     monkeypatch.setattr(torch.Tensor, "numpy", numpy_is_not_available)
-    model = torch.nn.Linear(3, 1)
-
-    class Regression(engine.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = model
-
-        def training_step(self, batch):
-            return (self.net(batch) ** 2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    module = Regression(features=3)
+    model = module.net
     batches = [torch.randn(2, 3) for _ in range(3)]
     config = engine.TrainerConfig(max_epochs=1, run_dir=str(tmp_path), progress_bar="off")
-    result = engine.Trainer(config).fit(Regression(), batches)
+    result = engine.Trainer(config).fit(module, batches)
     assert result.last_checkpoint is not None
     loaded = CheckpointStore(Storage(str(tmp_path), create=False), create=False).load(result.last_checkpoint)
     assert torch.equal(loaded.state["module"]["net.weight"], model.weight.detach())

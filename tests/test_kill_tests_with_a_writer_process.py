@@ -16,7 +16,7 @@ from writer_switch import VARIABLE
 
 ROOT = pathlib.Path(__file__).parent.parent
 
-# Not here: tests/faults/test_harness.py checks engine.testing's harness, which arms faults in
+# Not here: tests/testing/test_harness.py checks engine.testing's harness, which arms faults in
 # the training process (in process, or in the child it starts): the commit-protocol points fire
 # in the writer process instead, so its checkpoint_* and filesystem_write trials read "never
 # fired". The torchrun, fast-tier and object-store kill tests keep the thread writer (refused).

@@ -7,6 +7,7 @@ import torch
 
 import engine
 from engine.loops.optim_setup import LRSchedule, read_optimizer_setup
+from models import Regression
 
 
 def optimizer_and_scheduler():
@@ -72,20 +73,13 @@ def test_unusable_forms_are_refused_clearly(returned, message):
 
 
 def test_a_step_interval_scheduler_from_a_lightning_dict_steps_every_split():
-    class Regression(engine.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch):
-            return self.net(batch).pow(2).mean()
-
+    class StepScheduled(Regression):
         def configure_optimizers(self):
             optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    module = Regression()
+    module = StepScheduled()
     engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(module, [torch.randn(3, 2)] * 3)
     assert module.optimizers().param_groups[0]["lr"] == 0.125
 

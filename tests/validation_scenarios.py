@@ -18,6 +18,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import engine
+from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from engine.checkpoint.store.storage import Storage
 from scenarios import SCENARIOS, TIME, FEATURES, build
 from writer_switch import trainer_config
 
@@ -92,6 +94,17 @@ def best_policy(**overrides: Any) -> engine.CheckpointConfig:
     settings: dict[str, Any] = dict(keep_last=2, monitor="val_loss", mode="min", keep_best=2)
     settings.update(overrides)
     return engine.CheckpointConfig(**settings)
+
+
+def kept_best(run_dir: str) -> list[tuple[Any, Any, dict[str, torch.Tensor]]]:
+    """The run's two kept best checkpoints, in the order of ``CheckpointStore.best``, by content:
+    cursor, recorded monitor value, model tensors."""
+    store = CheckpointStore(Storage(run_dir))
+    kept = []
+    for name in store.best(2):
+        loaded = store.load(name)
+        kept.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
+    return kept
 
 
 def fast_tier_policy(local_tier: str) -> engine.CheckpointConfig:

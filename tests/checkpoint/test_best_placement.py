@@ -30,7 +30,7 @@ from engine.cli.commands import inspect_run
 import forkserver
 from kill_helpers import TIMEOUT, environment
 from validation_scenarios import best_policy as best_policy_of_the_script
-from validation_scenarios import build_validated, fast_tier_policy, train_validated
+from validation_scenarios import build_validated, fast_tier_policy, kept_best, train_validated
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
 
@@ -155,16 +155,6 @@ def test_best_checkpoints_reach_the_durable_tier(tmp_path, reference):
     cursor = best.progress.cursor
     assert (cursor.epoch, cursor.batch, cursor.split) == position(best_row)
     assert_best_weights_equal(run_dir, reference)
-
-
-def kept_best(run_dir):
-    """The run dir's kept best checkpoints by content: cursor, record, model tensors."""
-    store = CheckpointStore(Storage(run_dir))
-    kept = []
-    for name in store.best(2):
-        loaded = store.load(name)
-        kept.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
-    return kept
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import engine
 from engine.data.checks import check_reiterable
-
-
-class Regression(engine.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(2, 1)
-        self.steps = 0
-
-    def training_step(self, batch):
-        self.steps += 1
-        return self.net(batch).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from models import Regression
 
 
 def generate(count):

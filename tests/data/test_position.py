@@ -2,7 +2,6 @@
 the standard samplers and for loaders with their own state; other iterables are fast-forwarded
 with a warning. Each case resumes from every checkpoint and must equal the uninterrupted run."""
 
-import uuid
 import warnings
 
 import pytest
@@ -12,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 import engine
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.storage import Storage
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, copy_run_until, memory_url
 
 SAMPLES = 10
 
@@ -119,22 +118,15 @@ def train(loader_name, run_dir, epochs=3, resume="auto"):
     return result, dataset, loader, [str(w.message) for w in caught]
 
 
-def memory_url():
-    return f"memory://data-{uuid.uuid4().hex}"
-
-
 @pytest.mark.parametrize("loader_name", sorted(LOADERS))
 def test_resume_from_every_checkpoint_is_exact(loader_name):
-    reference = memory_url()
+    reference = memory_url("data")
     train(loader_name, reference)
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) > 6
-    for name in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        result, _, loader, messages = train(loader_name, resumed)
-        assert result.resumed_from == name
-        assert_same_run(reference, resumed)
+
+    def resume(run_dir):
+        result, _, loader, messages = train(loader_name, run_dir)
         fast_forward = [m for m in messages if "drawing and dropping" in m]
         if loader_name == "plain_iterable":
             assert len(fast_forward) <= 1
@@ -142,19 +134,22 @@ def test_resume_from_every_checkpoint_is_exact(loader_name):
             assert not fast_forward
         if loader_name == "stateful":
             assert loader.loaded_state
+        return result
+
+    assert_resumes_are_exact(reference, names[:-1], resume)
 
 
 def test_resume_does_not_load_skipped_samples():
     """Resuming after batch 2 of epoch 1 (batch size 3, 4 batches per epoch) loads only the
     samples of batches 3.. of that epoch and of later epochs: the interrupted batch comes from
     the checkpoint and the skipped ones are never read."""
-    reference = memory_url()
+    reference = memory_url("data")
     _, full_dataset, _, _ = train("shuffle_global_rng", reference)
     assert full_dataset.loads == 3 * SAMPLES
     names = CheckpointStore(Storage(reference)).names()
     store = CheckpointStore(Storage(reference))
     target = next(n for n in names if store.load(n).progress.cursor.as_tuple()[:2] == (1, 2))
-    resumed = memory_url()
+    resumed = memory_url("data")
     copy_run_until(reference, resumed, target)
     _, dataset, _, _ = train("shuffle_global_rng", resumed)
     assert dataset.loads == 1 + SAMPLES  # the last batch of epoch 1 (1 sample), then epoch 2
@@ -162,10 +157,10 @@ def test_resume_does_not_load_skipped_samples():
 
 
 def test_plain_iterable_warns_once_about_fast_forward():
-    reference = memory_url()
+    reference = memory_url("data")
     train("plain_iterable", reference)
     names = CheckpointStore(Storage(reference)).names()
-    resumed = memory_url()
+    resumed = memory_url("data")
     copy_run_until(reference, resumed, names[1])
     _, _, _, messages = train("plain_iterable", resumed)
     assert sum("drawing and dropping" in m for m in messages) == 1
@@ -195,11 +190,7 @@ def test_namedtuple_batches_survive_a_mid_batch_resume():
                                       checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
         return engine.Trainer(config).fit(model, loader)
 
-    reference = memory_url()
+    reference = memory_url("data")
     run(reference)
     names = CheckpointStore(Storage(reference)).names()
-    for name in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        assert run(resumed).resumed_from == name
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], run)

@@ -27,7 +27,7 @@ from engine.data.combined import combine_loaders
 from engine.data.streams import drop_batches
 from engine.errors import DataError
 from kill_helpers import kill_at_random_instant
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, copy_run_until
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "distributed"))
@@ -70,13 +70,13 @@ def test_a_stream_with_state_resumes_from_its_checkpoints_exactly_without_replay
     # nearly a whole run), the first epoch's last batch and its end, and one inside the second epoch.
     first = [names[0]] if not kind.endswith("-0") else []
     chosen = [*first, *names[first_epoch_end - 1:first_epoch_end + 1], names[(first_epoch_end + len(names)) // 2]]
-    for name in sorted(set(chosen)):
-        resumed = tmp_path / name / "run"
-        copy_run_until(str(reference), str(resumed), name)
-        result, messages = train(kind, resumed, keep_last=None)
-        assert result.resumed_from == name
-        assert_same_run(str(reference), str(resumed))
+
+    def resume(run_dir):
+        result, messages = train(kind, run_dir, keep_last=None)
         assert not [m for m in messages if "drawing and dropping" in m]
+        return result
+
+    assert_resumes_are_exact(str(reference), sorted(set(chosen)), resume, lambda name: str(tmp_path / name / "run"))
 
 
 @pytest.mark.parametrize("epoch", [0, 1])

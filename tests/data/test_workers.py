@@ -10,7 +10,6 @@ import threading
 import subprocess
 import sys
 import time
-import uuid
 import warnings
 
 import pytest
@@ -24,7 +23,8 @@ from engine.checkpoint.store.storage import Storage
 from engine.data.position import EpochData
 from engine.data.workers import preemption_signals_blocked
 from kill_helpers import WITH_A_WRITER_PROCESS
-from resume_helpers import assert_same_run, copy_run_until
+from models import Regression
+from resume_helpers import assert_resumes_are_exact, assert_same_run, memory_url
 from worker_training import AugmentedDataset, make_loader, seed_all, train
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,10 +36,6 @@ def environment():
     tests/ on the path, so that tests/progress/ does not hide the package from a script run out
     of tests/."""
     return dict(os.environ, PYTHONPATH=os.path.dirname(TESTS))
-
-
-def memory_url():
-    return f"memory://workers-{uuid.uuid4().hex}"
 
 
 def epoch_batches(loader, epoch=0):
@@ -88,16 +84,11 @@ def test_a_loader_without_workers_is_iterated_as_given():
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
 def test_resume_from_every_checkpoint_with_augmenting_workers_is_exact(persistent):
-    reference = memory_url()
+    reference = memory_url("workers")
     train(reference, persistent)
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) >= 12
-    for name in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        result = train(resumed, persistent)
-        assert result.resumed_from == name
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], lambda run_dir: train(run_dir, persistent))
 
 
 @pytest.mark.slow
@@ -192,15 +183,11 @@ def test_resume_after_each_validation_with_persistent_validation_workers_is_exac
     pass than the run that never stopped, and still validates on the same values."""
     from validated_worker_training import train as train_validated
 
-    reference = memory_url()
+    reference = memory_url("workers")
     train_validated(reference, persistent=True)
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) >= 3  # one after each validation pass
-    for name in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        assert train_validated(resumed, persistent=True).resumed_from == name
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], lambda run_dir: train_validated(run_dir, persistent=True))
 
 
 def test_a_batched_getitems_dataset_keeps_its_fast_path():
@@ -227,18 +214,6 @@ class RandomStream(IterableDataset):
             yield torch.tensor([index + random.random()])
 
 
-class StreamModel(engine.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-
-    def training_step(self, batch):
-        return self.layer(batch).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 class StatefulDataLoader(DataLoader):
     """A DataLoader subclass with its own state, as torchdata's StatefulDataLoader."""
 
@@ -260,7 +235,7 @@ NOT_EXACT = {
 @pytest.mark.parametrize("setup", sorted(NOT_EXACT))
 def test_a_setup_that_cannot_be_exact_warns_once_per_fit(setup):
     make, message = NOT_EXACT[setup]
-    model = StreamModel() if setup == "iterable_persistent" else None
+    model = Regression(features=1, lr=0.01) if setup == "iterable_persistent" else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if model is not None:
@@ -289,7 +264,7 @@ def test_a_warning_names_the_data_as_given_at_the_line_of_the_users_fit():
     loader = DataLoader(StreamWithState(), batch_size=2, num_workers=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(StreamModel(), loader)
+        engine.Trainer(engine.TrainerConfig(max_epochs=1, progress_bar="off")).fit(Regression(features=1, lr=0.01), loader)
     (warning,) = [w for w in caught if "num_workers=2" in str(w.message)]
     assert str(warning.message).startswith("DataLoader over StreamWithState has num_workers=2 and StreamWithState has "
                                            "a state_dict()") and "StatefulDataLoader" not in str(warning.message)
@@ -331,13 +306,9 @@ def test_iterable_dataset_with_fresh_workers_resumes_exactly_by_replaying_them()
                                       checkpoint=engine.CheckpointConfig(every_n_splits=1, keep_last=None))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="resuming .* by drawing and dropping")
-            return engine.Trainer(config).fit(StreamModel(), loader)
+            return engine.Trainer(config).fit(Regression(features=1, lr=0.01), loader)
 
-    reference = memory_url()
+    reference = memory_url("workers")
     run(reference)
     names = CheckpointStore(Storage(reference)).names()
-    for name in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        assert run(resumed).resumed_from == name
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], run)

@@ -10,7 +10,6 @@ import random
 import shutil
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -150,13 +149,7 @@ def kill_one_rank_at_a_random_instant(reference: pathlib.Path, job_dir: pathlib.
     out_dir.mkdir(parents=True)
     command = helpers.torchrun_command(ranks, run_dir, out_dir, *options, "--async", "--slow", "0.05", max_restarts=2,
                                        script=SCRIPT)
-    with subprocess.Popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True) as job:
-        helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
-        time.sleep(delay)
-        helpers.signal_worker(out_dir, rank, signal.SIGKILL)
-        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
-    assert job.returncode == 0, f"rank {rank} killed after {delay:.2f}s: " + stderr[-4000:]
+    helpers.sigkill_a_rank_while_training(command, run_dir, out_dir, rank, delay)
     helpers.assert_same_result(reference, job_dir, ranks)
 
 

@@ -9,7 +9,6 @@ import pathlib
 import random
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -72,13 +71,7 @@ def test_sigkill_of_one_rank_at_a_random_instant_resumes_exactly(reference_two: 
     run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
     out_dir.mkdir(parents=True)
     command = helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", max_restarts=2, forked_ranks=True)
-    with forkserver.popen(command, env=helpers.environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True) as job:
-        helpers.wait_for(lambda: helpers.metrics_lines(run_dir) >= 2, "training started", job)
-        time.sleep(delay)
-        helpers.signal_worker(out_dir, rank, signal.SIGKILL)
-        _, stderr = job.communicate(timeout=helpers.TIMEOUT)
-    assert job.returncode == 0, f"rank {rank} killed after {delay:.2f}s: " + stderr[-4000:]
+    helpers.sigkill_a_rank_while_training(command, run_dir, out_dir, rank, delay, popen=forkserver.popen)
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 

@@ -219,4 +219,17 @@ def signal_worker(out_dir: pathlib.Path, rank: int, number: int) -> None:
     os.kill(pid, number)
 
 
+def sigkill_a_rank_while_training(command: list[str], run_dir: pathlib.Path, out_dir: pathlib.Path, rank: int,
+                                  delay: float, popen=subprocess.Popen) -> None:
+    """Start the job ``command`` with ``popen``, SIGKILL rank ``rank``'s worker ``delay``
+    seconds after the run logged its second row, and check that the job still ends with exit 0
+    (torchrun restarts the group, which resumes)."""
+    with popen(command, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as job:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, "training started", job)
+        time.sleep(delay)
+        signal_worker(out_dir, rank, signal.SIGKILL)
+        _, stderr = job.communicate(timeout=TIMEOUT)
+    assert job.returncode == 0, f"rank {rank} killed after {delay:.2f}s: " + stderr[-4000:]
+
+
 __all__ = ["signal"]

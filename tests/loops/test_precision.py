@@ -6,7 +6,6 @@ import pathlib
 import platform
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -16,16 +15,12 @@ from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.storage import Storage
 from engine.loops.precision import MixedPrecision, Precision, ScaledMixedPrecision, make_precision
 from kill_helpers import run_until_done
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, memory_url
 from scenarios import train_with_checkpoints
 
 BATCHES, POISONED = 6, 2
 # torch.amp.GradScaler's documented defaults.
 INIT_SCALE, BACKOFF = 65536.0, 0.5
-
-
-def memory_url():
-    return f"memory://precision-{uuid.uuid4().hex}"
 
 
 def make_batches(poisoned=POISONED):
@@ -105,7 +100,7 @@ def test_the_step_runs_under_the_configured_autocast(precision, dtype, manual):
 def test_an_inf_gradient_skips_the_step_and_is_not_counted(manual):
     """optimizer_steps counts applied steps; the step-interval scheduler follows them; the
     scale backs off once per skipped step."""
-    run_dir = memory_url()
+    run_dir = memory_url("precision")
     model, result = fit(run_dir, manual=manual, max_epochs=1)
     applied = BATCHES - 1
     assert result.optimizer_steps == applied
@@ -172,7 +167,7 @@ def test_scaler_state_and_precision_must_match():
 
 
 def test_resume_with_another_precision_is_refused():
-    run_dir = memory_url()
+    run_dir = memory_url("precision")
     fit(run_dir, precision="16-mixed", max_epochs=1)
     with pytest.raises(engine.CheckpointIncompatible, match="precision"):
         fit(run_dir, precision="bf16-mixed")
@@ -183,17 +178,12 @@ def test_resume_from_every_checkpoint_across_skipped_steps(manual, accumulate):
     """fp16 with a poisoned batch per epoch (a skipped step and a backoff each time), gradient
     accumulation over two batches (checkpoints inside a window hold scaled gradients) and
     clipping after unscale: resuming from any checkpoint gives the uninterrupted run."""
-    reference = memory_url()
+    reference = memory_url("precision")
     extra = dict(accumulate_grad=accumulate, gradient_clip_val=None if manual else 1.0)
     fit(reference, manual=manual, **extra)
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) == 2 * BATCHES + 2
-    for checkpoint in names[:-1]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, checkpoint)
-        _, result = fit(resumed, manual=manual, **extra)
-        assert result.resumed_from == checkpoint
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], lambda run_dir: fit(run_dir, manual=manual, **extra)[1])
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ Dynamo cannot trace ``nn.LSTM``, so the model here is a hand-written recurrent c
 tests use the ``eager`` backend (same kernels as uncompiled code, so compiled and uncompiled runs
 are bit-identical); one slow test uses inductor."""
 
-import uuid
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import engine
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.storage import Storage
 from engine.loops.compiled import original_module, plain_key, training_step_of
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, copy_run_until, memory_url
 from scenarios import SPLIT, make_loader, seed_all
 
 
@@ -77,10 +76,6 @@ def train(run_dir, compiled, epochs=2, backend="eager"):
     return model, engine.Trainer(config).fit(model, make_loader())
 
 
-def memory_url():
-    return f"memory://compile-{uuid.uuid4().hex}"
-
-
 def test_plain_keys():
     assert plain_key("cell._orig_mod.input.weight") == "cell.input.weight"
     assert plain_key("_orig_mod.head.bias") == "head.bias"
@@ -105,7 +100,7 @@ def test_compiling_the_whole_module_compiles_the_training_step():
 
 @pytest.mark.parametrize("compiled", ["whole", "submodule"])
 def test_compiled_run_checkpoints_have_plain_keys_and_equal_the_uncompiled_run(compiled):
-    reference, compiled_dir = memory_url(), memory_url()
+    reference, compiled_dir = memory_url("compile"), memory_url("compile")
     train(reference, None)
     train(compiled_dir, compiled)
     state = CheckpointStore(Storage(compiled_dir)).latest().state
@@ -117,17 +112,13 @@ def test_compiled_run_checkpoints_have_plain_keys_and_equal_the_uncompiled_run(c
 def test_checkpoints_move_between_compiled_and_uncompiled_runs(compiled):
     """A compiled run resumes from an uncompiled run's checkpoint and the reverse; either way
     the result is the uninterrupted run's."""
-    reference = memory_url()
+    reference = memory_url("compile")
     train(reference, None)
     names = CheckpointStore(Storage(reference)).names()
     for writer, reader, checkpoint in [(None, compiled, names[5]), (compiled, None, names[17])]:
-        source = memory_url()
+        source = memory_url("compile")
         train(source, writer)
-        resumed = memory_url()
-        copy_run_until(source, resumed, checkpoint)
-        _, result = train(resumed, reader)
-        assert result.resumed_from == checkpoint
-        assert_same_run(reference, resumed)
+        assert_resumes_are_exact(reference, [checkpoint], lambda run_dir: train(run_dir, reader)[1], source=source)
 
 
 # CI time: inductor's C++ compile is the heaviest default test (about 40 s of CPU); the default run
@@ -138,10 +129,10 @@ def test_checkpoints_move_between_compiled_and_uncompiled_runs(compiled):
 def test_inductor_compiled_run_resumes_exactly():
     """The real compiler (inductor, C++ on the CPU): a resumed compiled run recompiles the same
     kernels and ends bit-identical to the uninterrupted compiled run."""
-    reference = memory_url()
+    reference = memory_url("compile")
     train(reference, "whole", epochs=1, backend="inductor")
     names = CheckpointStore(Storage(reference)).names()
-    resumed = memory_url()
+    resumed = memory_url("compile")
     copy_run_until(reference, resumed, names[5])
     _, result = train(resumed, "whole", epochs=1, backend="inductor")
     assert result.resumed_from == names[5]

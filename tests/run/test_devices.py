@@ -6,7 +6,6 @@ on a CUDA machine (benchmarks/gpu_check.sh)."""
 
 import collections
 import os
-import uuid
 import warnings
 
 import pytest
@@ -21,17 +20,13 @@ from engine.run import state as run_state
 from engine.loops.device import OnDevice, move_to_device, prepare_device, resolve_device
 from engine.run.envelope import FIELDS, capture_envelope
 from engine.run.run import FitRun
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, copy_run_until, memory_url
 from scenarios import build, train_with_checkpoints
 
 # cuBLAS is deterministic only with a fixed workspace (read when CUDA first creates a handle).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 META = torch.device("meta")
 Pair = collections.namedtuple("Pair", ["inputs", "targets"])
-
-
-def memory_url():
-    return f"memory://devices-{uuid.uuid4().hex}"
 
 
 # ---- resolving the device ---------------------------------------------------------------
@@ -162,7 +157,7 @@ def test_one_cuda_generator_at_most():
 
 
 def test_each_checkpoint_records_the_envelope():
-    run_dir = memory_url()
+    run_dir = memory_url("devices")
     train_with_checkpoints("plain", run_dir, epochs=1)
     for name in CheckpointStore(Storage(run_dir)).names():
         envelope = CheckpointStore(Storage(run_dir)).load(name).state[run_state.ENVELOPE]
@@ -173,7 +168,7 @@ def test_each_checkpoint_records_the_envelope():
 
 
 def test_a_malformed_envelope_is_corrupt():
-    run_dir = memory_url()
+    run_dir = memory_url("devices")
     train_with_checkpoints("plain", run_dir, epochs=1)
     state = CheckpointStore(Storage(run_dir)).latest().state
     state[run_state.ENVELOPE] = dict(state[run_state.ENVELOPE], torch_version=3)
@@ -185,10 +180,10 @@ def test_a_malformed_envelope_is_corrupt():
 
 
 def test_resume_under_other_numerics_settings_warns_once_naming_them():
-    reference = memory_url()
+    reference = memory_url("devices")
     train_with_checkpoints("plain", reference)
     names = CheckpointStore(Storage(reference)).names()
-    same, changed = memory_url(), memory_url()
+    same, changed = memory_url("devices"), memory_url("devices")
     copy_run_until(reference, same, names[2])
     copy_run_until(reference, changed, names[2])
     with warnings.catch_warnings(record=True) as caught:
@@ -228,15 +223,11 @@ def test_cuda_run_places_the_module_and_batches_on_the_device():
 @pytest.mark.parametrize("name", ["tbptt", "bf16", "fp16_accumulate"])
 def test_cuda_resume_from_every_checkpoint(name):
     """Dropout draws from the CUDA generator: exactness needs it saved and restored."""
-    reference = memory_url()
+    reference = memory_url("devices")
     train_with_checkpoints(name, reference, keep_last=None, device="cuda")
     names = CheckpointStore(Storage(reference)).names()
-    for checkpoint in names[:-1:3]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, checkpoint)
-        result = train_with_checkpoints(name, resumed, keep_last=None, device="cuda")
-        assert result.resumed_from == checkpoint
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1:3],
+                             lambda run_dir: train_with_checkpoints(name, run_dir, keep_last=None, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -263,7 +254,7 @@ def test_pinned_snapshot_is_not_raced_by_the_next_step():
 
 @pytest.mark.gpu
 def test_cuda_asynchronous_checkpoints_equal_synchronous_ones():
-    synchronous, asynchronous = memory_url(), memory_url()
+    synchronous, asynchronous = memory_url("devices"), memory_url("devices")
     train_with_checkpoints("fp16_accumulate", synchronous, device="cuda")
     train_with_checkpoints("fp16_accumulate", asynchronous, device="cuda", asynchronous=True)
     assert_same_run(synchronous, asynchronous)
@@ -271,7 +262,7 @@ def test_cuda_asynchronous_checkpoints_equal_synchronous_ones():
 
 @pytest.mark.gpu
 def test_a_cuda_checkpoint_resumes_on_the_cpu():
-    run_dir = memory_url()
+    run_dir = memory_url("devices")
     train_with_checkpoints("tbptt", run_dir, epochs=1, device="cuda")
     with pytest.warns(UserWarning, match="device: checkpoint 'cuda', this run 'cpu'"):
         result = train_with_checkpoints("tbptt", run_dir, epochs=2, device="cpu")

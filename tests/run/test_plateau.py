@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import engine
 from kill_helpers import kill_at_random_instant, run_scenario, run_until_done
 from plateau_scenario import train_plateau
-from resume_helpers import assert_same_run, copy_run_until, read_metrics
+from resume_helpers import assert_resumes_are_exact, assert_same_run, read_metrics
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 
@@ -189,24 +189,22 @@ def checkpoint_names(run_dir: str) -> list[str]:
 def test_resuming_at_the_checkpoints_around_each_plateau_step_gives_the_same_run(reference, tmp_path):
     # Units 2-4 hold the first step-interval step (unit 3); the last ones of epoch 0 its epoch-end step.
     names = checkpoint_names(reference)
-    for name in names[1:4] + names[11:14]:
-        run_dir = str(tmp_path / name)
-        copy_run_until(reference, run_dir, name)
+
+    def resume(run_dir):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            train_plateau(run_dir, "lightning", checkpoint=engine.CheckpointConfig(keep_last=None))
-        assert_same_run(reference, run_dir)
+            _, result = train_plateau(run_dir, "lightning", checkpoint=engine.CheckpointConfig(keep_last=None))
         # The plateaus' progress (best, num_bad_epochs, _last_lr) is not reported as a changed setting.
         assert not [str(w.message) for w in caught if "overrides" in str(w.message)]
+        return result
+
+    assert_resumes_are_exact(reference, names[1:4] + names[11:14], resume, lambda name: str(tmp_path / name))
 
 
 @pytest.mark.exhaustive
 def test_resuming_at_every_checkpoint_gives_the_same_run(reference, tmp_path):
-    for name in checkpoint_names(reference):
-        run_dir = str(tmp_path / name)
-        copy_run_until(reference, run_dir, name)
-        train_plateau(run_dir, "lightning", checkpoint=engine.CheckpointConfig(keep_last=None))
-        assert_same_run(reference, run_dir)
+    assert_resumes_are_exact(reference, checkpoint_names(reference), lambda run_dir: train_plateau(
+        run_dir, "lightning", checkpoint=engine.CheckpointConfig(keep_last=None))[1], lambda name: str(tmp_path / name))
 
 
 @pytest.fixture(scope="module")

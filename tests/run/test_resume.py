@@ -3,7 +3,6 @@ must equal the uninterrupted run bit for bit. (Kill tests in test_kill.py do the
 real processes.)"""
 
 import shutil
-import uuid
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 import engine
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.storage import Storage
-from resume_helpers import assert_same_run, copy_run_until, read_metrics
+from resume_helpers import assert_resumes_are_exact, assert_same_run, memory_url, read_metrics
 from scenarios import SCENARIOS, scenario_params, train_with_checkpoints
 
 
@@ -19,29 +18,22 @@ def train(name, run_dir, epochs=2, resume="auto", keep_last=None, **extra):
     return train_with_checkpoints(name, run_dir, epochs=epochs, resume=resume, keep_last=keep_last, **extra)
 
 
-def memory_url():
-    return f"memory://resume-{uuid.uuid4().hex}"
-
-
 @pytest.mark.parametrize("name", scenario_params())
 def test_resume_from_every_checkpoint(name, tmp_path):
     """memory:// keeps this fast; every seventh resume goes through a local directory."""
-    reference = memory_url()
+    reference = memory_url("resume")
     train(name, reference)
     names = CheckpointStore(Storage(reference)).names()
     units = 24 if SCENARIOS[name].tbptt else 6
     assert len(names) == units + 2  # one per split (or batch), plus one per epoch end
-    for index, checkpoint in enumerate(names[:-1]):
-        resumed = str(tmp_path / checkpoint) if index % 7 == 3 else memory_url()
-        copy_run_until(reference, resumed, checkpoint)
-        result = train(name, resumed)
-        assert result.resumed_from == checkpoint
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1], lambda run_dir: train(name, run_dir),
+                             lambda checkpoint: str(tmp_path / checkpoint) if names.index(checkpoint) % 7 == 3
+                             else memory_url("resume"))
 
 
 def test_local_and_memory_runs_are_identical(tmp_path):
     local = str(tmp_path / "local")
-    memory = memory_url()
+    memory = memory_url("resume")
     train("tbptt", local)
     train("tbptt", memory)
     assert_same_run(local, memory)

@@ -7,18 +7,7 @@ import torch
 
 import engine
 from engine.run.run_dir import check_existing_run_dir, check_run_dir
-
-
-class Regression(engine.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(2, 1)
-
-    def training_step(self, batch):
-        return self.net(batch).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+from models import Regression
 
 
 def fit(run_dir):

@@ -12,7 +12,8 @@ import engine
 import engine.testing
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
-from resume_helpers import assert_same_run, copy_run_until, read_metrics
+from models import Regression
+from resume_helpers import assert_resumes_are_exact, assert_same_run, read_metrics
 from scenarios import LossRecorder
 from validation_scenarios import build_validated, train_validated, val_loader
 
@@ -44,20 +45,10 @@ def test_training_with_validation_is_bit_identical_to_training_without():
 def test_validation_runs_in_eval_mode_without_grad_and_restores_training_mode():
     seen = []
 
-    class Probe(engine.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch):
-            return self.layer(batch).pow(2).mean()
-
+    class Probe(Regression):
         def validation_step(self, batch):
             seen.append((self.training, torch.is_grad_enabled()))
-            return self.layer(batch).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return self.net(batch).mean()
 
     model = Probe()
     result = engine.Trainer(engine.TrainerConfig(max_epochs=2, progress_bar="off", checkpoint=None)).fit(
@@ -109,12 +100,9 @@ def reference(tmp_path_factory):
 def test_resume_from_every_checkpoint_is_exact_with_validation_and_aggregates(reference, tmp_path):
     names = CheckpointStore(Storage(reference)).names()
     assert len(names) > 20
-    for name in names[::3] + [names[-1]]:
-        run_dir = str(tmp_path / name)
-        copy_run_until(reference, run_dir, name)
-        _, result = train_validated(run_dir, epochs=2, every_steps=5)
-        assert result.resumed_from == name
-        assert_same_run(reference, run_dir)
+    assert_resumes_are_exact(reference, names[::3] + [names[-1]],
+                             lambda run_dir: train_validated(run_dir, epochs=2, every_steps=5)[1],
+                             lambda name: str(tmp_path / name))
 
 
 def test_a_failure_inside_validation_resumes_and_logs_its_rows_once(reference, tmp_path):

@@ -18,9 +18,7 @@ import torch
 
 from kill_helpers import WITH_A_WRITER_PROCESS, killed_at_the_fault
 from resume_helpers import assert_same_run
-from validation_scenarios import best_policy, train_validated
-from engine.checkpoint.store.storage import Storage
-from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from validation_scenarios import best_policy, kept_best, train_validated
 import engine
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "validation_scenarios.py")
@@ -46,18 +44,8 @@ def reference(tmp_path_factory):
     return run_dir
 
 
-def best_checkpoints(run_dir):
-    """The kept best checkpoints by content: cursor, recorded value, model tensors."""
-    store = CheckpointStore(Storage(run_dir))
-    best = []
-    for name in store.best(2):
-        loaded = store.load(name)
-        best.append((loaded.progress.cursor, loaded.manifest.monitor, loaded.state["module"]))
-    return best
-
-
 def assert_same_best(reference, run_dir):
-    expected, actual = best_checkpoints(reference), best_checkpoints(run_dir)
+    expected, actual = kept_best(reference), kept_best(run_dir)
     assert len(expected) == 2 and [e[:2] for e in expected] == [a[:2] for a in actual]
     for (_, _, a), (_, _, b) in zip(expected, actual):
         assert all(torch.equal(a[key], b[key]) for key in a)

@@ -1,7 +1,6 @@
 """Asynchronous checkpoints: same checkpoints as synchronous ones, bounded snapshots, reused
 buffers, background errors surfacing on the training thread, pending writes flushed on exit."""
 
-import uuid
 
 import pytest
 import torch
@@ -13,12 +12,8 @@ from engine.checkpoint.writers.buffers import SnapshotBuffers
 from engine.checkpoint.store.storage import Storage
 from progress import Cursor
 from paced_writes import PacedWrites
-from resume_helpers import assert_same_run, copy_run_until
+from resume_helpers import assert_resumes_are_exact, assert_same_run, memory_url
 from scenarios import train_with_checkpoints
-
-
-def memory_url():
-    return f"memory://async-{uuid.uuid4().hex}"
 
 
 def test_async_run_equals_sync_run(tmp_path):
@@ -32,14 +27,11 @@ def test_async_run_equals_sync_run(tmp_path):
 
 
 def test_resume_from_every_async_checkpoint():
-    reference = memory_url()
+    reference = memory_url("async")
     train_with_checkpoints("tbptt_several_optimizers", reference, keep_last=None, asynchronous=True)
     names = CheckpointStore(Storage(reference)).names()
-    for name in names[:-1:3]:
-        resumed = memory_url()
-        copy_run_until(reference, resumed, name)
-        assert train_with_checkpoints("tbptt_several_optimizers", resumed, asynchronous=True).resumed_from == name
-        assert_same_run(reference, resumed)
+    assert_resumes_are_exact(reference, names[:-1:3], lambda run_dir: train_with_checkpoints(
+        "tbptt_several_optimizers", run_dir, asynchronous=True))
 
 
 def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
@@ -48,7 +40,7 @@ def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
     from scenarios import build
 
     model, loader = build("tbptt")
-    run_dir = memory_url()
+    run_dir = memory_url("async")
     checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip",
                                          max_in_flight=2)
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
@@ -63,7 +55,7 @@ def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp
     reference = str(tmp_path / "reference")
     train_with_checkpoints("tbptt", reference)
     paced = PacedWrites(monkeypatch, splits=2)  # each write lasts two splits: the one after it is skipped
-    run_dir = memory_url()
+    run_dir = memory_url("async")
     from scenarios import build
 
     model, loader = build("tbptt")

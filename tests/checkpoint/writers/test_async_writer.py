@@ -41,7 +41,7 @@ def test_skip_policy_replaces_a_queued_snapshot_with_the_newest(monkeypatch):
 
     model, loader = build("tbptt")
     run_dir = memory_url("async")
-    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip",
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, writer="thread", when_behind="skip",
                                          max_in_flight=2)
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     engine.Trainer(config, callbacks=[paced.callback]).fit(model, loader)
@@ -59,7 +59,7 @@ def test_skip_policy_drops_checkpoints_while_the_writer_is_busy(monkeypatch, tmp
     from scenarios import build
 
     model, loader = build("tbptt")
-    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, asynchronous=True, when_behind="skip")
+    checkpoint = engine.CheckpointConfig(every_n_splits=1, keep_last=None, writer="thread", when_behind="skip")
     config = engine.TrainerConfig(max_epochs=2, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off",
                                   gradient_clip_val=0.5)
     result = engine.Trainer(config, callbacks=[paced.callback]).fit(model, loader)

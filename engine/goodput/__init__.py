@@ -1,0 +1,8 @@
+"""Goodput: the run's ledger of attempts (``ledger/rank-NNNNN.jsonl``), what it says about the
+time spent (buckets that add up to the wall time, failures by cause, samples skipped or seen
+twice), and a Monte-Carlo model of large jobs (docs/goodput.md).
+
+Pure Python, no torch: ``python -m engine goodput`` imports none. The run's hooks are
+:class:`engine.goodput.ledger.Ledger`; the reading side is :func:`engine.goodput.account.account`;
+the model is :mod:`engine.goodput.simulate`.
+"""

@@ -219,11 +219,14 @@ def count_samples(attempts: list[Attempt]) -> sample_ids.SampleCount:
 
 
 def timeline_segments(attempts: Iterable[Attempt]) -> list[tuple[str, float, float]]:
-    """(kind, start, end) of each attempt's productive, lost and down time, for a plot."""
+    """(kind, start, end) of each attempt's start-up (with the restore), kept (productive) and
+    lost time, and the down time between attempts, for a plot."""
     segments: list[tuple[str, float, float]] = []
     attempts = list(attempts)
     for index, attempt in enumerate(attempts):
-        segments.append(("productive", attempt.process_start, attempt.kept_until))
+        training = min(attempt.training if attempt.training is not None else attempt.ended_at, attempt.ended_at)
+        segments.append(("start-up", attempt.process_start, training))
+        segments.append(("productive", training, max(training, attempt.kept_until)))
         segments.append(("lost", attempt.kept_until, attempt.ended_at))
         if index + 1 < len(attempts):
             segments.append(("down", attempt.ended_at, attempts[index + 1].process_start))

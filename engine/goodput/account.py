@@ -103,8 +103,13 @@ def account(storage: LedgerStorage) -> Account | None:
 def place(attempts: list[Attempt], hangs: list[dict[str, Any]]) -> None:
     """Give each attempt its cause, end, the instant its kept work ends, and its buckets."""
     for index, attempt in enumerate(attempts):
+        if index and attempt.process_start < attempts[index - 1].last_row:
+            # Another fit in the same process: its start-up begins where the earlier one ended.
+            attempt.process_start = attempts[index - 1].last_row
         following = attempts[index + 1] if index + 1 < len(attempts) else None
         limit = following.process_start if following is not None else None
+        if following is not None and following.process_start < attempt.last_row:
+            limit = following.process_start = attempt.last_row
         _place_end(attempt, hangs, limit)
         attempt.kept_until = _kept_until(attempt, following)
         attempt.buckets = _buckets(attempt, limit)

@@ -51,7 +51,8 @@ def attempts_of(rows: list[dict[str, Any]]) -> list[Attempt]:
     for row in rows:
         grouped.setdefault(str(row.get("attempt")), []).append(row)
     attempts = [attempt for attempt in map(_attempt, grouped.values()) if attempt is not None]
-    return sorted(attempts, key=lambda attempt: attempt.process_start)
+    # By their start rows: several fits in one process share a process start.
+    return sorted(attempts, key=lambda attempt: attempt.restore_begin)
 
 
 def _attempt(rows: list[dict[str, Any]]) -> Attempt | None:

@@ -216,7 +216,7 @@ class EpochData:
         self._queued_ids: collections.deque[Any] | None = None
         if self._map_style:
             self._queued_ids = collections.deque()
-            loader = _recording_copy(loader, self._queued_ids)
+            loader = _recording_copy(loader, self._queued_ids)  # type: ignore[arg-type]
         self.sample_id_kind = "sample indices" if self._map_style else "batch positions"
         self._drawn: list[tuple[int, list[int]]] = []
         self._epoch = 0

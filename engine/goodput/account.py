@@ -87,6 +87,8 @@ def account(storage: LedgerStorage) -> Account | None:
     attempts = next((found for found in timelines if found), [])
     if not attempts:
         return None
+    for other in timelines[1:]:
+        _take_the_first_cause(attempts, other)
     commits = sum(1 for attempt in attempts for _, row in attempt.rows if row.get("event") == COMMIT)
     buckets = dict.fromkeys(BUCKETS, 0.0)
     for attempt in attempts:
@@ -98,6 +100,23 @@ def account(storage: LedgerStorage) -> Account | None:
     wall = attempts[-1].ended_at - attempts[0].process_start
     return Account(wall, buckets, attempts, causes, samples, attempts[0].id_kind, commits,
                    ended=attempts[-1].end is not None)
+
+
+def _take_the_first_cause(attempts: list[Attempt], other: list[Attempt]) -> None:
+    """A group's attempt ends when its first rank does: SIGKILL one rank and torchrun stops the
+    others (SIGTERM), which then end by a preemption or an exception of their own. Each attempt
+    takes the cause of the rank that ended first (a killed rank ends after its last row, another
+    rank at its end row). The ranks' attempts are paired in order (each group start starts every
+    rank); ranks with another number of attempts are not paired."""
+    if len(other) != len(attempts):
+        return
+    for mine, theirs in zip(attempts, other):
+        if _earliest_end(theirs) < _earliest_end(mine):
+            mine.cause = theirs.cause
+
+
+def _earliest_end(attempt: Attempt) -> float:
+    return attempt.ended_at if attempt.end is not None else attempt.last_row
 
 
 def place(attempts: list[Attempt], hangs: list[dict[str, Any]]) -> None:

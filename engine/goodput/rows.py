@@ -26,9 +26,8 @@ FINISHED, PREEMPTED, EXCEPTION, INTERRUPTED, HANG, KILLED = (
 
 
 class LedgerStorage(Protocol):
-    """The part of the run's storage the ledger uses (engine.checkpoint.store.storage.Storage)."""
-
-    is_local: bool
+    """The part of the run's storage the ledger uses (engine.checkpoint.store.storage.Storage;
+    its ``is_local`` is read where present)."""
 
     def append(self, relative: str, data: bytes) -> None: ...
 

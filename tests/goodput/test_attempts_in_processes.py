@@ -117,3 +117,23 @@ def test_kills_at_random_instants_leave_whole_rows(tmp_path: pathlib.Path) -> No
     found = account(Storage(run_dir))
     assert found is not None and found.samples.skipped == found.samples.seen_twice == 0
     assert found.samples.trained == SAMPLES
+
+
+# The default run keeps one sequence (two kills, a preemption, an exception, a hang) with a
+# checkpoint every split; this matrix adds asynchronous writes, sparser checkpoints and more kills.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("kills", [1, 3])
+@pytest.mark.parametrize("options", [("--async",), ("--every", "3"), ("--every", "5", "--async")],
+                         ids=["async", "every-3", "every-5-async"])
+def test_a_run_killed_n_times_has_n_plus_one_attempts_and_exact_samples(tmp_path: pathlib.Path, kills: int,
+                                                                         options: tuple[str, ...]) -> None:
+    run_dir = str(tmp_path / "run")
+    for _ in range(kills):
+        process = kill_helpers.run_scenario("tbptt", run_dir, "split_end:6:sigkill", "--epochs", "2", *options)
+        assert process.returncode == -signal.SIGKILL, process.stderr[-3000:]
+    assert kill_helpers.run_scenario("tbptt", run_dir, None, "--epochs", "2", *options).returncode == 0
+    found = account(Storage(run_dir))
+    assert found is not None
+    assert [attempt.cause for attempt in found.attempts] == ["killed"] * kills + ["finished"]
+    assert sum(found.buckets.values()) == pytest.approx(found.wall_s, rel=0.01)
+    assert (found.samples.trained, found.samples.skipped, found.samples.seen_twice) == (2 * SAMPLES, 0, 0)

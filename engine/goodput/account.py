@@ -60,6 +60,12 @@ class Account:
         running = sum(attempt.ended_at - attempt.process_start for attempt in self.attempts)
         return running / self.failures if self.failures else None
 
+    @property
+    def training_mtbf_s(self) -> float | None:
+        """Training time (first split to end) per failure: the rate the model draws failures at."""
+        training = sum(attempt.ended_at - attempt.training for attempt in self.attempts if attempt.training is not None)
+        return training / self.failures if self.failures else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"wall_s": self.wall_s, "goodput": self.goodput, "buckets": dict(self.buckets),
                 "attempts": len(self.attempts), "causes": dict(self.causes), "failures": self.failures,

@@ -16,7 +16,7 @@ from engine.goodput.simulate import JobModel
 class ObservedCosts:
     """Means over the run's attempts, in seconds; None where the run has no instance yet."""
 
-    failures_per_hour: float | None     # failures (exception, hang, killed) per hour the attempts ran
+    failures_per_hour: float | None     # failures (exception, hang, killed) per hour of training
     checkpoint_s: float | None          # blocking time of one save
     interval_s: float | None            # productive training between two saves
     restart_s: float | None             # an attempt's start-up and restore
@@ -41,7 +41,7 @@ def costs_of(found: Account) -> ObservedCosts:
     commits = [float(row.get("blocking_s", 0.0)) for attempt in attempts for _, row in attempt.rows
                if row.get("event") == COMMIT]
     hangs = [attempt.hang_s for attempt in attempts if attempt.cause == HANG]
-    mtbf = found.mtbf_s
+    mtbf = found.training_mtbf_s
     return ObservedCosts(
         failures_per_hour=None if mtbf is None else 3600.0 / mtbf,
         checkpoint_s=_mean(commits),

@@ -1,13 +1,13 @@
 """A Monte-Carlo model of a large job's goodput (docs/goodput.md has the model and its sources).
 
 Pure Python, no torch. A job of ``gpus`` GPUs fails as a Poisson process of rate
-``gpus / mtbf_gpu_hours`` (any GPU's failure stops the whole synchronous job). Between failures
-the job trains ``interval_s`` of productive time, then blocks ``checkpoint_s`` to save, again
-and again. A failure loses the training since the last completed save; a share ``hang_share``
-of failures is a hang, caught only after ``hang_detect_s``; a share ``node_share`` loses a node
-and waits ``requeue_s`` for another; every restart then pays ``restart_s`` (process start to
-the first split: start-up and restore) before training again, and a failure may strike during
-it too. The first start pays ``restart_s`` as well. Each trial runs ``horizon_s`` of wall time;
+``gpus / mtbf_gpu_hours`` over its training time (any GPU's failure stops the whole synchronous
+job; a restart is not struck: its failures are part of what a restart costs). The job trains
+``interval_s`` of productive time, then blocks ``checkpoint_s`` to save, again and again. A
+failure loses the training since the last completed save; a share ``hang_share`` of failures is
+a hang, caught only after ``hang_detect_s``; every restart waits ``down_s``, a share
+``node_share`` also ``requeue_s`` for another node, then pays ``restart_s`` (process start to the
+first split: start-up and restore) before training again. The first start pays ``restart_s``. Each trial runs ``horizon_s`` of wall time;
 the buckets are averaged over ``trials`` trials drawn from one seeded generator (the same
 failure times for every interval compared: common random numbers).
 """
@@ -107,38 +107,34 @@ def _trial(model: JobModel, interval_s: float, horizon_s: float, rate: float,
     buckets = dict.fromkeys(SIMULATED_BUCKETS, 0.0)
     now, failures = 0.0, 0
     cycle = interval_s + model.checkpoint_s if interval_s > 0 else math.inf
-    restarting = model.restart_s
     while now < horizon_s:
-        up = generator.expovariate(rate)                  # time to the next failure
-        span = min(up, horizon_s - now)
-        start = min(span, restarting)                     # start-up and restore first
+        start = min(model.restart_s, horizon_s - now)     # start-up and restore (the first start too)
         buckets["startup"] += start
-        training = span - start
-        saves = math.floor(training / cycle) if cycle != math.inf else 0
-        rest = training - saves * cycle
+        now += start
+        if now >= horizon_s:
+            break
+        up = generator.expovariate(rate)                  # training time to the next failure
+        span = min(up, horizon_s - now)
+        saves = math.floor(span / cycle) if cycle != math.inf else 0
+        rest = span - saves * cycle
         buckets["productive"] += saves * interval_s
         buckets["checkpoint_stall"] += saves * model.checkpoint_s
         now += span
+        unsaved = min(rest, interval_s) if cycle != math.inf else rest
+        buckets["checkpoint_stall"] += rest - unsaved     # a save under way
         if up > span:                                     # the horizon ended first: what ran counts
-            productive = min(rest, interval_s) if cycle != math.inf else rest
-            buckets["productive"] += productive
-            buckets["checkpoint_stall"] += rest - productive
+            buckets["productive"] += unsaved
             break
         failures += 1
-        lost = min(rest, interval_s) if cycle != math.inf else rest
-        buckets["work_lost"] += lost
-        buckets["checkpoint_stall"] += rest - lost        # a save cut short
-        wait = model.down_s
+        buckets["work_lost"] += unsaved
         if generator.random() < model.hang_share:
             detect = min(model.hang_detect_s, horizon_s - now)
             buckets["hang_detection"] += detect
             now += detect
-        if generator.random() < model.node_share:
-            wait += model.requeue_s
+        wait = model.down_s + (model.requeue_s if generator.random() < model.node_share else 0.0)
         wait = min(wait, max(0.0, horizon_s - now))
         buckets["down"] += wait
         now += wait
-        restarting = model.restart_s
     return buckets, failures
 
 

@@ -45,7 +45,7 @@ def test_the_json_account_and_model(tmp_path: pathlib.Path, capsys) -> None:
     assert main(["goodput", "--simulate", "--from", str(tmp_path), "--json", "--trials", "5"]) == 0
     model = json.loads(capsys.readouterr().out)
     assert model["model"]["checkpoint_s"] == pytest.approx(1.0) and model["model"]["gpus"] == 1
-    # Attempt 1 is placed dead at its last row (6) + a beat (1) + a unit (3 s for 2 units): 8.5 s ran,
-    # attempt 2 6 s; one failure: a job MTBF of 14.5 s on its one GPU.
-    assert model["model"]["job_mtbf_s"] == pytest.approx(14.5)
+    # Attempt 1 is placed dead at its last row (6) + a beat (1) + a unit (3 s for 2 units): it trained
+    # from 3 to 8.5, attempt 2 from 13 to 16; one failure: 8.5 s of training per failure, on its one GPU.
+    assert model["model"]["job_mtbf_s"] == pytest.approx(8.5)
     assert model["horizon_s"] == pytest.approx(16.0) and len(model["intervals"]) == 7

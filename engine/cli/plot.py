@@ -106,8 +106,7 @@ def read_curves(run_dir: str) -> Curves:
     timeline = _timeline(storage)
     return Curves(splits=splits, epochs=_by_name(_aggregate_rows(rows, "train_epoch")), validation=_by_name(val),
                   resumes=resumes, anomalies=anomalies, split_period=period,
-                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies),
-                        "attempts": sum(1 for kind, _, _ in timeline if kind == "productive")},
+                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies)},
                   timeline=timeline)
 
 

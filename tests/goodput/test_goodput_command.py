@@ -49,3 +49,19 @@ def test_the_json_account_and_model(tmp_path: pathlib.Path, capsys) -> None:
     # from 3 to 8.5, attempt 2 from 13 to 16; one failure: 8.5 s of training per failure, on its one GPU.
     assert model["model"]["job_mtbf_s"] == pytest.approx(8.5)
     assert model["horizon_s"] == pytest.approx(16.0) and len(model["intervals"]) == 7
+
+
+def test_plot_draws_the_attempts_under_the_curves(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    from engine.cli.plot import read_curves
+
+    first = AttemptWriter("a1", process_start=0.0).start(1.0).restored(2.0).row("training", 3.0)
+    first.commit(5.0, 1, 1.0, {"0": [[0, 12]]}, epochs=1).row("beat", 6.0, units=2)
+    second = AttemptWriter("a2", process_start=10.0).start(11.0).restored(12.0, units=1).row("training", 13.0)
+    second.commit(15.0, 2, 1.0, epochs=2).end(16.0, "finished")
+    write(tmp_path, first, second)
+    (tmp_path / "metrics.jsonl").write_text('{"stage": "train", "epoch": 0, "batch": 0, "split": 0, "loss": 1.0, "step": 1}\n')
+    # Attempt 1: start-up 0..3, kept until its commit at 5, lost until 8.5 (see above), down until 10.
+    assert read_curves(str(tmp_path)).timeline == [
+        ("start-up", 0.0, 3.0), ("productive", 3.0, 5.0), ("lost", 5.0, 8.5), ("down", 8.5, 10.0),
+        ("start-up", 10.0, 13.0), ("productive", 13.0, 16.0), ("lost", 16.0, 16.0)]

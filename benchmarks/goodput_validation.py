@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simulated: {simulated:.1f}%")
         print(f"samples skipped / seen twice: {found.samples.skipped} / {found.samples.seen_twice} "
               f"({found.samples.trained} trained)")
-        print(f"difference: {abs(simulated - measured):.1f} pp (simulated {'-' if simulated < measured else '+'} measured)")
+        print(f"difference: {abs(simulated - measured):.1f} pp "
+              f"(the model {'below' if simulated < measured else 'above'} the measured run)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -213,14 +213,17 @@ class EpochData:
             loader = self._workers.loader
         # The sample ids of each batch drawn, for the goodput ledger (docs/goodput.md): a map-style
         # loader's sampler indices; for other data, the batch's position in its epoch.
+        self.loader: Any = loader
+        # What an epoch iterates: for map-style data, a copy of the loader whose sampler queues
+        # the sample ids of each batch (the loader itself is left as given).
         self._queued_ids: collections.deque[Any] | None = None
+        self._iterated: Any = loader
         if self._map_style:
             self._queued_ids = collections.deque()
-            loader = _recording_copy(loader, self._queued_ids)  # type: ignore[arg-type]
+            self._iterated = _recording_copy(loader, self._queued_ids)
         self.sample_id_kind = "sample indices" if self._map_style else "batch positions"
         self._drawn: list[tuple[int, list[int]]] = []
         self._epoch = 0
-        self.loader: Any = loader
         self._worker_iterators: list[Iterator[Any]] = []
         self._warned_fast_forward = False
         self.batches_consumed = 0
@@ -247,7 +250,7 @@ class EpochData:
             self._epoch_start_generators = [g.get_state() for g in self._generators]
             self._seed_samples(epoch)
             with preemption_signals_blocked(self._signals_to_block()):
-                return self._track_workers(iter(self.loader))
+                return self._track_workers(iter(self._iterated))
         if self._epoch_start_rng is None:
             raise DataError(f"cannot resume inside epoch {epoch}: the data position holds no random state of the epoch start")
         now = capture_global_rng()
@@ -320,7 +323,7 @@ class EpochData:
                 return iter(())
             return iter(self.loader)
         if self._map_style:
-            return _open_skipping_loader(self.loader, skip)
+            return _open_skipping_loader(self._iterated, skip)
         if not self._warned_fast_forward:
             warn_user(
                 f"resuming {self.name} by drawing and dropping {skip:,} batches (it costs as long as reading "

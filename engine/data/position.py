@@ -220,7 +220,7 @@ class EpochData:
         self._iterated: Any = loader
         if self._map_style:
             self._queued_ids = collections.deque()
-            self._iterated = _recording_copy(loader, self._queued_ids)
+            self._iterated = _recording_copy(loader, self._queued_ids)  # type: ignore[arg-type]
         self.sample_id_kind = "sample indices" if self._map_style else "batch positions"
         self._drawn: list[tuple[int, list[int]]] = []
         self._epoch = 0

@@ -77,6 +77,7 @@ def inspect_run(url: str) -> dict[str, Any]:
         "anomalies": [],
         "data": None,
         "hangs": read_hangs(store.storage),
+        "goodput": _goodput(store.storage),
         "crash_loop": crash_loop_verdict(read_attempts(store.storage), latest.name if latest is not None else None,
                                          Watchdog().max_restarts or 0),
     }
@@ -127,7 +128,17 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(describe_hang(hang))
     if report["crash_loop"]:
         print(f"crash loop: {report['crash_loop']} (the next start exits {CRASH_LOOP_EXIT_CODE})")
+    if report["goodput"] is not None:
+        from engine.cli.goodput import summary_lines
+        print("\n".join(summary_lines(report["goodput"])))
     return 0
+
+
+def _goodput(storage: Storage) -> dict[str, Any] | None:
+    """The run's goodput account (engine.goodput), as ``goodput --json`` prints it; None without a ledger."""
+    from engine.goodput.account import account
+    found = account(storage)
+    return None if found is None else found.to_dict()
 
 
 def run_list_faults() -> int:

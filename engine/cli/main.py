@@ -1,4 +1,4 @@
-"""Command line: ``python -m engine {demo,inspect,faults,chaos,plot,launch} ...``; ``--help`` on each."""
+"""Command line: ``python -m engine {demo,inspect,faults,chaos,plot,goodput,launch} ...``; ``--help`` on each."""
 
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
                                            "dashed line where the run resumed. Needs matplotlib: pip install 'splitloop[plot]'.")
     plot.add_argument("dir", help="run directory (path or fsspec URL)")
     plot.add_argument("--out", default=None, help="PNG file to write (default: metrics.png in a local run directory)")
+    from engine.cli.goodput import add_goodput_parser
+    add_goodput_parser(commands, _positive_seconds)
     launch = commands.add_parser("launch", help="run torchrun, own its preemption signals, exit 75 when preempted",
                                  description="Run COMMAND (torchrun ...) in a session of its own. The first SIGTERM, SIGINT, "
                                              "SIGUSR1 or SIGUSR2 (later ones change nothing) becomes one stop request to "
@@ -158,6 +160,9 @@ def _run(args: argparse.Namespace) -> int:
         from engine.distributed.launch import launch
         command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
         return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args))
+    if args.command == "goodput":  # before the other commands' imports: the account and the model need no torch
+        from engine.cli.goodput import run_goodput
+        return run_goodput(args)
     from engine.cli.commands import run_chaos, run_demo, run_inspect, run_list_faults, run_plot
     if args.command == "demo":
         return run_demo(args)

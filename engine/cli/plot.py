@@ -49,6 +49,8 @@ class Curves:
     anomalies: list[tuple[float, str]]  # (optimizer steps, what happened): rollbacks past an anomaly
     split_period: int  # splits per batch (1 without TBPTT): the smoothing window is a multiple
     rows: dict[str, int]  # rows drawn, per kind ("train", "val", "resumes")
+    # (kind, start, end) in seconds since the first attempt's start: productive / lost / down (engine.goodput)
+    timeline: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
     def families(self) -> list[str]:
         """The panels, the training loss's first."""
@@ -101,9 +103,21 @@ def read_curves(run_dir: str) -> Curves:
     period = max((row["split"] for row in train if isinstance(row.get("split"), int)), default=0) + 1
     anomalies = [(float(row["step"]), f"{row.get('kind', 'anomaly')}: back to {_short(str(row.get('rolled_back_to', '?')))}")
                  for row in read_rows(storage, ANOMALIES_FILE) if _is_number(row.get("step"))]
+    timeline = _timeline(storage)
     return Curves(splits=splits, epochs=_by_name(_aggregate_rows(rows, "train_epoch")), validation=_by_name(val),
                   resumes=resumes, anomalies=anomalies, split_period=period,
-                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies)})
+                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies)},
+                  timeline=timeline)
+
+
+def _timeline(storage: Storage) -> list[tuple[str, float, float]]:
+    """The attempts' productive, lost and down segments from the goodput ledger ([] without one)."""
+    from engine.goodput.account import account, timeline_segments
+    found = account(storage)
+    if found is None:
+        return []
+    origin = found.attempts[0].process_start
+    return [(kind, start - origin, end - origin) for kind, start, end in timeline_segments(found.attempts)]
 
 
 def plot_run(run_dir: str, out: str) -> dict[str, int]:
@@ -119,9 +133,13 @@ def plot_run(run_dir: str, out: str) -> dict[str, int]:
 def draw(curves: Curves, pyplot: Any, title: str) -> Any:
     """The figure: one panel per family, stacked over a shared step axis, resumes marked."""
     families = curves.families()
-    figure, axes = pyplot.subplots(len(families), 1, figsize=(12, 1.5 + 2.6 * len(families)), sharex=True,
-                                   squeeze=False)
-    panels = [row[0] for row in axes]
+    rows = len(families) + (1 if curves.timeline else 0)
+    figure, axes = pyplot.subplots(rows, 1, figsize=(12, 1.5 + 2.6 * rows), squeeze=False)
+    panels = [row[0] for row in axes[:len(families)]]
+    for panel in panels[1:]:
+        panel.sharex(panels[0])
+    if curves.timeline:
+        _draw_timeline(axes[-1][0], curves.timeline)
     for family, panel in zip(families, panels):
         _draw_family(panel, family, curves)
     _mark_resumes(panels, curves.resumes)
@@ -130,6 +148,22 @@ def draw(curves: Curves, pyplot: Any, title: str) -> Any:
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+_TIMELINE_COLOURS = {"start-up": "tab:blue", "productive": "tab:green", "lost": "tab:red", "down": "lightgrey"}
+
+
+def _draw_timeline(panel: Any, timeline: list[tuple[str, float, float]]) -> None:
+    """The attempts over wall time: each one's start-up, kept (productive) and lost time, and the
+    down time between them (engine.goodput; docs/goodput.md)."""
+    for kind, colour in _TIMELINE_COLOURS.items():
+        spans = [(start, end - start) for found, start, end in timeline if found == kind and end > start]
+        if spans:
+            panel.broken_barh(spans, (0, 1), color=colour, label=kind)
+    panel.set_yticks([])
+    panel.set_xlabel("seconds since the first attempt started")
+    panel.set_title("attempts (python -m engine goodput)", fontsize="small")
+    _legend(panel)
 
 
 def _draw_family(panel: Any, family: str, curves: Curves) -> None:

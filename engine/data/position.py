@@ -17,6 +17,7 @@ alive through a preemption signal (see :mod:`engine.data.workers`).
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -53,6 +54,9 @@ class _SkippingIterator:
                 raise DataError(
                     f"cannot resume at batch {self._skip} of the epoch: the sampler yields only {dropped} batches"
                 )
+        forget = getattr(self._source, "forget_queued", None)
+        if callable(forget):  # the dropped batches were trained before the resume: not drawn again
+            forget()
 
     def __iter__(self) -> "_SkippingIterator":
         return self
@@ -77,6 +81,45 @@ class _SkippingSampler:
 
     def __len__(self) -> int:
         return max(0, len(self.inner) - self.skip)
+
+
+class _RecordingSampler:
+    """A (batch) sampler that queues each item it yields: the sample ids of the batches the
+    loader will return, in order (the DataLoader draws from its sampler in the main process,
+    ahead of the batches its workers deliver). engine.goodput's ledger reads them."""
+
+    def __init__(self, inner: Any, queue: collections.deque[Any]) -> None:
+        self.inner = inner
+        self.queue = queue
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.inner:
+            self.queue.append(item)
+            yield item
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def forget_queued(self) -> None:
+        self.queue.clear()
+
+
+def _recording_copy(loader: DataLoader[Any], queue: collections.deque[Any]) -> DataLoader[Any]:
+    """A copy of ``loader`` whose (batch) sampler queues what it yields in ``queue``."""
+    recording = copy.copy(loader)
+    object.__setattr__(recording, "_iterator", None)
+    field = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    object.__setattr__(recording, field, _RecordingSampler(getattr(loader, field), queue))
+    return recording
+
+
+def _sample_ids(item: Any) -> list[int] | None:
+    """The sample ids in a (batch) sampler's item: a list of indices, or one index."""
+    if isinstance(item, int):
+        return [item]
+    if isinstance(item, (list, tuple)) and all(isinstance(index, int) for index in item):
+        return list(item)
+    return None
 
 
 def _is_map_style_loader(loader: Any) -> bool:
@@ -168,7 +211,19 @@ class EpochData:
             self._workers = WorkerLoader(loader, self._worker_signals, self._stateful,  # type: ignore[arg-type]
                                          given=self.source)
             loader = self._workers.loader
+        # The sample ids of each batch drawn, for the goodput ledger (docs/goodput.md): a map-style
+        # loader's sampler indices; for other data, the batch's position in its epoch.
         self.loader: Any = loader
+        # What an epoch iterates: for map-style data, a copy of the loader whose sampler queues
+        # the sample ids of each batch (the loader itself is left as given).
+        self._queued_ids: collections.deque[Any] | None = None
+        self._iterated: Any = loader
+        if self._map_style:
+            self._queued_ids = collections.deque()
+            self._iterated = _recording_copy(loader, self._queued_ids)  # type: ignore[arg-type]
+        self.sample_id_kind = "sample indices" if self._map_style else "batch positions"
+        self._drawn: list[tuple[int, list[int]]] = []
+        self._epoch = 0
         self._worker_iterators: list[Iterator[Any]] = []
         self._warned_fast_forward = False
         self.batches_consumed = 0
@@ -187,12 +242,15 @@ class EpochData:
         """An iterator over the epoch's batches from the current position."""
         for sampler in self._epoch_samplers:
             sampler.set_epoch(epoch)
+        self._epoch = epoch
+        if self._queued_ids is not None:
+            self._queued_ids.clear()  # what an earlier iterator drew ahead is not trained
         if self.batches_consumed == 0:
             self._epoch_start_rng = capture_global_rng()
             self._epoch_start_generators = [g.get_state() for g in self._generators]
             self._seed_samples(epoch)
             with preemption_signals_blocked(self._signals_to_block()):
-                return self._track_workers(iter(self.loader))
+                return self._track_workers(iter(self._iterated))
         if self._epoch_start_rng is None:
             raise DataError(f"cannot resume inside epoch {epoch}: the data position holds no random state of the epoch start")
         now = capture_global_rng()
@@ -265,7 +323,7 @@ class EpochData:
                 return iter(())
             return iter(self.loader)
         if self._map_style:
-            return _open_skipping_loader(self.loader, skip)
+            return _open_skipping_loader(self._iterated, skip)
         if not self._warned_fast_forward:
             warn_user(
                 f"resuming {self.name} by drawing and dropping {skip:,} batches (it costs as long as reading "
@@ -284,7 +342,36 @@ class EpochData:
         if batch is not EXHAUSTED:
             self.batches_consumed += 1
             self.pending_batch = batch
+            self._record_drawn()
         return batch
+
+    def _record_drawn(self) -> None:
+        ids = None
+        if self._queued_ids:
+            ids = _sample_ids(self._queued_ids.popleft())
+        self._drawn.append((self._epoch, ids if ids is not None else [self.batches_consumed - 1]))
+
+    def epoch_samples(self) -> int | None:
+        """How many ids a whole epoch draws (see :meth:`take_drawn`); None when unknown."""
+        if not self._map_style:
+            return self.length
+        batch_sampler = getattr(self.source, "batch_sampler", None)
+        if isinstance(batch_sampler, torch.utils.data.BatchSampler):
+            if batch_sampler.drop_last:
+                return len(batch_sampler) * batch_sampler.batch_size
+            return _length_or_none(batch_sampler.sampler)
+        return _length_or_none(getattr(self.source, "sampler", None)) if batch_sampler is None else None
+
+    def drawn_count(self) -> int:
+        """How many batches were drawn since the last :meth:`take_drawn` (a mark for it)."""
+        return len(self._drawn)
+
+    def take_drawn(self, count: int | None = None) -> list[tuple[int, list[int]]]:
+        """The (epoch, sample ids) of the first ``count`` batches drawn since the last call (all
+        by default), removed from the record; ids are ``sample_id_kind``."""
+        count = len(self._drawn) if count is None else count
+        taken, self._drawn = self._drawn[:count], self._drawn[count:]
+        return taken
 
     def batch_done(self) -> None:
         self.pending_batch = _NO_BATCH

@@ -53,6 +53,9 @@ from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import preemption_reason, run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
 from engine.watchdog.crash_loop import Attempts
+from engine.goodput import clock
+from engine.goodput.ledger import Ledger
+from engine.goodput.rows import EXCEPTION, FINISHED, INTERRUPTED, PREEMPTED
 from progress import Cursor, ProgressTree
 
 
@@ -69,6 +72,7 @@ class FitRun:
         self.device = resolve_device(config.device)
         # A torchrun worker joins its process group here.
         self.coordinator = join_coordinator(self.device, config.elastic, config.start_timeout)
+        self._group_ready = clock.now()
         prepare_device(module, self.device)  # once, before the optimizers see the parameters
         own = original_module(module)  # the module torch.compile wrapped: unwrapped once, handed down
         configure_model = getattr(own, "configure_model", None)
@@ -100,6 +104,9 @@ class FitRun:
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
         self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
                                  writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)
+        context = self.coordinator.context
+        self.ledger = Ledger(storage, 0 if context is None else context.rank, self.coordinator.world_size)
+        self._drawn_at_boundary, self._units_at_boundary = 0, 0  # batches drawn when the last boundary was reached (exception save)
         self.exception_save = self._choose_exception_save()
         self.rollbacks = self._choose_rollbacks()
         self.preemption = PreemptionWatcher(config.preemption_signals)
@@ -119,22 +126,28 @@ class FitRun:
         with self.preemption:
             distributed.register_launched_worker(self.config.preemption_signals)
             try:
+                self.ledger.started(self._group_ready)
                 self._start(resume)
+                self.ledger.restored(self.resumed_from, self.tree.units_completed(), self.tree.step_counter.total,
+                                     self.data.epoch_samples(), self.data.sample_id_kind)
                 for callback in self.callbacks:
                     callback.on_fit_start(self.view)
                 announce(self.display, self.config, self._resumed, self.setup)
                 # Where training begins: a process killed while it starts up is no attempt.
                 self.attempts.begin(self.resumed_from, lambda: self.coordinator.agree(StopState(), False))
+                self.ledger.training()
                 self._train()
                 watchdog.mark(watchdog.FINISHING)
                 if not self.checkpoints.holds(self._boundary_mark()):
                     self._save(force=True)
+                closing = time.monotonic()
                 self.checkpoints.close(failing=False)
+                self.ledger.ended(PREEMPTED if self.stop.preempted else FINISHED, time.monotonic() - closing,
+                                  self.tree.units_completed())
                 self.attempts.ended()
             except BaseException as error:
                 self.attempts.ended_by(error, None if self.cursor is None else str(self.cursor))
-                self.exception_save.save_before_raising(error)
-                self.checkpoints.close(failing=True)
+                self._save_before_raising(error)
                 raise
             finally:
                 self.metrics.close_loggers()
@@ -164,6 +177,20 @@ class FitRun:
             resumed_cursor=self.resumed_cursor,
             metrics=dict(self.logger.latest),
         )
+
+    def _save_before_raising(self, error: BaseException) -> None:
+        """The exception path: commit the last boundary if it is still exact, flush, and say
+        in the ledger how the attempt ended and what that commit holds."""
+        last = self.checkpoints.last_name
+        drawn, units = self._drawn_at_boundary, self._units_at_boundary
+        self.exception_save.save_before_raising(error)
+        closing = time.monotonic()
+        self.checkpoints.close(failing=True)
+        committed = self.checkpoints.last_name != last
+        cause = EXCEPTION if isinstance(error, Exception) else INTERRUPTED
+        self.ledger.ended(cause, time.monotonic() - closing, self.tree.units_completed(),
+                          f"{type(error).__name__}: {error}"[:300], units if committed else None,
+                          self.data.take_drawn(drawn) if committed else ())
 
     def _choose_exception_save(self) -> ExceptionSave | NoExceptionSave:
         if not isinstance(self.checkpoints, RunCheckpointer) or not self.config.save_on_exception:
@@ -201,6 +228,7 @@ class FitRun:
         self.metrics.roll_back_to(restored.metrics_bytes, self.tree.step_counter.total)
         # Every rollback so far, even one the restored checkpoint predates: its batches stay skipped.
         history.load([*earlier, record])
+        self.data.take_drawn()  # the replay draws them again
         self.cursor = loaded.progress.cursor
         self._update_status()
         faults.reach("after_rollback")
@@ -268,6 +296,7 @@ class FitRun:
         self._update_status(values)
         for callback in self.callbacks:
             callback.on_split_end(self.view)
+        self.ledger.beat_if_due(self.tree.units_completed())
         validated = self._validate_if_due(steps)
         self.tree.monitored.after_unit(self.tree.units_completed(), self.logger.latest)
         faults.reach("split_end")
@@ -296,7 +325,9 @@ class FitRun:
     def _validate(self, steps: int) -> None:
         assert self.tree.evaluation is not None
         watchdog.mark(watchdog.VALIDATION)
+        began = time.monotonic()
         values = self.tree.evaluation.run(steps)
+        self.ledger.validated(time.monotonic() - began)
         watchdog.mark(watchdog.BOUNDARY)
         self.metrics.append_aggregate("val", self.cursor, steps, values)
         self.checkpoints.offer_metrics(values)
@@ -346,12 +377,17 @@ class FitRun:
         """What an exception before the next boundary saves (engine.run.exception_save)."""
         self.exception_save.remember(self._progress(), self.cursor, self.tree.step_counter.total,
                                      self._boundary_mark(), self.metrics, self._elapsed())
+        self._drawn_at_boundary, self._units_at_boundary = self.data.drawn_count(), self.tree.units_completed()
 
     def _save(self, force: bool = False) -> None:
         watchdog.mark(watchdog.CHECKPOINT)
+        began = time.monotonic()
         self.exception_save.forget()
         # Seal the buffered metrics lines: the checkpoint records, and its commit publishes, them.
         snapshot = run_state.capture(self.parts, self._progress(), self.metrics.snapshot(), self._elapsed())
         saved = self.checkpoints.save(snapshot, self.cursor, self.tree.step_counter.total, self._boundary_mark(), force)
+        units, epochs = self._boundary_mark()
+        self.ledger.commit(saved, time.monotonic() - began, units, epochs, self.tree.step_counter.total,
+                           self.data.take_drawn() if saved else ())
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
         watchdog.mark(watchdog.BOUNDARY)

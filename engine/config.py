@@ -89,10 +89,13 @@ class CheckpointConfig:
             time their background writes slow down the splits that run meanwhile, measured
             against splits that overlap no write.
         mtbf_seconds: with ``every_n_splits="auto"``, the job's mean time between failures in
-            seconds (a prior: kills, preemptions, hangs of the whole job), or None. With it the
-            interval also minimizes the expected waste, checkpoint cost plus the work a failure
-            loses (Young/Daly: about ``sqrt(2 x cost x MTBF)`` of training), never shorter than
-            ``max_overhead`` allows nor longer than 64 splits; see docs/performance.md.
+            seconds of training (kills, preemptions, hangs of the whole job), or None: no
+            failure rate weighed. With it the interval also minimizes the expected waste,
+            checkpoint cost plus the work a failure loses (Young/Daly: about
+            ``sqrt(2 x cost x MTBF)`` of training), never shorter than ``max_overhead`` allows
+            nor longer than 64 splits; see docs/performance.md. A number is a prior: once the
+            run's goodput ledger has seen a failure, the rate it observed replaces it at the next
+            start. ``"observed"``: the ledger's rate only (none until a failure is seen).
         every_n_steps: checkpoint when the optimizer-step count crosses a multiple of N.
         every_seconds: checkpoint at the first split boundary T seconds after the last one.
         at_epoch_end: checkpoint after each epoch's end-of-epoch work (an epoch end that
@@ -166,7 +169,7 @@ class CheckpointConfig:
     durable_every_n_splits: int | None = None
     durable_every_seconds: float | None = None
     max_overhead: float = 0.05
-    mtbf_seconds: float | None = None
+    mtbf_seconds: float | Literal["observed"] | None = None
     # A key of engine.checkpoint.writers.choice.WRITER_KINDS (checked by CheckpointPlan).
     writer: str = "sync"
 
@@ -203,7 +206,8 @@ class CheckpointConfig:
                 or not 0 < self.max_overhead < 1:
             raise ConfigError(f"{owner}.max_overhead: expected a fraction of training time between 0 and 1 "
                               f"(0.05 for 5%), got {self.max_overhead!r}")
-        positive_number_or_none(owner, "mtbf_seconds", self.mtbf_seconds)
+        if self.mtbf_seconds != "observed":
+            positive_number_or_none(owner, "mtbf_seconds", self.mtbf_seconds)
         positive_int_or_none(owner, "every_n_steps", self.every_n_steps)
         positive_number_or_none(owner, "every_seconds", self.every_seconds)
         bool_field(owner, "at_epoch_end", self.at_epoch_end)

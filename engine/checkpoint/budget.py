@@ -41,7 +41,7 @@ Robustness, with no knob:
 With a failure rate (``CheckpointConfig(mtbf_seconds=...)``, the mean time between failures of
 the job), the interval is also the one that minimizes the expected waste per second of training,
 checkpoint cost plus the work a failure loses (half an interval on average): Young's
-``sqrt(2 x cost x MTBF)`` seconds, first order of Daly's (:func:`young_daly_interval`). The
+``sqrt(2 x cost x MTBF)`` seconds to first order (Daly's higher order: :func:`young_daly_interval`). The
 cadence takes the longer of the two (the budget caps how often checkpoints happen; a rare
 failure makes checkpoints rarer still), and never more than :data:`AUTO_MAX_INTERVAL` splits (the
 most a kill may lose). docs/performance.md says which wins when.
@@ -161,9 +161,15 @@ class OverheadBudget:
         return max(1, min(AUTO_MAX_INTERVAL, wanted))
 
 
-def young_daly_interval(cost_seconds: float, mtbf_seconds: float) -> float:
-    """The checkpoint interval, in seconds of training, that minimizes the expected waste per
-    second: each checkpoint costs ``cost_seconds`` and a failure, every ``mtbf_seconds`` on
-    average, loses half an interval; waste(T) = cost / T + T / (2 x MTBF) is least at
-    T = sqrt(2 x cost x MTBF) (Young 1974; the first order of Daly 2006)."""
-    return math.sqrt(2.0 * cost_seconds * mtbf_seconds)
+def young_daly_interval(checkpoint_s: float, job_mtbf_s: float) -> float:
+    """The compute time between checkpoints that minimizes the expected waste: each checkpoint
+    costs ``checkpoint_s`` and a failure, every ``job_mtbf_s`` on average, loses the work since
+    the last one. Young's (1974) first order is ``sqrt(2 * checkpoint_s * job_mtbf_s)`` (waste
+    per second ``cost / T + T / (2 MTBF)``); this is Daly's (2006) higher-order optimum, which
+    stays right when checkpoints are long against the MTBF (one per MTBF past ``2 x MTBF``)."""
+    if checkpoint_s <= 0:
+        return 0.0
+    if checkpoint_s >= 2 * job_mtbf_s:
+        return job_mtbf_s
+    ratio = checkpoint_s / (2 * job_mtbf_s)
+    return math.sqrt(2 * checkpoint_s * job_mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - checkpoint_s

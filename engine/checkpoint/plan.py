@@ -34,7 +34,7 @@ class CheckpointSettings(Protocol):
     every_seconds: float | None
     at_epoch_end: bool
     max_overhead: float
-    mtbf_seconds: float | None
+    mtbf_seconds: float | Literal["observed"] | None
     keep_last: int | None
     monitor: str | None
     mode: Literal["min", "max"]
@@ -60,6 +60,9 @@ class CadencePlan:
     # between failures (None: not weighed; engine.checkpoint.budget).
     max_overhead: float
     mtbf_seconds: float | None
+    # Whether the failure rate the run's ledger observed replaces ``mtbf_seconds`` when the run
+    # starts (engine.run.run).
+    observes_failures: bool
     every_n_steps: int | None
     every_seconds: float | None
     at_epoch_end: bool
@@ -109,13 +112,22 @@ class CheckpointPlan:
         every = config.every_n_splits
         return cls(
             cadence=CadencePlan(every if isinstance(every, int) else None, every == "auto", config.max_overhead,
-                                config.mtbf_seconds, config.every_n_steps, config.every_seconds, config.at_epoch_end),
+                                None if config.mtbf_seconds == "observed" else config.mtbf_seconds,
+                                config.mtbf_seconds is not None, config.every_n_steps, config.every_seconds,
+                                config.at_epoch_end),
             writer=WriterPlan(config.writer, config.max_in_flight, config.when_behind, config.on_io_error,
                               config.lease_expiry_seconds),
             retention=RetentionPlan(config.keep_last, config.monitor, config.mode,
                                     config.keep_best if config.monitor is not None else 0),
             tiers=TierPlan(config.local_tier, config.durable_every_n_splits, config.durable_every_seconds),
         )
+
+    def with_observed_mtbf(self, mtbf_seconds: float | None) -> CheckpointPlan:
+        """This plan with the mean time between failures a run's ledger observed (None: none
+        seen yet, the configured prior stays), where the plan asks for it."""
+        if not self.cadence.observes_failures or mtbf_seconds is None:
+            return self
+        return dataclasses.replace(self, cadence=dataclasses.replace(self.cadence, mtbf_seconds=mtbf_seconds))
 
     def refuse_where(self, distributed: bool, run_dir_url: str, run_dir_is_local: bool) -> None:
         """Refuse what this plan cannot do where the run writes: with several processes

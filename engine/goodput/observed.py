@@ -1,7 +1,8 @@
 """What a run's ledger measured, as inputs to the model and to a checkpoint cadence: the failure
-rate, a checkpoint's blocking time, the cost of a restart. The cadence
-(engine.checkpoint.cadence) can call :func:`observed_costs` to choose its interval from the
-failure rate (Young/Daly, :func:`engine.goodput.simulate.young_daly_interval`)."""
+rate, a checkpoint's blocking time, the cost of a restart. A run whose checkpoint cadence weighs
+failures (``CheckpointConfig(every_n_splits="auto", mtbf_seconds=...)``) starts with
+:func:`observed_mtbf_seconds` (engine.run.run; the interval: Young/Daly,
+:func:`engine.checkpoint.budget.young_daly_interval`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def observed_costs(storage: LedgerStorage) -> ObservedCosts | None:
     """The costs measured in the run dir ``storage`` (None: it has no ledger)."""
     found = account(storage)
     return None if found is None else costs_of(found)
+
+
+def observed_mtbf_seconds(storage: LedgerStorage) -> float | None:
+    """The training time per failure the run dir's ledger observed (None: no ledger, or no
+    failure seen yet): what ``CheckpointConfig(mtbf_seconds=...)`` weighs once it is known."""
+    found = account(storage)
+    return None if found is None else found.training_mtbf_s
 
 
 def _mean(values: list[float]) -> float | None:

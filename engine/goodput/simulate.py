@@ -19,6 +19,8 @@ import math
 import random
 from typing import Iterable, Sequence
 
+from engine.checkpoint.budget import young_daly_interval
+
 SIMULATED_BUCKETS = ("productive", "checkpoint_stall", "startup", "work_lost", "hang_detection", "down")
 
 
@@ -59,17 +61,6 @@ PROFILES = {
 }
 # Llama 3 (arXiv:2407.21783, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs.
 LLAMA3_MTBF_GPU_HOURS = 54 * 24 * 16384 / 419
-
-
-def young_daly_interval(checkpoint_s: float, job_mtbf_s: float) -> float:
-    """Daly's (2006) higher-order optimum of the compute time between checkpoints; Young's
-    (1974) first-order one is ``sqrt(2 * checkpoint_s * job_mtbf_s)``."""
-    if checkpoint_s <= 0:
-        return 0.0
-    if checkpoint_s >= 2 * job_mtbf_s:
-        return job_mtbf_s
-    ratio = checkpoint_s / (2 * job_mtbf_s)
-    return math.sqrt(2 * checkpoint_s * job_mtbf_s) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - checkpoint_s
 
 
 @dataclasses.dataclass(frozen=True)

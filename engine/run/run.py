@@ -25,6 +25,7 @@ import torch
 from engine import distributed, faults, watchdog
 from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.checkpointing import Checkpointing, NoCheckpoints
+from engine.checkpoint.plan import CheckpointPlan
 from engine.checkpoint.policy import RunCheckpointer
 from engine.checkpoint.store.storage import Storage
 from engine.config import TrainerConfig
@@ -55,6 +56,7 @@ from engine.run.start import ResumedStart, RunStart, announce
 from engine.watchdog.crash_loop import Attempts
 from engine.goodput import clock
 from engine.goodput.ledger import Ledger
+from engine.goodput.observed import observed_mtbf_seconds
 from engine.goodput.rows import EXCEPTION, FINISHED, INTERRUPTED, PREEMPTED
 from progress import Cursor, ProgressTree
 
@@ -100,7 +102,7 @@ class FitRun:
         loggers = LoggerSet(chosen, run_info(storage, config, original_module(module)) if chosen else None)
         self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
-            RunCheckpointer(storage, config.checkpoint.plan(), self.metrics, self.coordinator.commit_group())
+            RunCheckpointer(storage, _checkpoint_plan(config, storage), self.metrics, self.coordinator.commit_group())
             if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
         self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
                                  writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)
@@ -391,3 +393,11 @@ class FitRun:
                            self.data.take_drawn() if saved else ())
         self.display.note_checkpoint(saved, self.checkpoints.auto_interval)
         watchdog.mark(watchdog.BOUNDARY)
+
+
+def _checkpoint_plan(config: TrainerConfig, storage: Storage) -> CheckpointPlan:
+    """The run's checkpoint plan, built once; a cadence that weighs failures gets the failure
+    rate the run's ledger observed over its earlier attempts (engine.goodput)."""
+    assert config.checkpoint is not None
+    plan = config.checkpoint.plan()
+    return plan.with_observed_mtbf(observed_mtbf_seconds(storage)) if plan.cadence.observes_failures else plan

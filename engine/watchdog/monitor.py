@@ -20,6 +20,7 @@ import time
 from typing import Callable, Protocol
 
 from engine.watchdog.settings import Watchdog
+from engine.watchdog.outcomes import record_outcome
 from engine.watchdog.phases import HANG_EXIT_CODE
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
 from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
@@ -59,6 +60,7 @@ class Monitor:
         self._storage = storage
         self._on_hang = on_hang if on_hang is not None else end_process
         self._host = socket.gethostname()
+        self._said = ""  # the last line this monitor said: the launcher's outcome repeats it
         self._first_seen: dict[int, int] = {}
         self._stragglers = (None if policy.straggler_factor is None
                             else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
@@ -107,13 +109,17 @@ class Monitor:
             if own == min(word.rank for word in hang.waiting):
                 self._report(hang, state=process_state(culprit.pid))
                 _kill(culprit.pid)
+        record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: {hang.describe()}")
         self._on_hang()
         return True
 
     def _report(self, hang: Hang, stacks: str | None = None, state: str | None = None) -> None:
-        publish(HangReport(hang, self._tracker.rank, self._host, HANG_EXIT_CODE, stacks, state), self._storage)
+        report = HangReport(hang, self._tracker.rank, self._host, HANG_EXIT_CODE, stacks, state)
+        self._said = report.line()
+        publish(report, self._storage)
 
     def _say(self, text: str) -> None:
+        self._said = f"splitloop watchdog: {text}"
         sys.stderr.write(f"splitloop watchdog: {text}; exiting with {HANG_EXIT_CODE}\n")
         sys.stderr.flush()
 

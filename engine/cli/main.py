@@ -77,6 +77,9 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
     chaos.add_argument("--trials", type=int, default=None, help="number of faults (default: every point x kind pair once)")
     chaos.add_argument("--epochs", type=int, default=2, help="demo epochs per run (default 2)")
     chaos.add_argument("--seed", type=int, default=0, help="seed for the fault order and arrival counts (default 0)")
+    chaos.add_argument("--hang-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
+                       help="the demo's watchdog: a phase stalled this long is a hang (twice as long before the "
+                            "phase's durations are learned), so that a 'hang' trial ends in seconds (default 10)")
 
     plot = commands.add_parser("plot", help="draw training loss and validation metrics of a run as a PNG",
                                description="Training loss per split and validation metrics over optimizer steps, with a "

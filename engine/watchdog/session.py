@@ -11,6 +11,7 @@ from engine.watchdog.settings import Watchdog
 from engine.watchdog import tracker as trackers
 from engine.watchdog.board import AloneBoard, NodeBoard, launcher_board, shared_directory
 from engine.watchdog.monitor import Monitor, end_process
+from engine.watchdog.remote import RemoteBoard, group_store, several_nodes
 from engine.watchdog.report import AppendOnly
 from engine.watchdog.word import FINISHED, REPORTED
 
@@ -27,7 +28,10 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
     board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
                                      else NodeBoard(directory, rank, keep=launcher_board(os.environ) is not None))
     tracker = trackers.PhaseTracker(policy, board.buffer, rank)
-    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker))
+    remote = None
+    if directory is not None and several_nodes(os.environ):
+        remote = RemoteBoard(group_store, rank, int(os.environ["WORLD_SIZE"]))
+    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker), remote=remote)
     trackers.install(tracker)
     monitor.start()
     try:

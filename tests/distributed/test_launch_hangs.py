@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 from engine.watchdog import CRASH_LOOP_EXIT_CODE, HANG_EXIT_CODE
 
@@ -84,7 +87,29 @@ def test_a_crash_loop_ends_the_job_with_87_and_is_not_requeued(tmp_path) -> None
 
 def test_the_arrival_timeout_must_be_positive() -> None:
     from engine.cli.main import main
-    import pytest
+
     with pytest.raises(SystemExit) as stop:
         main(["launch", "--arrival-timeout", "0", "--", sys.executable, "-c", "pass"])
     assert stop.value.code == 2
+
+
+# Exhaustive: two torchrun jobs of 2 ranks (the reference and one restarted after ~30 s), over a
+# minute of wall time on 2 cores; the default run keeps the stand-in jobs above, which exercise the
+# same watch on real progress words.
+@pytest.mark.exhaustive
+@pytest.mark.slow
+def test_under_torchrun_a_rank_stuck_before_fit_is_named_and_the_restarted_group_ends_exactly(tmp_path) -> None:
+    import torchrun_helpers as helpers
+
+    options = ("--epochs", "1", "--start-timeout", "200")  # the ranks waiting to join outwait the launcher
+    reference = helpers.uninterrupted(tmp_path / "reference", 2, *options)
+    run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
+    out_dir.mkdir(parents=True)
+    torchrun = helpers.torchrun_command(2, run_dir, out_dir, *options, max_restarts=1)  # fresh ranks: the launcher's children
+    process = helpers.run([sys.executable, "-m", "engine", "launch", "--arrival-timeout", "30", "--", *torchrun],
+                          helpers.environment(HANG_BEFORE_FIT="0/1"))
+    assert process.returncode == 0, process.stderr[-4000:]
+    assert re.search(r"rank 1 \(pid \d+\) on \S+ never arrived: \d+ s after it started it has published no progress "
+                     r"word", process.stderr), process.stderr[-4000:]
+    assert "while rank(s) 0 wait for it" in process.stderr
+    helpers.assert_same_result(reference, tmp_path / "job", 2)

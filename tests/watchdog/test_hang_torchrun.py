@@ -61,3 +61,21 @@ def test_a_rank_sleeping_in_its_step_is_named_with_its_stack(reference: pathlib.
     assert len(rows) == 1, rows
     assert rows[0]["rank"] == 1 and rows[0]["reported_by"] == 1 and rows[0]["phase"] == "step"
     assert "_hang_forever" in rows[0]["stacks"] and "_hang_forever" in stderr
+
+
+@pytest.mark.exhaustive
+def test_a_rank_that_skips_an_all_reduce_is_named_not_the_rank_waiting_in_it(reference: pathlib.Path,
+                                                                             tmp_path: pathlib.Path) -> None:
+    # Rank 1 skips the all-reduce of one boundary agreement and goes on to the checkpoint, whose
+    # collectives wait for rank 0; rank 0 waits in that all-reduce: a deadlock. Rank 0 is the one
+    # waiting in a collective; rank 1 has not arrived at it.
+    call = random.randint(5, SPLITS - 3)
+    process, run_dir, _ = helpers.train(tmp_path, "job", 2, *OPTIONS, max_restarts=1, SKIP_ALLREDUCE=f"0/1/{call}")
+    hangs = run_dir / HANGS_FILE
+    assert process.returncode == 0, (hangs.read_text() if hangs.exists() else "no hangs.jsonl") + process.stderr[-4000:]
+    assert re.search(rf"exitcode\s*:\s*{HANG_EXIT_CODE}\b", process.stderr), process.stderr[-4000:]
+    rows = [json.loads(line) for line in hangs.read_text().splitlines()]
+    assert {row["rank"] for row in rows} == {1}, rows
+    assert all(row["waiting_ranks"] == [0] and row["phase"] != "collective" for row in rows), rows
+    assert rows[0]["stacks"] if rows[0]["reported_by"] == 1 else rows[0]["process_state"], rows  # its stacks, when it says it
+    helpers.assert_same_result(reference, tmp_path / "job", 2)

@@ -210,7 +210,7 @@ class Job:
                 watcher.received = signal.SIGTERM  # the command died and left workers: stop them too
                 print(f"splitloop launch: {self.name} ended with {len(running)} process(es) left; "
                       "stopping them", file=sys.stderr, flush=True)
-            self._watch(running, table, files)
+            self._watch(running, table, files, arrivals=watcher.received is None)  # a stopping job is left to stop
             if watcher.received is not None:
                 if deadline is None:
                     deadline = time.monotonic() + grace_seconds
@@ -220,7 +220,7 @@ class Job:
                     _send(running, signal.SIGKILL)
             time.sleep(POLL_SECONDS)
 
-    def _watch(self, running: set[int], table: dict[int, tuple[int, str]], files: LaunchFiles) -> None:
+    def _watch(self, running: set[int], table: dict[int, tuple[int, str]], files: LaunchFiles, arrivals: bool) -> None:
         """Once a second: end the attempt of a rank that never arrived; end the job at a crash loop."""
         now = time.monotonic()
         if now < self._next_look:
@@ -233,6 +233,8 @@ class Job:
                      "does not restart it")
         if self.crash_loop is not None:
             _send(running, signal.SIGKILL)
+            return
+        if not arrivals:
             return
         for late in self.arrivals.look(running, {pid: table[pid][0] for pid in running}, now):
             line = late.line(socket.gethostname())

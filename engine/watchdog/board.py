@@ -42,7 +42,9 @@ def shared_directory(environment: Mapping[str, str]) -> str | None:
             (int(world_size) <= 1 and launcher is None):
         return None
     root = launcher or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT",
+    # The agent's group rank too: two agents of one job on one machine (a test's two "nodes")
+    # are two nodes, each with its own words.
+    job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "GROUP_RANK",
                                                           "TORCHELASTIC_RESTART_COUNT"))
     return os.path.join(root, PREFIX + "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job))
 

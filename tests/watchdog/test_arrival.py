@@ -55,5 +55,5 @@ def test_the_launcher_board_holds_the_words_even_of_a_job_of_one(tmp_path) -> No
                 "TORCHELASTIC_RESTART_COUNT": "2"}
     assert shared_directory(torchrun) is None
     directory = shared_directory({**torchrun, BOARD_VARIABLE: str(tmp_path)})
-    assert directory is not None and directory.startswith(str(tmp_path)) and directory.endswith("job-1-2")
+    assert directory is not None and directory.startswith(str(tmp_path)) and directory.endswith("job-1-0-2")
     assert shared_directory({**torchrun, BOARD_VARIABLE: "relative/path"}) is None  # not the launcher's: ignored

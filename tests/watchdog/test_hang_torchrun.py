@@ -79,3 +79,26 @@ def test_a_rank_that_skips_an_all_reduce_is_named_not_the_rank_waiting_in_it(ref
     assert all(row["waiting_ranks"] == [0] and row["phase"] != "collective" for row in rows), rows
     assert rows[0]["stacks"] if rows[0]["reported_by"] == 1 else rows[0]["process_state"], rows  # its stacks, when it says it
     helpers.assert_same_result(reference, tmp_path / "job", 2)
+
+
+@pytest.mark.exhaustive
+def test_on_two_nodes_the_rank_that_skipped_the_all_reduce_is_named_by_the_node_that_waits(
+        reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # Two agents ("nodes") of one rank each: rank 0's node sees only its own rank, waiting in the
+    # all-reduce; it reads rank 1's word from the group's store and names it (engine.watchdog.remote).
+    call = random.randint(5, SPLITS - 3)
+    job = tmp_path / "job"
+    agents = helpers.start_nodes(job, *OPTIONS, max_restarts=1, forked_ranks=True, SKIP_ALLREDUCE=f"0/1/{call}")
+    try:
+        statuses = [agent.wait(timeout=helpers.TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                helpers.kill_node(agent)
+    assert statuses == [0, 0], helpers.node_logs(job)
+    rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
+    assert rows and {row["rank"] for row in rows} == {1}, (rows, helpers.node_logs(job))  # never "on another node"
+    by_rank_0 = [row for row in rows if row["reported_by"] == 0]
+    assert all(row["phase"] != "collective" and "whose own monitors report its stacks" in row["process_state"]
+               for row in by_rank_0), rows
+    helpers.assert_same_result(reference, job, 2)

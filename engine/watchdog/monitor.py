@@ -145,7 +145,10 @@ class Monitor:
             if (now_ns - first) / 1e9 < _GRACE_S + 2 * self._policy.poll_seconds:
                 return False  # give the culprit's node the time to report it with its stacks
         if own == min(local_ranks):
-            self._report(hang, state=f"on {host}, whose own monitors report its stacks")
+            age = self._remote.ages.get(culprit.rank, 0.0)
+            silent = age > _GRACE_S + 2 * self._policy.poll_seconds
+            self._report(hang, state=f"on {host}, whose node stopped publishing its words {age:.0f} s ago (stopped "
+                                     "whole, or cut off)" if silent else f"on {host}, whose own monitors report its stacks")
         record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: rank {culprit.rank} on {host} hung")
         self._on_hang()
         return True

@@ -79,6 +79,7 @@ class RemoteBoard:
         self.rank, self.world_size = rank, world_size
         self.host = host or socket.gethostname()
         self.hosts: dict[int, str] = {}  # rank -> host, of the remote words last read
+        self.ages: dict[int, float] = {}  # rank -> seconds since its node last published, at that read
 
     def publish(self, local: Sequence[Word], now_ns: int) -> None:
         """This node's words (by its lowest rank only: one key per node)."""
@@ -102,6 +103,7 @@ class RemoteBoard:
         values = _bounded(fetch, self._store) or []
         remote = [item for value in values for item in decode(value, now_ns, time.time()) if item.word.rank not in own]
         self.hosts = {item.word.rank: item.host for item in remote}
+        self.ages = {item.word.rank: item.age_s for item in remote}
         return remote
 
 

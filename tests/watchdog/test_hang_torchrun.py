@@ -102,3 +102,4 @@ def test_on_two_nodes_the_rank_that_skipped_the_all_reduce_is_named_by_the_node_
     assert all(row["phase"] != "collective" and "whose own monitors report its stacks" in row["process_state"]
                for row in by_rank_0), rows
     helpers.assert_same_result(reference, job, 2)
+

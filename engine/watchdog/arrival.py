@@ -90,10 +90,9 @@ class ArrivalWatch:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._workers: dict[int, Worker | None] = {}  # pid -> the worker, None: no worker of ours
+        self._workers: dict[int, Worker] = {}  # pid -> the worker it is
         self._arrived: set[int] = set()
         self._named: set[int] = set()
-        self.watched = False  # some worker has published a word: the job runs the engine's fit
 
     def look(self, running: Iterable[int], parents: Mapping[int, int], now_s: float) -> list[NeverArrived]:
         """The workers among ``running`` that never arrived, each returned once."""
@@ -102,15 +101,17 @@ class ArrivalWatch:
             del self._workers[pid]
             self._arrived.discard(pid)
             self._named.discard(pid)
+        # Read again at each look until it is one: a process forked but not yet exec'ed still
+        # has its parent's environment.
         for pid in running - self._workers.keys():
-            self._workers[pid] = _worker(pid, now_s)
+            worker = _worker(pid, now_s)
+            if worker is not None:
+                self._workers[pid] = worker
         # A worker's own children (DataLoader workers, the checkpoint writer) inherit its rank.
-        current = [worker for pid in sorted(running) if (worker := self._workers[pid]) is not None
-                   and self._workers.get(parents.get(pid, -1)) is None]
+        current = [self._workers[pid] for pid in sorted(running & self._workers.keys())
+                   if parents.get(pid, -1) not in self._workers]
         found = {worker.pid: _read_word(worker) for worker in current}
         for pid, word in found.items():
-            if word is not None:
-                self.watched = True
             if arrived(word):
                 self._arrived.add(pid)
         late = [item for item in never_arrived(current, found, self._arrived, now_s, self.timeout_s)

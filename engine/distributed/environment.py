@@ -155,13 +155,13 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None,
         return None
     if not dist.is_initialized() and (requested_world_size(environ) > 1 or launched_by_torchrun(environ)):
         # A rank waiting for the others has arrived (engine.watchdog.arrival); one still starting has not.
-        watchdog.mark(watchdog.COLLECTIVE, "joining the process group")
+        watchdog.mark(watchdog.STARTING, watchdog.JOINING)
         init_process_group(device, start_timeout, environ)
     if not dist.is_initialized() or dist.get_world_size() <= 1:
         watchdog.mark(watchdog.STARTING)
         return None
     _warn_of_a_group_on_the_shared_store(environ)
-    watchdog.mark(watchdog.COLLECTIVE, "joining the process group")
+    watchdog.mark(watchdog.STARTING, watchdog.JOINING)
     writer_group = _start_writer_group(datetime.timedelta(seconds=start_timeout))
     restart = int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     # Rank 0 draws the token; every rank takes it, so all parts of one try share a staging name.

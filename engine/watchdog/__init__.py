@@ -19,6 +19,7 @@ from engine.watchdog.phases import (
     DATA,
     FINISHING,
     HANG_EXIT_CODE,
+    JOINING,
     OPTIMIZER,
     PHASES,
     STARTING,
@@ -32,5 +33,5 @@ from engine.watchdog.tracker import mark, resumed_at, split_done
 
 __all__ = [
     "BACKWARD", "BOUNDARY", "CHECKPOINT", "COLLECTIVE", "CRASH_LOOP_EXIT_CODE", "DATA", "FINISHING", "HANGS_FILE",
-    "HANG_EXIT_CODE", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done", "watch",
+    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done", "watch",
 ]

@@ -7,8 +7,9 @@ waiting for it. The launcher watches every worker of the node from the moment it
 appears (torchrun's children carry ``RANK`` in their environment) and reads its word in the
 board the launcher owns (engine.watchdog.board.BOARD_VARIABLE).
 
-A rank has *arrived* once its word has left the ``starting`` phase: it waits for the others
-(joining the group, the start barrier: ``collective``) or trains. A worker that has not arrived
+A rank has *arrived* once it waits for the others at the start (its word says ``starting``
+with the detail ``joining the process group`` or ``waiting for every rank to start``) or has
+left the start (it trains). A worker that has not arrived
 ``timeout_s`` after it appeared — it has no word, or its word still says ``starting`` — while
 another rank of the same try on this node has arrived (and so waits for it) *never arrived*. A
 node where no rank has arrived blames nobody: the rank the others wait for is elsewhere, and
@@ -23,7 +24,7 @@ from typing import Iterable, Mapping
 
 from engine.watchdog import word as words
 from engine.watchdog.board import rank_file, shared_directory
-from engine.watchdog.phases import STARTING
+from engine.watchdog.phases import ARRIVED_AT_START, STARTING
 from engine.watchdog.word import FINISHED, Word
 
 _ENVIRONMENT_BYTES = 1 << 20  # /proc/PID/environ is read up to this size
@@ -54,7 +55,7 @@ class NeverArrived:
             where = "it has published no progress word (it never reached fit: importing, loading data, a hang before fit)"
         else:
             detail = f" ({self.word.detail})" if self.word.detail else ""
-            where = f"its word still says {self.word.phase!r}{detail} (joining the group, restoring, starting its writer)"
+            where = f"its word still says {self.word.phase!r}{detail} (restoring, starting its writer)"
         others = ", ".join(str(rank) for rank in self.waiting)
         return (f"rank {self.worker.rank} (pid {self.worker.pid}) on {host} never arrived: {self.waited_s:.0f} s after "
                 f"it started {where}, while rank(s) {others} wait for it")
@@ -62,7 +63,8 @@ class NeverArrived:
 
 def arrived(word: Word | None) -> bool:
     """Whether a rank with ``word`` has arrived (see the module docstring)."""
-    return word is not None and (word.phase != STARTING or bool(word.flags & FINISHED))
+    return word is not None and (word.phase != STARTING or word.detail in ARRIVED_AT_START
+                                 or bool(word.flags & FINISHED))
 
 
 def never_arrived(workers: Iterable[Worker], found: Mapping[int, Word | None], arrived_pids: set[int],
@@ -111,10 +113,11 @@ class ArrivalWatch:
         current = [self._workers[pid] for pid in sorted(running & self._workers.keys())
                    if parents.get(pid, -1) not in self._workers]
         found = {worker.pid: _read_word(worker) for worker in current}
-        for pid, word in found.items():
-            if arrived(word):
-                self._arrived.add(pid)
-        late = [item for item in never_arrived(current, found, self._arrived, now_s, self.timeout_s)
+        # A rank that trained stays arrived (its word may be gone: a rank that ended); one that
+        # waits at the start has arrived while it waits, not once it restores after the join.
+        self._arrived.update(pid for pid, word in found.items() if word is not None and word.phase != STARTING)
+        now_arrived = self._arrived | {pid for pid, word in found.items() if arrived(word)}
+        late = [item for item in never_arrived(current, found, now_arrived, now_s, self.timeout_s)
                 if item.worker.pid not in self._named]
         self._named.update(item.worker.pid for item in late)
         return late

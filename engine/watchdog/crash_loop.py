@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 
 from engine.errors import warn
 from engine.watchdog.outcomes import record_outcome
-from engine.watchdog.phases import COLLECTIVE, CRASH_LOOP_EXIT_CODE
+from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE, START_BARRIER, STARTING
 from engine.watchdog.tracker import mark
 
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -138,7 +138,7 @@ class Attempts:
             return
         self._resumed_from = resumed_from
         text = verdict(read_attempts(self._storage), resumed_from, self._max_restarts)
-        mark(COLLECTIVE, "waiting for every rank to start")  # arrived: the launcher's arrival watch
+        mark(STARTING, START_BARRIER)  # arrived: the launcher's arrival watch
         barrier()
         if text is not None:
             raise stop_the_loop(text)

@@ -5,7 +5,7 @@ inherits. Like torchrun, the agent exits 1 when a worker fails (after stopping t
 0 when every worker succeeds.
 
 Worker kinds:
-``arrives``: publishes a word that waits in a collective ("joining the process group"), then waits;
+``arrives``: publishes a word that waits to join the process group, as the engine's does, then waits;
 ``arrives_then_exits``: the same, then exits 0 after 2 s;
 ``starting``: publishes a word still starting (detail "restoring"), then waits;
 ``silent``: publishes nothing (it never reached fit), waits; ``silent_then_exits``: exits 0 after 2 s;
@@ -22,7 +22,7 @@ import time
 
 WORKER = """
 import os, sys, time
-from engine.watchdog import COLLECTIVE, HANG_EXIT_CODE
+from engine.watchdog import HANG_EXIT_CODE, JOINING, STARTING
 from engine.watchdog.board import NodeBoard, shared_directory
 from engine.watchdog.crash_loop import stop_the_loop
 from engine.watchdog.outcomes import record_outcome
@@ -36,7 +36,7 @@ if not kind.startswith("silent"):
     if kind == "starting":
         tracker.mark("starting", "restoring")
     else:
-        tracker.mark(COLLECTIVE, "joining the process group")
+        tracker.mark(STARTING, JOINING)
 if kind == "crash_loop":
     raise stop_the_loop("deterministic failure at split 3: the same exception twice (ValueError: boom)")
 if kind == "hang":

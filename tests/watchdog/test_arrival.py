@@ -10,8 +10,8 @@ from engine.watchdog.board import BOARD_VARIABLE, shared_directory
 from engine.watchdog.word import FINISHED, Word
 
 
-def word(rank: int, phase: str, flags: int = 0) -> Word:
-    return Word(1, 0, 0, 300.0, 0.0, 0.0, 0.0, 100 + rank, rank, phases.CODE_OF[phase], flags, "")
+def word(rank: int, phase: str, flags: int = 0, detail: str = "") -> Word:
+    return Word(1, 0, 0, 300.0, 0.0, 0.0, 0.0, 100 + rank, rank, phases.CODE_OF[phase], flags, detail)
 
 
 def worker(rank: int, directory: str = "try-0", appeared_s: float = 0.0) -> Worker:
@@ -21,6 +21,9 @@ def worker(rank: int, directory: str = "try-0", appeared_s: float = 0.0) -> Work
 def test_a_rank_has_arrived_once_its_word_leaves_the_start() -> None:
     assert not arrived(None) and not arrived(word(0, phases.STARTING))
     assert arrived(word(0, phases.COLLECTIVE)) and arrived(word(0, phases.DATA))
+    assert arrived(word(0, phases.STARTING, detail=phases.JOINING))  # waiting for the others to join
+    assert arrived(word(0, phases.STARTING, detail=phases.START_BARRIER))
+    assert not arrived(word(0, phases.STARTING, detail="restoring"))
     assert arrived(word(0, phases.STARTING, flags=FINISHED))  # a fit that ended at once
 
 

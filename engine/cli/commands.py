@@ -169,8 +169,8 @@ def run_chaos(args: argparse.Namespace) -> int:
         print(FaultReport.row(trial), flush=True)
         rows_printed += 1
 
-    report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir, args=[str(args.epochs)],
-                                   on_trial=print_row)
+    report = check_fault_tolerance("engine.demo:train", fault_list, work_dir=args.dir,
+                                   args=[str(args.epochs), "0", str(args.hang_timeout)], on_trial=print_row)
     print(report.summary())
     return 0 if report.all_exact else 1
 
@@ -186,6 +186,7 @@ def run_plot(run_dir: str, out: str | None) -> int:
     check_existing_run_dir(run_dir)
     drawn = plot_run(run_dir, out)
     anomalies = f", {drawn['anomalies']} rollback(s) past an anomaly" if drawn["anomalies"] else ""
+    hangs = f", {drawn['hangs']} hang(s)" if drawn["hangs"] else ""
     print(f"wrote {out}: {drawn['train']} training rows, {drawn['val']} validation rows, {drawn['resumes']} resume(s)"
-          f"{anomalies}")
+          f"{anomalies}{hangs}")
     return 0

@@ -77,6 +77,9 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
     chaos.add_argument("--trials", type=int, default=None, help="number of faults (default: every point x kind pair once)")
     chaos.add_argument("--epochs", type=int, default=2, help="demo epochs per run (default 2)")
     chaos.add_argument("--seed", type=int, default=0, help="seed for the fault order and arrival counts (default 0)")
+    chaos.add_argument("--hang-timeout", type=_positive_seconds, default=10.0, metavar="SECONDS",
+                       help="the demo's watchdog: a phase stalled this long is a hang (twice as long before the "
+                            "phase's durations are learned), so that a 'hang' trial ends in seconds (default 10)")
 
     plot = commands.add_parser("plot", help="draw training loss and validation metrics of a run as a PNG",
                                description="Training loss per split and validation metrics over optimizer steps, with a "
@@ -91,7 +94,9 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
                                              "each worker in fit; the launcher waits for their commit and for every "
                                              "process of the job to end (SIGKILL after --grace seconds), then exits with "
                                              "--exit-code (default 75) when rank 0 committed a preemption checkpoint, "
-                                             "else with the command's status. If the launcher is killed, torchrun dies with it and "
+                                             "else with the command's status; 86 when the command failed after a hang "
+                                             "(a worker's watchdog, or a rank that never arrived: --arrival-timeout), "
+                                             "87 after a crash-loop verdict (do not requeue). If the launcher is killed, torchrun dies with it and "
                                              "each worker commits and ends. See docs/preemption.md and docs/slurm.md.")
     launch.add_argument("--marker", default=None, help="marker file path (default: a file in this launch's own temp "
                                                        "directory; on several nodes give a path on a filesystem rank 0 shares)")
@@ -104,6 +109,10 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
     launch.add_argument("--signal", action="append", default=[], metavar="NAME",
                         help="with --requeue: requeue only a preemption this signal requested (USR1 for SLURM's "
                              "--signal=B:USR1@120; repeat for several; default: any)")
+    launch.add_argument("--arrival-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                        help="a worker that has not started training SECONDS after it started, while another rank of "
+                             "its node waits for it, is named and killed so that torchrun restarts the group "
+                             "(default 300; docs/faults.md, 'Hangs')")
     launch.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     return parser
 
@@ -159,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "launch":  # before the other commands' imports: the launcher needs no torch
         from engine.distributed.launch import launch
         command = args.launched[1:] if args.launched[:1] == ["--"] else args.launched
-        return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args))
+        return launch(command, args.marker, args.exit_code, args.grace, _requeue_policy(args), args.arrival_timeout)
     if args.command == "goodput":  # before the other commands' imports: the account and the model need no torch
         from engine.cli.goodput import run_goodput
         return run_goodput(args)

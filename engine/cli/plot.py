@@ -1,7 +1,9 @@
 """``python -m engine plot DIR [--out FILE.png]``: a run's curves over optimizer steps, one panel
 per metric family, with a labelled marker where the run resumed. Needs matplotlib
 (``pip install 'splitloop[plot]'``); draws off-screen (no display needed). A rollback past a
-numerical anomaly (``anomalies.jsonl``) is a red dotted line where it happened.
+numerical anomaly (``anomalies.jsonl``) is a red dotted line where it happened, a hang the
+watchdog reported (``hangs.jsonl``) a purple dash-dotted line at the last split the hung rank
+completed.
 
 A *family* is a metric name without its stage prefix: ``loss`` holds the training loss of every
 split, ``val_loss`` and ``train_loss``; ``ppl`` holds ``val_ppl``; ``acc`` holds ``train_acc``
@@ -22,6 +24,7 @@ from engine.checkpoint.store.storage import Storage
 from engine.errors import CheckpointNotFound, ConfigError, EngineError
 from engine.checkpoint.store.metrics_log import METRICS_FILE, RESUMES_FILE
 from engine.run.rollback import ANOMALIES_FILE
+from engine.watchdog.report import read_hangs
 
 _STAGE_PREFIXES = ("train_", "val_", "validation_", "test_")
 TRAINING_LOSS = "loss"  # the name of the per-split training loss in its panel
@@ -47,6 +50,7 @@ class Curves:
     validation: dict[str, Points]
     resumes: list[tuple[float, str]]
     anomalies: list[tuple[float, str]]  # (optimizer steps, what happened): rollbacks past an anomaly
+    hangs: list[tuple[float, str]]  # (optimizer steps, who hung where): hangs.jsonl rows
     split_period: int  # splits per batch (1 without TBPTT): the smoothing window is a multiple
     rows: dict[str, int]  # rows drawn, per kind ("train", "val", "resumes")
     # (kind, start, end) in seconds since the first attempt's start: productive / lost / down (engine.goodput)
@@ -103,10 +107,12 @@ def read_curves(run_dir: str) -> Curves:
     period = max((row["split"] for row in train if isinstance(row.get("split"), int)), default=0) + 1
     anomalies = [(float(row["step"]), f"{row.get('kind', 'anomaly')}: back to {_short(str(row.get('rolled_back_to', '?')))}")
                  for row in read_rows(storage, ANOMALIES_FILE) if _is_number(row.get("step"))]
+    hangs = _hangs(storage, train)
     timeline = _timeline(storage)
     return Curves(splits=splits, epochs=_by_name(_aggregate_rows(rows, "train_epoch")), validation=_by_name(val),
-                  resumes=resumes, anomalies=anomalies, split_period=period,
-                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies)},
+                  resumes=resumes, anomalies=anomalies, hangs=hangs, split_period=period,
+                  rows={"train": len(train), "val": len(val), "resumes": len(resumes), "anomalies": len(anomalies),
+                        "hangs": len(hangs)},
                   timeline=timeline)
 
 
@@ -118,6 +124,20 @@ def _timeline(storage: Storage) -> list[tuple[str, float, float]]:
         return []
     origin = found.attempts[0].process_start
     return [(kind, start - origin, end - origin) for kind, start, end in timeline_segments(found.attempts)]
+
+
+def _hangs(storage: Storage, train: list[dict[str, Any]]) -> list[tuple[float, str]]:
+    """Each hang at the step of the last split its rank completed (the training rows are one per
+    split, in order); a row that names no split (every rank of a node waited for another node) is
+    left out."""
+    found = []
+    for row in read_hangs(storage):
+        split = row.get("last_split")
+        if not isinstance(split, int) or isinstance(split, bool) or split < 0:
+            continue
+        step = float(train[min(split, len(train)) - 1]["step"]) if split > 0 else 0.0
+        found.append((step, f"hang: rank {row.get('rank')} in {row.get('phase', '?')} after split {split}"))
+    return found
 
 
 def plot_run(run_dir: str, out: str) -> dict[str, int]:
@@ -144,6 +164,7 @@ def draw(curves: Curves, pyplot: Any, title: str) -> Any:
         _draw_family(panel, family, curves)
     _mark_resumes(panels, curves.resumes)
     _mark_anomalies(panels, curves.anomalies)
+    _mark_hangs(panels, curves.hangs)
     panels[-1].set_xlabel("optimizer steps")
     figure.suptitle(title)
     figure.tight_layout()
@@ -222,6 +243,20 @@ def _mark_anomalies(panels: list[Any], anomalies: list[tuple[float, str]]) -> No
         top.annotate(label, xy=(step, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 4),
                      textcoords="offset points", rotation=90, va="bottom", ha="left", fontsize="x-small", color="red")
     if anomalies:
+        _legend(top)
+
+
+def _mark_hangs(panels: list[Any], hangs: list[tuple[float, str]]) -> None:
+    """A purple dash-dotted line at each hang, labelled on the top panel."""
+    top = panels[0]
+    for number, (step, label) in enumerate(hangs):
+        for panel in panels:
+            panel.axvline(step, color="purple", linestyle="-.", linewidth=1.0,
+                          label="hang (watchdog)" if panel is top and number == 0 else None)
+        top.annotate(label, xy=(step, 0.5), xycoords=("data", "axes fraction"), xytext=(2, 0),
+                     textcoords="offset points", rotation=90, va="center", ha="left", fontsize="x-small",
+                     color="purple")
+    if hangs:
         _legend(top)
 
 

@@ -90,9 +90,13 @@ def build_demo(seed: int) -> tuple[CharLSTM, DataLoader[Any]]:
     return CharLSTM(len(dataset.vocabulary)), loader
 
 
-def train(run_dir: str, epochs: str = "2", seed: str = "0") -> engine.FitResult:
+def train(run_dir: str, epochs: str = "2", seed: str = "0", hang_timeout: str = "") -> engine.FitResult:
     """The demo as a training function for :mod:`engine.testing.harness` and ``python -m engine chaos``:
-    checkpoints every split into ``run_dir`` and resumes from it."""
+    checkpoints every split into ``run_dir`` and resumes from it. ``hang_timeout`` (seconds, ""
+    for the defaults): the watchdog's ``min_timeout_s``, twice that before a phase is learned,
+    so that a ``hang`` fault of ``chaos`` ends its attempt in seconds rather than minutes."""
     module, loader = build_demo(int(seed))
-    config = engine.TrainerConfig(max_epochs=int(epochs), run_dir=run_dir, progress_bar="off")
+    watchdog = engine.Watchdog() if not hang_timeout else engine.Watchdog(
+        min_timeout_s=float(hang_timeout), first_timeout_s=2 * float(hang_timeout))
+    config = engine.TrainerConfig(max_epochs=int(epochs), run_dir=run_dir, progress_bar="off", watchdog=watchdog)
     return engine.Trainer(config).fit(module, loader)

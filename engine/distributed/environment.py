@@ -24,6 +24,7 @@ from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed import group_start
 from engine.distributed.variables import int_variable, launched_by_torchrun, requested_world_size
 from engine.errors import ConfigError, GroupStartTimeout
+from engine import watchdog
 
 # Collectives of the checkpoint writer wait this long for the slowest rank's part (joining the
 # group waits at most TrainerConfig.start_timeout).
@@ -153,15 +154,20 @@ def join(device: torch.device, environ: Mapping[str, str] | None = None,
     if not dist.is_available():
         return None
     if not dist.is_initialized() and (requested_world_size(environ) > 1 or launched_by_torchrun(environ)):
+        # A rank waiting for the others has arrived (engine.watchdog.arrival); one still starting has not.
+        watchdog.mark(watchdog.STARTING, watchdog.JOINING)
         init_process_group(device, start_timeout, environ)
     if not dist.is_initialized() or dist.get_world_size() <= 1:
+        watchdog.mark(watchdog.STARTING)
         return None
     _warn_of_a_group_on_the_shared_store(environ)
+    watchdog.mark(watchdog.STARTING, watchdog.JOINING)
     writer_group = _start_writer_group(datetime.timedelta(seconds=start_timeout))
     restart = int_variable(environ, "TORCHELASTIC_RESTART_COUNT", 0)
     # Rank 0 draws the token; every rank takes it, so all parts of one try share a staging name.
     token = [restart * 10 ** 9 + secrets.randbelow(10 ** 9)]
     dist.broadcast_object_list(token, src=0, group=writer_group)
+    watchdog.mark(watchdog.STARTING)
     return DistributedContext(dist.get_rank(), world_size=dist.get_world_size(),
                               local_rank=int_variable(environ, "LOCAL_RANK", 0), device=device,
                               writer_group=writer_group, attempt=int(token[0]))

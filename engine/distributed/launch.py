@@ -13,8 +13,14 @@ workers returned. What the launcher does::
         keep waiting: the workers agree on a boundary, commit, exit 0; torchrun ends;
         past --grace seconds, SIGKILL whatever of the job is still running;
     when torchrun ends with workers left (it died): the same request, then the same wait;
+    every second, read the workers' progress words (engine.watchdog.arrival): a rank that never
+    arrived (--arrival-timeout after it started, while a rank of its try waits for it) is named
+    and SIGKILLed, so that torchrun restarts the group; a worker's crash-loop verdict ends the
+    whole job at once (torchrun would restart it);
     exit --exit-code (75) when rank 0 left this launch's marker (after ``scontrol requeue`` with
-    --requeue, engine.distributed.requeue), else torchrun's status.
+    --requeue, engine.distributed.requeue); 87 after a crash-loop verdict (never requeued); 86
+    when torchrun failed after a hang (a worker's watchdog or a rank that never arrived;
+    requeued with --requeue); else torchrun's status.
 
 Workers left by a torchrun that died are re-parented to the launcher (a child subreaper), so
 none escapes it. Linux only: the job's processes are followed in /proc. See docs/preemption.md.
@@ -28,6 +34,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,13 +45,21 @@ from typing import Iterator, Sequence
 from engine.distributed import _prctl
 from engine.distributed.preemption_marker import (LAUNCHER_LOCK, MARKER_VARIABLE, WORKERS_VARIABLE, record_launch_request,
                                                   registered_workers)
-from engine.distributed.requeue import RequeuePolicy, requeue_after_preemption
+from engine.distributed.requeue import RequeuePolicy, requeue_after_hang, requeue_after_preemption
 from engine.errors import ConfigError
 from engine.faults.preemption import PreemptionWatcher
+from engine.watchdog.arrival import ArrivalWatch
+from engine.watchdog.board import BOARD_VARIABLE
+from engine.watchdog.outcomes import read_outcomes
+from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE, HANG_EXIT_CODE
 
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 POLL_SECONDS = 0.1
 DEFAULT_GRACE_SECONDS = 600.0
+# A rank not arrived this long after it started, while another waits for it, never arrived: the
+# watchdog's shortest timeout (engine.Watchdog.min_timeout_s), against torch's 30 minutes.
+DEFAULT_ARRIVAL_TIMEOUT_SECONDS = 300.0
+ARRIVAL_POLL_SECONDS = 1.0
 # torchrun handles (and forwards, and dies in the shutdown of) only what it is told to; the
 # preemption signals stay ignored in it, inherited from the launcher.
 TORCHRUN_SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
@@ -53,16 +68,20 @@ TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 @dataclass(frozen=True)
 class LaunchFiles:
-    """The files of one launch: a private directory (workers register in it) and the marker."""
+    """The files of one launch: a private directory (workers register in it), the marker, and
+    the board of the workers' progress words (in the node's shared memory where there is one)."""
 
     directory: str
     marker: str
+    board: str
 
     @classmethod
     def create(cls, marker: str | None) -> "LaunchFiles":
         directory = tempfile.mkdtemp(prefix=f"splitloop-launch-{os.getpid()}-")
         os.mkdir(os.path.join(directory, "workers"))
-        files = cls(directory, marker if marker is not None else os.path.join(directory, "preempted.json"))
+        board = tempfile.mkdtemp(prefix=f"splitloop-watchdog-launch-{os.getpid()}-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else directory)
+        files = cls(directory, marker if marker is not None else os.path.join(directory, "preempted.json"), board)
         files.remove_marker()  # a marker of an earlier launch must not turn this one into a preemption
         return files
 
@@ -78,21 +97,28 @@ class LaunchFiles:
 
     def remove(self) -> None:
         self.remove_marker()
+        shutil.rmtree(self.board, ignore_errors=True)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 75,
-           grace_seconds: float = DEFAULT_GRACE_SECONDS, requeue: RequeuePolicy | None = None) -> int:
-    """Run ``command`` (torchrun ...) under the launcher's preemption protocol (module docstring).
+           grace_seconds: float = DEFAULT_GRACE_SECONDS, requeue: RequeuePolicy | None = None,
+           arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_SECONDS) -> int:
+    """Run ``command`` (torchrun ...) under the launcher's preemption protocol and watch its
+    workers' arrival (module docstring).
 
-    Returns ``exit_code`` when the run committed a preemption checkpoint, else the command's exit
-    status (128 + N for a death by signal N). With ``requeue``, a committed preemption also puts
-    the SLURM job back in the queue (engine.distributed.requeue).
+    Returns ``exit_code`` when the run committed a preemption checkpoint, CRASH_LOOP_EXIT_CODE
+    (87) after a worker's crash-loop verdict, HANG_EXIT_CODE (86) when the command failed after
+    a hang, else the command's exit status (128 + N for a death by signal N). With ``requeue``,
+    a committed preemption or a hang also puts the SLURM job back in the queue
+    (engine.distributed.requeue).
     """
     if not command:
         raise ConfigError("launch: no command given; usage: python -m engine launch -- torchrun ... train.py")
     if grace_seconds <= 0:
         raise ConfigError(f"launch: --grace must be a positive number of seconds, got {grace_seconds}")
+    if not arrival_timeout > 0:
+        raise ConfigError(f"launch: --arrival-timeout must be a positive number of seconds, got {arrival_timeout}")
     if not sys.platform.startswith("linux"):
         raise ConfigError(f"launch: needs Linux (it follows the job's processes in /proc), this is {sys.platform}; "
                           "run torchrun directly here")
@@ -100,15 +126,16 @@ def launch(command: Sequence[str], marker: str | None = None, exit_code: int = 7
     try:
         with PreemptionWatcher(LAUNCHER_SIGNALS) as watcher, _subreaper(), _alive(files):
             earlier_children = set(_children(os.getpid(), process_table()))
-            job = Job(_start(command, files), command[0], earlier_children)
+            job = Job(_start(command, files), command[0], earlier_children, ArrivalWatch(arrival_timeout))
             status = job.supervise(watcher, files, grace_seconds)
-        return _outcome(status, watcher, files, exit_code, requeue)
+        return _outcome(status, watcher, files, exit_code, requeue, job)
     finally:
         files.remove()
 
 
 def _start(command: Sequence[str], files: LaunchFiles) -> subprocess.Popen[bytes]:
-    environment = {**os.environ, MARKER_VARIABLE: files.marker, WORKERS_VARIABLE: files.workers}
+    environment = {**os.environ, MARKER_VARIABLE: files.marker, WORKERS_VARIABLE: files.workers,
+                   BOARD_VARIABLE: files.board}
     environment.setdefault(TORCHRUN_SIGNALS_VARIABLE, TORCHRUN_SIGNALS)
     _prctl.load()
     launcher = os.getpid()
@@ -159,10 +186,15 @@ def _alive(files: LaunchFiles) -> Iterator[None]:
 class Job:
     """The command and every process it started, re-parented orphans included."""
 
-    def __init__(self, process: subprocess.Popen[bytes], name: str, earlier_children: set[int]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], name: str, earlier_children: set[int],
+                 arrivals: ArrivalWatch) -> None:
         self.process, self.name = process, name
         self.earlier_children = earlier_children  # the caller's own children: not ours to reap
         self.status: int | None = None
+        self.arrivals = arrivals
+        self.hangs: list[str] = []  # what the launcher said of the ranks that never arrived
+        self.crash_loop: str | None = None  # a worker's crash-loop verdict line
+        self._next_look = 0.0
 
     def supervise(self, watcher: PreemptionWatcher, files: LaunchFiles, grace_seconds: float) -> int:
         """Wait until the command and every process of the job have ended; the command's status."""
@@ -178,6 +210,7 @@ class Job:
                 watcher.received = signal.SIGTERM  # the command died and left workers: stop them too
                 print(f"splitloop launch: {self.name} ended with {len(running)} process(es) left; "
                       "stopping them", file=sys.stderr, flush=True)
+            self._watch(running, table, files, arrivals=watcher.received is None)  # a stopping job is left to stop
             if watcher.received is not None:
                 if deadline is None:
                     deadline = time.monotonic() + grace_seconds
@@ -186,6 +219,28 @@ class Job:
                 if time.monotonic() > deadline:
                     _send(running, signal.SIGKILL)
             time.sleep(POLL_SECONDS)
+
+    def _watch(self, running: set[int], table: dict[int, tuple[int, str]], files: LaunchFiles, arrivals: bool) -> None:
+        """Once a second: end the attempt of a rank that never arrived; end the job at a crash loop."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + ARRIVAL_POLL_SECONDS
+        if self.crash_loop is None:
+            self.crash_loop = crash_loop_verdict(files)
+            if self.crash_loop is not None:
+                _say(f"a worker stopped a crash loop; ending the job ({len(running)} process(es)) so that torchrun "
+                     "does not restart it")
+        if self.crash_loop is not None:
+            _send(running, signal.SIGKILL)
+            return
+        if not arrivals:
+            return
+        for late in self.arrivals.look(running, {pid: table[pid][0] for pid in running}, now):
+            line = late.line(socket.gethostname())
+            self.hangs.append(line)
+            _say(f"{line}; ending this attempt (SIGKILL of rank {late.worker.rank}) so that torchrun restarts the group")
+            _send({late.worker.pid} | (descendants(late.worker.pid, table) & running), signal.SIGKILL)
 
     def members(self, table: dict[int, tuple[int, str]]) -> set[int]:
         roots = [pid for pid in _children(os.getpid(), table) if pid not in self.earlier_children]
@@ -266,7 +321,7 @@ def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> s
 
 
 def _outcome(status: int, watcher: PreemptionWatcher, files: LaunchFiles, exit_code: int,
-             requeue: RequeuePolicy | None) -> int:
+             requeue: RequeuePolicy | None, job: Job) -> int:
     if os.path.exists(files.marker):
         with open(files.marker, encoding="utf-8") as handle:
             record = json.load(handle)
@@ -276,8 +331,34 @@ def _outcome(status: int, watcher: PreemptionWatcher, files: LaunchFiles, exit_c
               f"{record.get('checkpoint')} committed; exiting with {exit_code}", file=sys.stderr, flush=True)
         return exit_code
     status = status if status >= 0 else 128 - status
+    job.crash_loop = job.crash_loop or crash_loop_verdict(files)  # the job may have ended before a look
+    if job.crash_loop is not None:
+        _say(f"{job.crash_loop.removeprefix('splitloop: ')}; exiting with {CRASH_LOOP_EXIT_CODE}: do not requeue, a "
+             "restart would fail the same way")
+        return CRASH_LOOP_EXIT_CODE
+    hangs = job.hangs + [str(row.get("line")) for row in read_outcomes(files.board) if row["exit_code"] == HANG_EXIT_CODE]
+    if status != 0 and hangs:
+        _say(f"{command_name(job)} failed after {len(hangs)} hang report(s), the first: {hangs[0]}; exiting with "
+             f"{HANG_EXIT_CODE} so that the job is started again from its newest checkpoint")
+        if requeue is not None:
+            requeue_after_hang()
+        return HANG_EXIT_CODE
     if watcher.received is not None:
         print(f"splitloop launch: {watcher.reason}, but the run committed no preemption checkpoint (it ended "
               f"before fit, or after its last boundary); exiting with the command's status {status}",
               file=sys.stderr, flush=True)
     return status
+
+
+def crash_loop_verdict(files: LaunchFiles) -> str | None:
+    """The line of the first crash-loop verdict a worker left, if any."""
+    verdicts = [row for row in read_outcomes(files.board) if row["exit_code"] == CRASH_LOOP_EXIT_CODE]
+    return str(verdicts[0].get("line", "crash loop")) if verdicts else None
+
+
+def command_name(job: Job) -> str:
+    return os.path.basename(job.name)
+
+
+def _say(text: str) -> None:
+    print(f"splitloop launch: {text}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""``python -m engine launch --requeue [--signal NAME]``: after a committed preemption, put the
-SLURM job back in the queue (``scontrol requeue $SLURM_JOB_ID``) from the launcher itself.
+"""``python -m engine launch --requeue [--signal NAME]``: after a committed preemption, or after
+a hang (exit 86), put the SLURM job back in the queue (``scontrol requeue $SLURM_JOB_ID``) from
+the launcher itself; never after a crash loop (exit 87).
 
 ``--signal`` names the scheduler's warning signal (SLURM's ``--signal=B:USR1@120`` sends
 SIGUSR1): only a preemption that signal requested is requeued, so a ``scancel`` (SIGTERM)
@@ -57,6 +58,16 @@ def requeue_after_preemption(policy: RequeuePolicy, received: int | None, reason
     if not policy.applies_to(received, reason):
         _say(f"the preemption came by {_name(received, reason)}, not --signal {policy.describe()}: not requeued")
         return
+    _scontrol_requeue()
+
+
+def requeue_after_hang() -> None:
+    """After a hang (exit 86) the job is requeued whatever --signal says: it came by no signal.
+    Never raises."""
+    _scontrol_requeue()
+
+
+def _scontrol_requeue() -> None:
     job = os.environ.get("SLURM_JOB_ID")
     scontrol = shutil.which("scontrol")
     if not job or scontrol is None:

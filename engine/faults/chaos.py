@@ -18,11 +18,19 @@ _HIT_RANGE = {
 }
 
 
+# Where a hang is tried: every loop point (the watchdog's monitor thread sees the main thread
+# stuck there), a checkpoint write and a storage write that never return. A ``sigstop`` is not
+# tried: a process that trains alone stops with its monitor; a torchrun job's other ranks see it
+# (tests/watchdog/test_hang_torchrun.py).
+_HANG_POINTS = (*LOOP_POINTS, "checkpoint_before_manifest", "filesystem_write")
+
+
 def fault_matrix() -> list[tuple[str, str]]:
     """The (point, kind) pairs that make sense for the demo."""
     pairs = [(point, kind) for point in LOOP_POINTS for kind in ("sigkill", "raise", "sigterm")]
     pairs += [(point, kind) for point in CHECKPOINT_POINTS for kind in ("sigkill", "raise", "enospc")]
     pairs += [(point, kind) for point in IO_POINTS for kind in ("enospc", "eio")]
+    pairs += [(point, "hang") for point in _HANG_POINTS]
     return pairs
 
 

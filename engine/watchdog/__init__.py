@@ -4,7 +4,10 @@ word has not moved for its phase's timeout is reported (rank, host, phase, durat
 stacks) on stderr and in ``hangs.jsonl``, and the process exits with :data:`HANG_EXIT_CODE`.
 
 The loops, the run and the checkpoint waits call :func:`mark` when they change phase;
-``engine.TrainerConfig.watchdog`` (``engine.Watchdog``) configures it.
+``engine.TrainerConfig.watchdog`` (``engine.Watchdog``) configures it. On several nodes the words
+also cross nodes through the group's store (:mod:`~engine.watchdog.remote`); ``python -m engine
+launch`` reads its workers' words to name a rank that never arrives (:mod:`~engine.watchdog.arrival`)
+and the outcomes they leave it (:mod:`~engine.watchdog.outcomes`).
 """
 
 from engine.watchdog.phases import (
@@ -16,6 +19,7 @@ from engine.watchdog.phases import (
     DATA,
     FINISHING,
     HANG_EXIT_CODE,
+    JOINING,
     OPTIMIZER,
     PHASES,
     STARTING,
@@ -29,5 +33,5 @@ from engine.watchdog.tracker import mark, resumed_at, split_done
 
 __all__ = [
     "BACKWARD", "BOUNDARY", "CHECKPOINT", "COLLECTIVE", "CRASH_LOOP_EXIT_CODE", "DATA", "FINISHING", "HANGS_FILE",
-    "HANG_EXIT_CODE", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done", "watch",
+    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done", "watch",
 ]

@@ -1,6 +1,8 @@
 """Where the progress words live: one anonymous record for a process alone; for the ranks of a
 torchrun job, one file per rank in a directory of the node's shared memory (``/dev/shm``), named
 after the job's rendezvous and restart, so that every rank's monitor reads every local rank's word.
+Under ``python -m engine launch`` the directory lies in the launcher's own (:data:`BOARD_VARIABLE`),
+and the launcher reads the words too: it sees a rank that never arrives (engine.watchdog.arrival).
 
 Shared memory, not the process group's store: the store is a TCP server in rank 0's agent, and a
 read through it needs that process and the network to answer; a mapped page needs nothing, even
@@ -19,18 +21,37 @@ from engine.watchdog import word as words
 
 PREFIX = "splitloop-watchdog-"
 _RANK_FILE = "rank-{rank}"
+# Set by ``python -m engine launch``: the directory (its own, in /dev/shm) where its workers'
+# words and their hang / crash-loop verdicts (engine.watchdog.verdict_files) are written.
+BOARD_VARIABLE = "SPLITLOOP_WATCHDOG_BOARD"
+
+
+def launcher_board(environment: Mapping[str, str]) -> str | None:
+    """The launcher's board directory, when this process runs under ``python -m engine launch``
+    (an absolute path to an existing directory; anything else is ignored)."""
+    root = environment.get(BOARD_VARIABLE, "")
+    return root if os.path.isabs(root) and os.path.isdir(root) else None
 
 
 def shared_directory(environment: Mapping[str, str]) -> str | None:
     """The node's directory of this torchrun job's words (this restart's); None outside torchrun
-    or in a job of one process."""
+    or in a job of one process that no launcher watches."""
     world_size = environment.get("WORLD_SIZE", "1")
-    if not world_size.isdigit() or int(world_size) <= 1 or not environment.get("RANK", "").isdigit():
+    launcher = launcher_board(environment)
+    if not environment.get("RANK", "").isdigit() or not world_size.isdigit() or \
+            (int(world_size) <= 1 and launcher is None):
         return None
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT",
+    root = launcher or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    # The agent's group rank too: two agents of one job on one machine (a test's two "nodes")
+    # are two nodes, each with its own words.
+    job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "GROUP_RANK",
                                                           "TORCHELASTIC_RESTART_COUNT"))
     return os.path.join(root, PREFIX + "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job))
+
+
+def rank_file(directory: str, rank: int) -> str:
+    """Where rank ``rank``'s word lies in ``directory``."""
+    return os.path.join(directory, _RANK_FILE.format(rank=rank))
 
 
 class AloneBoard:
@@ -53,10 +74,11 @@ class AloneBoard:
 class NodeBoard:
     """The words of the local ranks of a torchrun job (see the module docstring)."""
 
-    def __init__(self, directory: str, rank: int) -> None:
+    def __init__(self, directory: str, rank: int, keep: bool = False) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self.directory = directory
-        self.path = os.path.join(directory, _RANK_FILE.format(rank=rank))
+        self.keep = keep  # leave the word (flagged finished) for the launcher, which removes it
+        self.path = rank_file(directory, rank)
         descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(descriptor, words.SIZE)
@@ -89,7 +111,8 @@ class NodeBoard:
             buffer.close()
         self._others.clear()
         self.buffer.close()
-        remove_words(self.directory, self.path)
+        if not self.keep:
+            remove_words(self.directory, self.path)
 
     def remove_all(self) -> None:
         """Remove every rank's word and the directory (the job ends on a hang)."""

@@ -24,7 +24,9 @@ import time
 from typing import Any, Callable, Protocol
 
 from engine.errors import warn
-from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE
+from engine.watchdog.outcomes import record_outcome
+from engine.watchdog.phases import CRASH_LOOP_EXIT_CODE, START_BARRIER, STARTING
+from engine.watchdog.tracker import mark
 
 ATTEMPTS_FILE = "attempts.jsonl"
 _ERROR_CHARACTERS = 300
@@ -110,8 +112,10 @@ def record(storage: AttemptStorage | None, row: dict[str, Any]) -> None:
 
 def stop_the_loop(text: str) -> SystemExit:
     """Say the verdict (one write) and the exception that ends the process with the crash-loop code."""
-    sys.stderr.write(f"splitloop: crash loop: {text}; exiting with {CRASH_LOOP_EXIT_CODE} (do not requeue)\n")
+    line = f"splitloop: crash loop: {text}; exiting with {CRASH_LOOP_EXIT_CODE} (do not requeue)"
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    record_outcome(CRASH_LOOP_EXIT_CODE, line)
     return SystemExit(CRASH_LOOP_EXIT_CODE)
 
 
@@ -134,6 +138,7 @@ class Attempts:
             return
         self._resumed_from = resumed_from
         text = verdict(read_attempts(self._storage), resumed_from, self._max_restarts)
+        mark(STARTING, START_BARRIER)  # arrived: the launcher's arrival watch
         barrier()
         if text is not None:
             raise stop_the_loop(text)

@@ -20,7 +20,9 @@ import time
 from typing import Callable, Protocol
 
 from engine.watchdog.settings import Watchdog
+from engine.watchdog.outcomes import record_outcome
 from engine.watchdog.phases import HANG_EXIT_CODE
+from engine.watchdog.remote import RemoteBoard
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
 from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
 from engine.watchdog.tracker import PhaseTracker
@@ -52,13 +54,15 @@ class Monitor:
     :data:`HANG_EXIT_CODE`)."""
 
     def __init__(self, policy: Watchdog, tracker: PhaseTracker, board: Board, storage: AppendOnly | None,
-                 on_hang: Callable[[], None] | None = None) -> None:
+                 on_hang: Callable[[], None] | None = None, remote: RemoteBoard | None = None) -> None:
         self._policy = policy
         self._tracker = tracker
         self._board = board
+        self._remote = remote  # the other nodes' words (a job on several nodes), else None
         self._storage = storage
         self._on_hang = on_hang if on_hang is not None else end_process
         self._host = socket.gethostname()
+        self._said = ""  # the last line this monitor said: the launcher's outcome repeats it
         self._first_seen: dict[int, int] = {}
         self._stragglers = (None if policy.straggler_factor is None
                             else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
@@ -84,14 +88,33 @@ class Monitor:
         if self._stragglers is not None and local and self._tracker.rank == min(word.rank for word in local):
             for straggler in self._stragglers.look(local):
                 report_straggler(straggler, self._host, self._storage)
+        if self._remote is not None:
+            self._remote.publish(local, now_ns)
         hang = judge(local, now_ns, alive, stopped)
+        if hang is not None and hang.culprit is None and self._remote is not None:
+            hang = self._across_nodes(local, now_ns)
         if hang is None:
             self._first_seen.clear()
             return False
         return self._act(hang, now_ns)
 
+    def _across_nodes(self, local: list[Word], now_ns: int) -> Hang | None:
+        """Every local rank waits in a collective: judge again with the other nodes' words, so
+        that the rank they wait for is named (or the wait is found to be within its timeout)."""
+        assert self._remote is not None
+        remote = self._remote.read(local, now_ns)
+        if not remote:
+            return judge(local, now_ns, alive, stopped)  # the store does not answer: culprit unknown
+        elsewhere = {item.word.pid for item in remote}
+        return judge([*local, *(item.word for item in remote)], now_ns,
+                     lambda pid: pid in elsewhere or alive(pid), lambda pid: pid not in elsewhere and stopped(pid))
+
     def _act(self, hang: Hang, now_ns: int) -> bool:
         culprit, own = hang.culprit, self._tracker.rank
+        local_ranks = {word.rank for word in hang.waiting if self._remote is None or word.rank not in self._remote.hosts}
+        if culprit is not None and culprit.rank != own and self._remote is not None and \
+                culprit.rank in self._remote.hosts:
+            return self._act_on_another_node(hang, culprit, own, local_ranks | {own}, now_ns)
         if culprit is not None and culprit.rank == own:
             self._report(hang, stacks=own_stacks())
             self._tracker.set_flag(REPORTED)
@@ -107,13 +130,36 @@ class Monitor:
             if own == min(word.rank for word in hang.waiting):
                 self._report(hang, state=process_state(culprit.pid))
                 _kill(culprit.pid)
+        record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: {hang.describe()}")
+        self._on_hang()
+        return True
+
+    def _act_on_another_node(self, hang: Hang, culprit: Word, own: int, local_ranks: set[int], now_ns: int) -> bool:
+        """The rank this node waits for is on another node: that node's monitors report it (with
+        its stacks) and end it; this node's lowest rank says which rank it waited for, and every
+        local rank ends so that the group restarts."""
+        assert self._remote is not None
+        host = self._remote.hosts.get(culprit.rank, "another node")
+        if not culprit.flags & REPORTED:
+            first = self._first_seen.setdefault(culprit.rank, now_ns)
+            if (now_ns - first) / 1e9 < _GRACE_S + 2 * self._policy.poll_seconds:
+                return False  # give the culprit's node the time to report it with its stacks
+        if own == min(local_ranks):
+            age = self._remote.ages.get(culprit.rank, 0.0)
+            silent = age > _GRACE_S + 2 * self._policy.poll_seconds
+            self._report(hang, state=f"on {host}, whose node stopped publishing its words {age:.0f} s ago (stopped "
+                                     "whole, or cut off)" if silent else f"on {host}, whose own monitors report its stacks")
+        record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: rank {culprit.rank} on {host} hung")
         self._on_hang()
         return True
 
     def _report(self, hang: Hang, stacks: str | None = None, state: str | None = None) -> None:
-        publish(HangReport(hang, self._tracker.rank, self._host, HANG_EXIT_CODE, stacks, state), self._storage)
+        report = HangReport(hang, self._tracker.rank, self._host, HANG_EXIT_CODE, stacks, state)
+        self._said = report.line()
+        publish(report, self._storage)
 
     def _say(self, text: str) -> None:
+        self._said = f"splitloop watchdog: {text}"
         sys.stderr.write(f"splitloop watchdog: {text}; exiting with {HANG_EXIT_CODE}\n")
         sys.stderr.flush()
 

@@ -26,6 +26,13 @@ WRITER = "waiting for the writer"  # blocked until the checkpoint writer frees a
 VALIDATION = "validation"  # a validation pass
 FINISHING = "finishing"  # the last commit and the writer's close at the end of fit
 
+# Details of the start where a rank waits for the others: it has arrived (engine.watchdog.arrival).
+# The phase stays "starting", with its first allowance: a wait to join may last as long as the
+# slowest rank's start.
+JOINING = "joining the process group"
+START_BARRIER = "waiting for every rank to start"
+ARRIVED_AT_START: frozenset[str] = frozenset({JOINING, START_BARRIER})
+
 # Codes in the shared word; the order is fixed (a word is read by other processes).
 PHASES: tuple[str, ...] = (STARTING, DATA, STEP, BACKWARD, OPTIMIZER, COLLECTIVE, BOUNDARY, CHECKPOINT, WRITER, VALIDATION,
                            FINISHING)

@@ -9,8 +9,9 @@ from typing import Iterator
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog import tracker as trackers
-from engine.watchdog.board import AloneBoard, NodeBoard, shared_directory
+from engine.watchdog.board import AloneBoard, NodeBoard, launcher_board, shared_directory
 from engine.watchdog.monitor import Monitor, end_process
+from engine.watchdog.remote import RemoteBoard, group_store, several_nodes
 from engine.watchdog.report import AppendOnly
 from engine.watchdog.word import FINISHED, REPORTED
 
@@ -24,9 +25,13 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
         return
     directory = shared_directory(os.environ)
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
-    board: AloneBoard | NodeBoard = AloneBoard() if directory is None else NodeBoard(directory, rank)
+    board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
+                                     else NodeBoard(directory, rank, keep=launcher_board(os.environ) is not None))
     tracker = trackers.PhaseTracker(policy, board.buffer, rank)
-    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker))
+    remote = None
+    if directory is not None and several_nodes(os.environ):
+        remote = RemoteBoard(group_store, rank, int(os.environ["WORLD_SIZE"]))
+    monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker), remote=remote)
     trackers.install(tracker)
     monitor.start()
     try:

@@ -33,8 +33,8 @@ class Watchdog:
             that follows two failures at the same split with the same exception, exits with
             ``engine.watchdog.CRASH_LOOP_EXIT_CODE`` ("do not requeue") and a verdict line. None: never.
         straggler_factor: a rank whose own work per split (its waits left out) stays this many
-            times the fastest local rank's for ``straggler_window`` of its splits is reported
-            (a line, ``stragglers.jsonl``), never stopped. None: not watched.
+            times the fastest local rank's, or its own earlier pace, for ``straggler_window`` of
+            its splits is reported (a line, ``stragglers.jsonl``), never stopped. None: not watched.
         straggler_window: splits a rank must stay that slow before it is reported.
 
     Example::

@@ -43,7 +43,7 @@ def test_a_resume_is_recorded_outside_metrics_jsonl(resumed_run):
 def test_plot_renders_a_png_with_every_row(resumed_run, tmp_path):
     out = str(tmp_path / "run.png")
     drawn = plot_run(resumed_run, out)
-    assert drawn == {"train": 12, "val": 3, "resumes": 1, "anomalies": 0}  # 12 splits; val at steps 4, 8, 12 (= the epoch end)
+    assert drawn == {"train": 12, "val": 3, "resumes": 1, "anomalies": 0, "hangs": 0}  # 12 splits; val at steps 4, 8, 12 (= the epoch end)
     width, height = png_size(out)
     assert width > 300 and height > 300
 
@@ -146,3 +146,32 @@ def test_every_resume_is_a_labelled_marker(figure):
     texts = sorted((text.xy[0], text.get_text()) for text in figure.axes[0].texts)
     assert texts == [(8, "resumed from ckpt-2"), (24, "resumed from ckpt-6 (2 times)"), (40, "resumed from ckpt-10"),
                      (56, "resumed from ckpt-14")]
+
+
+def test_each_hang_is_a_labelled_marker_at_the_step_of_its_last_split(tmp_path, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    from engine.cli import main
+
+    write_run(tmp_path)
+    rows = [{"rank": 1, "phase": "step", "last_split": 21, "reported_by": 1},
+            {"rank": 0, "phase": "boundary", "last_split": 0, "reported_by": 1},
+            {"rank": None, "phase": "collective (culprit on another node)"}]  # names no split: not drawn
+    (tmp_path / "hangs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"torn')
+    curves = read_curves(str(tmp_path))
+    # the training rows are one per split: split 21 ended at the step of the 21st row (step 21 here)
+    assert curves.hangs == [(21.0, "hang: rank 1 in step after split 21"), (0.0, "hang: rank 0 in boundary after split 0")]
+    figure = draw(curves, pyplot, "run")
+    try:
+        for panel in figure.axes:
+            marks = [line for line in panel.get_lines() if line.get_linestyle() == "-."]
+            assert sorted(line.get_xdata()[0] for line in marks) == [0.0, 21.0]
+        assert "hang: rank 1 in step after split 21" in [text.get_text() for text in figure.axes[0].texts]
+        assert "hang (watchdog)" in labels(figure.axes[0])
+    finally:
+        pyplot.close(figure)
+    assert main(["plot", str(tmp_path)]) == 0
+    assert "2 hang(s)" in capsys.readouterr().out

@@ -35,6 +35,10 @@ syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DI
 splits (a replica that drifted). ``VALIDATION_PAUSE="RANK/BATCH"`` (first try only): that rank
 writes ``OUT_DIR/validating-<rank>`` in its BATCH-th validation batch and waits for ``OUT_DIR/go``
 (so a test signals it while it validates, its validation DataLoader workers alive).
+``HANG_BEFORE_FIT="RESTART/RANK"``: that rank of that try sleeps for ever before ``fit`` (a rank
+stuck loading its data: it never arrives). ``SKIP_ALLREDUCE="RESTART/RANK/CALL"``: that rank of
+that try skips the all-reduce of the CALL-th boundary agreement and takes its own flags (a rank
+that skips a collective: it goes on to the checkpoint's collectives, where it waits for ever).
 """
 
 from __future__ import annotations
@@ -163,6 +167,23 @@ class Diverge(engine.Callback):
                 self.model.head.bias.add_(1e-3)
 
 
+def skip_one_agreement(call: int) -> None:
+    """This rank's ``call``-th boundary agreement returns its own flags without the all-reduce."""
+    import engine.distributed
+    from engine.distributed import agreement
+
+    calls = [0]
+    real = agreement.agree
+
+    def agree(context, preempted, stop, checkpoint):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == call:
+            return agreement.AgreedFlags(preempted, stop, checkpoint)
+        return real(context, preempted, stop, checkpoint)
+
+    engine.distributed.agree = agree  # what the run's coordinator calls
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -246,6 +267,11 @@ def main() -> int:
             min_timeout_s=args.watchdog, first_timeout_s=120.0, warmup=3, poll_s=0.05)}),
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
+    if os.environ.get("HANG_BEFORE_FIT") == f"{restart}/{rank}":
+        time.sleep(3600)
+    skip_try, _, skip_call = os.environ.get("SKIP_ALLREDUCE", "").rpartition("/")
+    if skip_try == f"{restart}/{rank}":
+        skip_one_agreement(int(skip_call))
     if args.validate_every is not None:
         val_data = validation_loader(args.val_samples, args.val_workers)
     else:

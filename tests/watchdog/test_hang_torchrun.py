@@ -61,3 +61,44 @@ def test_a_rank_sleeping_in_its_step_is_named_with_its_stack(reference: pathlib.
     assert len(rows) == 1, rows
     assert rows[0]["rank"] == 1 and rows[0]["reported_by"] == 1 and rows[0]["phase"] == "step"
     assert "_hang_forever" in rows[0]["stacks"] and "_hang_forever" in stderr
+
+
+@pytest.mark.exhaustive
+def test_a_rank_that_skips_an_all_reduce_is_named_not_the_rank_waiting_in_it(reference: pathlib.Path,
+                                                                             tmp_path: pathlib.Path) -> None:
+    # Rank 1 skips the all-reduce of one boundary agreement and goes on to the checkpoint, whose
+    # collectives wait for rank 0; rank 0 waits in that all-reduce: a deadlock. Rank 0 is the one
+    # waiting in a collective; rank 1 has not arrived at it.
+    call = random.randint(5, SPLITS - 3)
+    process, run_dir, _ = helpers.train(tmp_path, "job", 2, *OPTIONS, max_restarts=1, SKIP_ALLREDUCE=f"0/1/{call}")
+    hangs = run_dir / HANGS_FILE
+    assert process.returncode == 0, (hangs.read_text() if hangs.exists() else "no hangs.jsonl") + process.stderr[-4000:]
+    assert re.search(rf"exitcode\s*:\s*{HANG_EXIT_CODE}\b", process.stderr), process.stderr[-4000:]
+    rows = [json.loads(line) for line in hangs.read_text().splitlines()]
+    assert {row["rank"] for row in rows} == {1}, rows
+    assert all(row["waiting_ranks"] == [0] and row["phase"] != "collective" for row in rows), rows
+    assert rows[0]["stacks"] if rows[0]["reported_by"] == 1 else rows[0]["process_state"], rows  # its stacks, when it says it
+    helpers.assert_same_result(reference, tmp_path / "job", 2)
+
+
+@pytest.mark.exhaustive
+def test_on_two_nodes_the_rank_that_skipped_the_all_reduce_is_named_by_the_node_that_waits(
+        reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # Two agents ("nodes") of one rank each: rank 0's node sees only its own rank, waiting in the
+    # all-reduce; it reads rank 1's word from the group's store and names it (engine.watchdog.remote).
+    call = random.randint(5, SPLITS - 3)
+    job = tmp_path / "job"
+    agents = helpers.start_nodes(job, *OPTIONS, max_restarts=1, forked_ranks=True, SKIP_ALLREDUCE=f"0/1/{call}")
+    try:
+        statuses = [agent.wait(timeout=helpers.TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                helpers.kill_node(agent)
+    assert statuses == [0, 0], helpers.node_logs(job)
+    rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
+    assert rows and {row["rank"] for row in rows} == {1}, (rows, helpers.node_logs(job))  # never "on another node"
+    by_rank_0 = [row for row in rows if row["reported_by"] == 0]
+    assert all(row["phase"] != "collective" and row["process_state"].startswith("on ") for row in by_rank_0), rows
+    helpers.assert_same_result(reference, job, 2)
+

@@ -46,3 +46,41 @@ def test_waits_are_not_counted_as_a_ranks_own_work() -> None:
         time.sleep(0.06)
         tracker.split_done(phases.BOUNDARY)
     assert 0.015 < tracker.busy_s < 0.05
+
+
+def tracker_average(previous: float, split_s: float) -> float:
+    """The word's busy time after one more split of ``split_s`` (the tracker's moving average)."""
+    return split_s if previous == 0.0 else (1 - trackers._SMOOTHING) * previous + trackers._SMOOTHING * split_s
+
+
+def test_a_rank_alone_slowed_one_and_a_half_times_is_reported_against_its_own_history_within_twenty_splits() -> None:
+    watch = StragglerWatch(factor=1.3, window=10, warmup=5)
+    busy, reported_at = 0.0, []
+    for split in range(1, 200):
+        busy = tracker_average(busy, 0.010 if split <= 100 else 0.015)  # slowed from split 101 on
+        words = [word(0, split, busy)]
+        for straggler in watch.look(words):
+            reported_at.append(split)
+            assert straggler.fastest is None and 1.4 < straggler.factor < 1.51 and 0.0099 < straggler.baseline_s < 0.0106
+            assert "as it did before" in straggler.line("node7")
+            assert straggler.row("node7")["against"] == "own history"
+        assert judge(words, time.monotonic_ns(), alive=lambda pid: True) is None  # slow, never hung
+    assert len(reported_at) == 1 and 101 < reported_at[0] <= 120, reported_at
+
+
+def test_the_noise_of_a_shared_machine_is_no_straggler_against_its_own_history() -> None:
+    import random
+
+    rng = random.Random(7)
+    watch = StragglerWatch(factor=1.3, window=10, warmup=5)
+    busy = 0.0
+    for split in range(1, 3000):
+        busy = tracker_average(busy, 0.010 * rng.uniform(0.8, 1.2) * (2.0 if rng.random() < 0.02 else 1.0))
+        assert watch.look([word(0, split, busy)]) == [], split
+
+
+def test_a_rank_slower_than_its_peers_is_reported_once_against_the_fastest_not_again_against_its_history() -> None:
+    watch = StragglerWatch(factor=1.3, window=10, warmup=0)
+    found = [straggler for split in range(1, 60) for straggler in
+             watch.look([word(0, split, 0.010), word(1, split, 0.010 if split < 20 else 0.016)])]
+    assert [(straggler.word.rank, straggler.fastest is not None) for straggler in found] == [(1, True)], found

@@ -13,6 +13,8 @@ others are sent. Every committed row reaches the tracker once, whatever was kill
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -28,12 +30,13 @@ class Point(NamedTuple):
     step: int                  # the row's optimizer step
     values: dict[str, float]   # "<stage>/<name>" -> value
     milliseconds: int          # when first sent (0 before); fixed, so a send tried again is the same send
+    row: int                   # its row number in metrics.jsonl (from 0, counted from the file's start)
 
 
 class Tracker(Logger):
     """Base of the tracker loggers: subclasses say how to reach their tracker
-    (:meth:`_connect`, :meth:`_held_counts`, :meth:`_send`, :meth:`_finish`); this class decides
-    what is sent and when (see the module docstring)."""
+    (:meth:`_connect`, :meth:`_held_counts` or :meth:`_missing`, :meth:`_send`, :meth:`_finish`);
+    this class decides what is sent and when (see the module docstring)."""
 
     def __init__(self, close_timeout: float, retry_seconds: float) -> None:
         self.close_timeout = _positive(type(self).__name__, "close_timeout", close_timeout)
@@ -64,7 +67,7 @@ class Tracker(Logger):
 
     def log_row(self, row: Row) -> None:
         with self._condition:
-            self._points.append(Point(row_step(row), dict(row_scalars(row)), 0))
+            self._points.append(Point(row_step(row), dict(row_scalars(row)), 0, self._first + len(self._points)))
         self._raise_notices()
 
     def committed(self, rows: int) -> None:
@@ -90,6 +93,11 @@ class Tracker(Logger):
     def _held_counts(self) -> dict[str, int]:
         """How many points of each key the attached tracker run holds."""
         raise NotImplementedError
+
+    def _missing(self, committed_rows: list[Row]) -> tuple[list[Point], dict[str, int]]:
+        """The points of ``committed_rows`` the attached run lacks, and what it holds beyond them
+        (by default from :meth:`_held_counts`; see :func:`points_missing`)."""
+        return points_missing(committed_rows, self._held_counts())
 
     def _send(self, points: list[Point]) -> None:
         """Send ``points`` (in order) to the attached run."""
@@ -129,11 +137,11 @@ class Tracker(Logger):
         if not self._until_done(lambda: self._connect(committed_rows is None)):
             return
         if committed_rows is not None:
-            held: list[dict[str, int]] = []
-            if not self._until_done(lambda: held.append(self._held_counts())):
+            found: list[tuple[list[Point], dict[str, int]]] = []
+            if not self._until_done(lambda: found.append(self._missing(committed_rows))):
                 return
             with self._condition:
-                self._backlog, extra = points_missing(committed_rows, held[0])
+                self._backlog, extra = found[0]
             if extra:
                 self._notice(f"{self!r}: the tracker run holds points beyond the resumed checkpoint ({extra}); "
                              "a newer checkpoint was lost after its rows were sent, and they stay in the tracker")
@@ -202,7 +210,7 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple
     of which it holds more than the rows have."""
     remaining = dict(held)
     missing: list[Point] = []
-    for row in committed_rows:
+    for number, row in enumerate(committed_rows):
         values = {}
         for key, value in row_scalars(row):
             if remaining.get(key, 0) > 0:
@@ -210,8 +218,28 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple
             else:
                 values[key] = value
         if values:
-            missing.append(Point(row_step(row), values, 0))
+            missing.append(Point(row_step(row), values, 0, number))
     return missing, {key: count for key, count in remaining.items() if count > 0}
+
+
+def read_record(run: RunInfo, name: str) -> dict[str, str] | None:
+    """The JSON record ``name`` a tracker keeps in the run directory (its run's id), if any."""
+    if run.files is None or not run.files.exists(name):
+        return None
+    record = json.loads(run.files.read(name).decode())
+    return record if isinstance(record, dict) else None
+
+
+def write_record(run: RunInfo, name: str, record: dict[str, str]) -> None:
+    """Replace the record ``name`` in the run directory (nothing without a ``run_dir``)."""
+    if run.files is not None:
+        run.files.replace(name, json.dumps(record).encode())
+
+
+def require_package(package: str, message: str) -> None:
+    """ConfigError(``message``) when ``package`` is not installed (looked up, not imported)."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(message)
 
 
 def _positive(owner: str, field: str, value: object) -> float:

@@ -19,8 +19,6 @@ private generator instead (:func:`_private_random`), once, when the sender first
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import json
 import random
 import sys
 import uuid
@@ -28,7 +26,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from engine.errors import ConfigError
-from engine.loggers._tracker import Point, Tracker
+from engine.loggers._tracker import Point, Tracker, read_record, require_package, write_record
 
 _MISSING = ("engine.loggers.MLflow needs the mlflow package, which is not installed: "
             "pip install 'splitloop[mlflow]' (or pip install mlflow-skinny)")
@@ -68,8 +66,7 @@ class MLflow(Tracker):
             raise ConfigError(f"MLflow.run_name: expected a string or None, got {run_name!r}")
         if tags is not None and not (isinstance(tags, Mapping) and all(isinstance(k, str) for k in tags)):
             raise ConfigError(f"MLflow.tags: expected a mapping of str to str, got {tags!r}")
-        if importlib.util.find_spec("mlflow") is None:
-            raise ConfigError(_MISSING)
+        require_package("mlflow", _MISSING)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.run_id: str | None = None
@@ -85,10 +82,10 @@ class MLflow(Tracker):
         _private_random()
         client = self._client = mlflow.tracking.MlflowClient(self.tracking_uri)
         if self._record is None:  # once per start: a connection tried again keeps its token
-            record = None if fresh else self._read_record()
+            record = None if fresh else read_record(self.run, RUN_FILE)
             if record is None or "token" not in record:
                 record = {"token": uuid.uuid4().hex}
-                self._write_record(record)
+                write_record(self.run, RUN_FILE, record)
             self._record = record
         record = self._record
         run_id = record.get("run_id") or self._run_with_token(client, record["token"])
@@ -100,7 +97,7 @@ class MLflow(Tracker):
                                        run_name=self.run_name).info.run_id
         if record.get("run_id") != run_id:
             record = self._record = {**record, "run_id": run_id}
-            self._write_record(record)
+            write_record(self.run, RUN_FILE, record)
         client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self._log_missing_params(client, run_id)
@@ -146,17 +143,6 @@ class MLflow(Tracker):
         params = [Param(key, value) for key, value in self.run.hyperparameters.items() if key not in held]
         for start in range(0, len(params), _BATCH_PARAMS):
             client.log_batch(run_id, params=params[start:start + _BATCH_PARAMS])
-
-    def _read_record(self) -> dict[str, str] | None:
-        files = self.run.files
-        if files is None or not files.exists(RUN_FILE):
-            return None
-        record = json.loads(files.read(RUN_FILE).decode())
-        return record if isinstance(record, dict) else None
-
-    def _write_record(self, record: dict[str, str]) -> None:
-        if self.run.files is not None:
-            self.run.files.replace(RUN_FILE, json.dumps(record).encode())
 
 
 def _import_mlflow() -> ModuleType:

@@ -91,6 +91,8 @@ def main(argv: list[str]) -> int:
 
         loggers.append(engine.loggers.MLflow(args.mlflow[0], experiment=args.mlflow[1], retry_seconds=0.2))
     if args.wandb:
+        # Its own wandb-core, not the test process's (which its W&B runs would have exported here).
+        os.environ.pop("WANDB_SERVICE", None)
         import wandb  # noqa: F401  (imported before training: the sender connects at once)
 
         loggers.append(engine.loggers.WandB(project=args.wandb[1], mode="offline", dir=args.wandb[0],

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import uuid
 from types import ModuleType
 from typing import Any, Sequence
@@ -38,6 +39,7 @@ STEP_METRIC = "trainer/global_step"  # Lightning's WandbLogger's name for the op
 MODES = ("online", "offline", "disabled")
 _ID_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_")
 _READ_TIMEOUT = 300.0
+_FLUSH_SECONDS = 1.0
 
 
 class WandB(Tracker):
@@ -112,9 +114,12 @@ class WandB(Tracker):
         return run_id
 
     def _init(self, wandb: ModuleType, run_id: str) -> Any:
+        self._check_dir()
         settings = wandb.Settings(
             console="off", silent=True, disable_git=True, save_code=False, x_disable_stats=True,
             x_save_requirements=False,
+            # The run file holds what a kill cannot take from W&B; written every 15 s by default.
+            x_transaction_log_flush_interval=_FLUSH_SECONDS,
             # Each process its own offline directory: a restart in the same second as the last one
             # would otherwise write into the same run file.
             x_sync_dir_suffix=uuid.uuid4().hex[:8])
@@ -125,6 +130,15 @@ class WandB(Tracker):
         run.define_metric("*", step_metric=STEP_METRIC)
         return run
 
+    def _check_dir(self) -> None:
+        """OSError when W&B's directory cannot be written: W&B would quietly write to a temporary
+        directory instead, where no resume finds its run files."""
+        directory = self.dir if self.dir is not None else os.environ.get("WANDB_DIR")
+        if directory:
+            os.makedirs(os.path.join(directory, "wandb"), exist_ok=True)
+            with tempfile.TemporaryFile(dir=os.path.join(directory, "wandb")):
+                pass
+
     def _held(self, run: Any) -> tuple[int, dict[str, object]]:
         """How many rows the W&B run holds (its next step) and its config."""
         if not run.offline:
@@ -134,7 +148,8 @@ class WandB(Tracker):
         wandb_dir = run.settings.wandb_dir
         for entry in sorted(os.listdir(wandb_dir)) if os.path.isdir(wandb_dir) else []:
             path = os.path.join(wandb_dir, entry, f"run-{run.id}.wandb")
-            if os.path.abspath(path) != current and os.path.isfile(path):
+            # (latest-run is a link to one of them)
+            if os.path.abspath(path) != current and os.path.isfile(path) and not os.path.islink(os.path.dirname(path)):
                 steps, segment_config = read_run_file(path)
                 rows, config = max(rows, steps), {**config, **segment_config}
         return rows, config

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tempfile
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -38,7 +39,10 @@ class Tracker(Logger):
     (:meth:`_connect`, :meth:`_held_counts` or :meth:`_missing`, :meth:`_send`, :meth:`_finish`);
     this class decides what is sent and when (see the module docstring)."""
 
-    def __init__(self, close_timeout: float, retry_seconds: float) -> None:
+    def __init__(self, close_timeout: float, retry_seconds: float, log_model: bool = False) -> None:
+        if not isinstance(log_model, bool):
+            raise ConfigError(f"{type(self).__name__}.log_model: expected True or False, got {log_model!r}")
+        self.log_model = log_model
         self.close_timeout = _positive(type(self).__name__, "close_timeout", close_timeout)
         self.retry_seconds = _positive(type(self).__name__, "retry_seconds", retry_seconds)
         self.run = RunInfo()
@@ -54,6 +58,7 @@ class Tracker(Logger):
         self._notices: list[str] = []    # warnings from the sender thread, raised on the training thread
         self.unsent: list[Point] = []    # committed rows that never reached the tracker (after close)
         self._last_milliseconds = 0
+        self._model_sent = False
 
     # ---- the Logger interface (training thread; committed() also the writer's) -------------
     def bind(self, run: RunInfo) -> None:
@@ -106,6 +111,10 @@ class Tracker(Logger):
     def _finish(self) -> None:
         """Everything committed was sent and ``fit`` ends."""
 
+    def _send_model(self, path: str) -> None:
+        """Log the weights file ``path`` as the run's model (``log_model=True``)."""
+        raise NotImplementedError
+
     def _reset(self) -> None:
         """A new start (no sender thread runs): forget the previous start's connection."""
 
@@ -117,6 +126,7 @@ class Tracker(Logger):
             self._points, self._backlog, self.unsent = [], [], []
             self._first = self._committed = 0 if committed_rows is None else len(committed_rows)
             self._closing, self._give_up_at, self._down = False, float("inf"), False
+            self._model_sent = False
         self._thread = threading.Thread(target=self._work, args=(committed_rows,), daemon=True,
                                         name=f"splitloop {type(self).__name__} sender")
         self._thread.start()
@@ -147,7 +157,21 @@ class Tracker(Logger):
                              "a newer checkpoint was lost after its rows were sent, and they stay in the tracker")
         while self._send_next():
             pass
-        self._until_done(self._finish)
+        self._until_done(self._end)
+
+    def _end(self) -> None:
+        """``fit`` ends and every committed row was sent: the model (``log_model``), then the end."""
+        if self.log_model and self.run.export_weights is not None and not self._model_sent:
+            with tempfile.TemporaryDirectory(prefix="splitloop-model-") as directory:
+                try:
+                    path = self.run.export_weights(directory)
+                except Exception as error:  # noqa: BLE001 - no checkpoint to export: the rest still ends
+                    self._notice(f"{self!r}: log_model: the weights could not be exported ({type(error).__name__}: "
+                                 f"{error}); no model is logged")
+                else:
+                    self._send_model(path)
+            self._model_sent = True  # (a retry of a failed _finish does not log it again)
+        self._finish()
 
     def _send_next(self) -> bool:
         """Send what is committed and unsent; False once closing and nothing is left (or time is up)."""

@@ -35,6 +35,7 @@ RUN_FILE = "mlflow-run.json"
 _DRAWING_MODULES = ("mlflow.utils.name_utils", "mlflow.utils.rest_utils", "mlflow.utils.request_utils",
                     "urllib3.util.retry")
 TOKEN_TAG = "splitloop.run_token"
+MODEL_ARTIFACT = "model"  # log_model's folder among the run's artifacts
 _BATCH_METRICS, _BATCH_PARAMS = 1000, 100  # MLflow's limits for one log_batch
 
 
@@ -50,14 +51,16 @@ class MLflow(Tracker):
         experiment: the experiment's name (created if missing).
         run_name: the MLflow run's name (MLflow picks one if None).
         tags: tags set on the MLflow run when it is created.
+        log_model: at the end of ``fit``, log the weights of the run's last checkpoint as the
+            artifact ``model/model.safetensors`` (``model/model.pt`` without safetensors).
         close_timeout: seconds ``fit``'s end waits for the last rows to reach the server.
         retry_seconds: how often an unreachable server is tried again.
     """
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "splitloop", run_name: str | None = None,
-                 tags: Mapping[str, str] | None = None, close_timeout: float = 30.0,
+                 tags: Mapping[str, str] | None = None, log_model: bool = False, close_timeout: float = 30.0,
                  retry_seconds: float = 5.0) -> None:
-        super().__init__(close_timeout, retry_seconds)
+        super().__init__(close_timeout, retry_seconds, log_model)
         if tracking_uri is not None and (not isinstance(tracking_uri, str) or not tracking_uri.strip()):
             raise ConfigError(f"MLflow.tracking_uri: expected a URI string or None, got {tracking_uri!r}")
         if not isinstance(experiment, str) or not experiment.strip():
@@ -123,6 +126,10 @@ class MLflow(Tracker):
     def _finish(self) -> None:
         client, run_id = self._attached()
         client.set_terminated(run_id, "FINISHED")
+
+    def _send_model(self, path: str) -> None:
+        client, run_id = self._attached()
+        client.log_artifact(run_id, path, artifact_path=MODEL_ARTIFACT)
 
     # ---- helpers ----------------------------------------------------------------------------
     def _attached(self) -> tuple[Any, str]:

@@ -60,15 +60,18 @@ class WandB(Tracker):
         entity: the W&B entity (user or team); None: W&B's default.
         tags: tags of the W&B run.
         group: the W&B group of the run.
+        log_model: at the end of ``fit``, log the weights of the run's last checkpoint as the
+            artifact ``model-<run id>`` (type ``model``), a file ``model.safetensors``
+            (``model.pt`` without safetensors).
         close_timeout: seconds ``fit``'s end waits for the last rows to reach W&B.
         retry_seconds: how often a failing W&B is tried again.
     """
 
     def __init__(self, project: str = "splitloop", name: str | None = None, mode: str | None = None,
                  dir: str | os.PathLike[str] | None = None, id: str | None = None, entity: str | None = None,
-                 tags: Sequence[str] | None = None, group: str | None = None, close_timeout: float = 30.0,
-                 retry_seconds: float = 5.0) -> None:
-        super().__init__(close_timeout, retry_seconds)
+                 tags: Sequence[str] | None = None, group: str | None = None, log_model: bool = False,
+                 close_timeout: float = 30.0, retry_seconds: float = 5.0) -> None:
+        super().__init__(close_timeout, retry_seconds, log_model)
         for field, value in (("project", project), ("name", name), ("entity", entity), ("group", group)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"WandB.{field}: expected a non-empty string{'' if field == 'project' else ' or None'}, "
@@ -165,6 +168,13 @@ class WandB(Tracker):
         assert run is not None, "called before _connect"
         for point in points:
             run.log({**point.values, STEP_METRIC: point.step}, step=point.row)
+
+    def _send_model(self, path: str) -> None:
+        run = self._wandb_run
+        assert run is not None, "called before _connect"
+        artifact = _import_wandb().Artifact(f"model-{run.id}", type="model")
+        artifact.add_file(path)
+        run.log_artifact(artifact)
 
     def _finish(self) -> None:
         run, self._wandb_run = self._wandb_run, None

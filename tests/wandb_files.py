@@ -39,6 +39,7 @@ class OfflineRun:
     history: list[dict]   # the history items, in the order written (file by file)
     configs: list[dict]   # each config update (the run record's and the config records')
     finished: int         # how many files end with an exit record
+    artifacts: list[dict] = dataclasses.field(default_factory=list)  # the artifact records
 
     def histories(self) -> History:
         """Each metric's points as (trainer/global_step, value), in W&B step order."""
@@ -74,6 +75,8 @@ def read_offline_runs(wandb_dir: str | os.PathLike[str]) -> dict[str, OfflineRun
                     run.configs.append(update)
             elif kind == "exit":
                 run.finished += 1
+            elif kind == "artifact":
+                run.artifacts.append(record["artifact"])
     return runs
 
 

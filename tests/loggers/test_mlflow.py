@@ -17,6 +17,7 @@ import time
 import warnings
 
 import pytest
+import torch
 
 import engine
 import engine.loggers
@@ -235,3 +236,18 @@ def test_without_mlflow_installed_the_logger_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
     with pytest.raises(engine.ConfigError, match=r"needs the mlflow package.*pip install 'splitloop\[mlflow\]'"):
         engine.loggers.MLflow("http://127.0.0.1:1")
+
+
+def test_log_model_logs_the_weights_of_the_last_checkpoint_as_an_artifact(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    model, _ = train_plateau(run_dir, loggers=[engine.loggers.MLflow(mlflow_server.uri, experiment=experiment,
+                                                                     log_model=True)], max_epochs=1)
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    client = MlflowClient(mlflow_server.uri)
+    assert [entry.path for entry in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    weights = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+    trained = model.state_dict()
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[key], trained[key]) for key in trained)

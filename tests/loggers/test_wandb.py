@@ -18,6 +18,7 @@ import time
 import warnings
 
 import pytest
+import torch
 
 import engine
 import engine.loggers
@@ -187,3 +188,18 @@ def test_import_engine_imports_neither_tracker():
             "assert not {'wandb', 'mlflow'} & set(sys.modules), 'imported'")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert process.returncode == 0, process.stderr[-2000:]
+
+
+def test_log_model_logs_the_weights_of_the_last_checkpoint_as_an_artifact(wandb_home, tmp_path):
+    run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "wandb"
+    model, _ = train_plateau(run_dir, max_epochs=1, loggers=[
+        engine.loggers.WandB(project=PROJECT, mode="offline", dir=wandb_dir, log_model=True)])
+    from safetensors.torch import load_file
+
+    run = the_one_run(wandb_dir, run_dir)
+    [artifact] = run.artifacts
+    assert (artifact["name"], artifact["type"]) == (f"model-{run.run_id}", "model")
+    [entry] = artifact["manifest"]["contents"]
+    assert entry["path"] == "model.safetensors"
+    weights, trained = load_file(entry["local_path"]), model.state_dict()  # the file W&B staged for upload
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[key], trained[key]) for key in trained)

@@ -1,6 +1,5 @@
 """Offline W&B runs read back for the tests, with wandb's own reader of run files
-(``wandb leet inspect --json``, one JSON line per record of a ``run-<id>.wandb`` file), and what
-metrics.jsonl says a tracker run must hold.
+(``wandb leet inspect --json``, one JSON line per record of a ``run-<id>.wandb`` file).
 
 ``wandb_environment`` keeps W&B offline, silent and inside the test's temporary directory; no
 test reaches the network.
@@ -15,9 +14,7 @@ import pathlib
 import subprocess
 import sys
 
-from resume_helpers import read_metrics
-
-History = dict[str, list[tuple[int, float]]]
+from tracker_histories import History
 STEP_METRIC = "trainer/global_step"
 
 
@@ -88,6 +85,19 @@ def read_run_file(path: str | os.PathLike[str]) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
 
 
+def history_written(wandb_dir: str | os.PathLike[str]) -> int:
+    """How many history records the offline run files under ``wandb_dir`` hold now: cheap enough
+    to poll (the reader's own binary, wandb-core, without a Python start-up)."""
+    from wandb.util import get_core_path
+
+    count = 0
+    for path in pathlib.Path(wandb_dir, "wandb").glob("offline-run-*/run-*.wandb"):
+        result = subprocess.run([get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file",
+                                 str(path), str(path.parent.parent)], capture_output=True, text=True, timeout=60)
+        count += sum('"type":"history"' in line for line in result.stdout.splitlines())
+    return count
+
+
 def the_one_run(wandb_dir: str | os.PathLike[str], run_dir: str) -> OfflineRun:
     """The only W&B run under ``wandb_dir``; its id is the one recorded in the run directory."""
     runs = read_offline_runs(wandb_dir)
@@ -95,14 +105,3 @@ def the_one_run(wandb_dir: str | os.PathLike[str], run_dir: str) -> OfflineRun:
     run = next(iter(runs.values()))
     assert json.loads(pathlib.Path(run_dir, "wandb-run.json").read_text())["id"] == run.run_id
     return run
-
-
-def expected_histories(run_dir: str) -> History:
-    """What the rows of metrics.jsonl describe, keyed as the TensorBoard tags: (step, value)."""
-    expected: History = {}
-    for line in read_metrics(run_dir).splitlines():
-        row = json.loads(line)
-        for name, value in [("loss", row.get("loss")), *row.get("metrics", {}).items()]:
-            if value is not None:
-                expected.setdefault(f"{row['stage']}/{name}", []).append((row["step"], value))
-    return expected

@@ -13,7 +13,8 @@ import engine
 import engine.lightning
 from lit_modules import build, loaders
 from resume_helpers import read_metrics
-from wandb_files import expected_histories, the_one_run, wandb_environment
+from tracker_histories import expected_histories
+from wandb_files import the_one_run, wandb_environment
 
 
 def test_each_lightning_logger_becomes_the_engines_with_its_settings(tmp_path):

@@ -18,7 +18,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "distribute
 import torchrun_helpers as helpers  # noqa: E402
 from mlflow_server import MlflowTestServer, mlflow_server  # noqa: E402,F401  (fixture)
 from test_mlflow import histories, the_one_run as the_one_mlflow_run  # noqa: E402
-from wandb_files import expected_histories, the_one_run as the_one_wandb_run, wandb_environment  # noqa: E402
+from tracker_histories import expected_histories  # noqa: E402
+from wandb_files import the_one_run as the_one_wandb_run, wandb_environment  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.exhaustive]
 # Rank 1 dies at its 5th split of the first try; rank 0 at its 4th split of the second.

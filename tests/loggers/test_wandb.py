@@ -10,11 +10,6 @@ from __future__ import annotations
 import os
 import pathlib
 import random
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
 
 import pytest
@@ -22,11 +17,11 @@ import torch
 
 import engine
 import engine.loggers
-import forkserver
-from kill_helpers import TIMEOUT, environment, kill_at_random_instant, run_scenario
+from kill_helpers import kill_at_random_instant, run_scenario
 from plateau_scenario import train_plateau
 from resume_helpers import assert_same_run, read_metrics
-from wandb_files import expected_histories, read_offline_runs, the_one_run, wandb_environment
+from tracker_histories import expected_histories, kill_once
+from wandb_files import history_written, read_offline_runs, the_one_run, wandb_environment
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "plateau_scenario.py")
 PROJECT = "splitloop-tests"
@@ -78,31 +73,11 @@ def test_the_wandb_run_holds_exactly_the_rows_of_metrics_jsonl_and_the_config(re
     assert not any(key.startswith("config/loggers") for key in config)
 
 
-def kill_after(run_dir: str, wandb_dir: pathlib.Path, seconds: float) -> None:
-    """Start the scenario, SIGKILL it ``seconds`` after it starts training; it must not have ended."""
-    with tempfile.TemporaryFile(mode="w+") as stderr:
-        process = forkserver.popen([sys.executable, SCRIPT, "schedule", run_dir, "--sleep", "0.2",
-                                    "--wandb", str(wandb_dir), PROJECT], env=environment(None),
-                                   stdout=subprocess.PIPE, stderr=stderr, text=True)
-        try:
-            assert process.stdout.readline().startswith("training")
-            time.sleep(seconds)
-            process.send_signal(signal.SIGKILL)
-            process.wait(TIMEOUT)
-            stderr.seek(0)
-            assert process.returncode == -signal.SIGKILL, "it ended before the kill: " + stderr.read()[-3000:]
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-            process.stdout.close()
-
-
 @pytest.mark.slow
 def test_a_run_killed_after_rows_reached_wandb_resumes_into_the_same_run_each_step_once(reference, tmp_path):
     reference_dir, reference_run = reference
     run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "wandb"
-    kill_after(run_dir, wandb_dir, 5.0)
+    kill_once(SCRIPT, run_dir, ["--wandb", str(wandb_dir), PROJECT], lambda: history_written(wandb_dir) >= 5)
     [killed] = read_offline_runs(wandb_dir).values()
     rows = len(read_metrics(reference_dir).splitlines())
     assert 0 < len(killed.history) < rows, "the kill should land once W&B holds some rows, not all"
@@ -172,22 +147,6 @@ def test_a_wandb_that_cannot_write_costs_one_warning_and_lists_the_unsent_rows(w
 def test_settings_are_checked_up_front(make, message):
     with pytest.raises(engine.ConfigError, match=message):
         make()
-
-
-def test_without_wandb_installed_the_logger_says_what_to_install(monkeypatch):
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "wandb" else find_spec(name, *args))
-    with pytest.raises(engine.ConfigError, match=r"needs the wandb package.*pip install 'splitloop\[wandb\]'"):
-        engine.loggers.WandB()
-
-
-def test_import_engine_imports_neither_tracker():
-    code = ("import sys, engine, engine.loggers; engine.loggers.WandB(); engine.loggers.MLflow(); "
-            "assert not {'wandb', 'mlflow'} & set(sys.modules), 'imported'")
-    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
-    assert process.returncode == 0, process.stderr[-2000:]
 
 
 def test_log_model_logs_the_weights_of_the_last_checkpoint_as_an_artifact(wandb_home, tmp_path):

@@ -5,6 +5,8 @@ no engine equivalent, is refused in one line before anything runs."""
 from __future__ import annotations
 
 import os
+import pathlib
+import signal
 
 import pytest
 from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
@@ -12,9 +14,12 @@ from pytorch_lightning.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoa
 import engine
 import engine.lightning
 from lit_modules import build, loaders
-from resume_helpers import read_metrics
+from kill_helpers import run_scenario
+from resume_helpers import assert_same_run, read_metrics
 from tracker_histories import expected_histories
 from wandb_files import the_one_run, wandb_environment
+
+LIT_SCRIPT = str(pathlib.Path(__file__).with_name("lit_scenarios.py"))
 
 
 def test_each_lightning_logger_becomes_the_engines_with_its_settings(tmp_path):
@@ -114,3 +119,27 @@ def test_a_fit_through_a_wandb_logger_fills_one_offline_wandb_run_with_the_rows(
     assert run.histories() == expected_histories(run_dir)
     assert len(run.history) == len(read_metrics(run_dir).splitlines()) > 3
     assert run.config()["config/run_dir"] == run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # four Lightning processes with W&B; the default run keeps the fit above
+def test_a_lightning_run_sigkilled_in_validation_and_training_is_one_wandb_run_equal_to_an_uninterrupted_one(
+        tmp_path, monkeypatch):
+    for key, value in wandb_environment(tmp_path / "home").items():
+        monkeypatch.setenv(key, value)
+    reference_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "run")
+    assert run_scenario("checkpointed", reference_dir, None, "--wandb", str(tmp_path / "wandb-reference"),
+                        script=LIT_SCRIPT).returncode == 0
+    for faults in ("validation_batch_end:2:sigkill", "split_end:5:sigkill"):
+        killed = run_scenario("checkpointed", run_dir, faults, "--wandb", str(tmp_path / "wandb"), script=LIT_SCRIPT)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    process = run_scenario("checkpointed", run_dir, None, "--wandb", str(tmp_path / "wandb"), script=LIT_SCRIPT)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert_same_run(reference_dir, run_dir)
+    reference, run = the_one_run(tmp_path / "wandb-reference", reference_dir), the_one_run(tmp_path / "wandb", run_dir)
+    # (A process killed before its sender's wandb.init ended leaves no run file: up to three files.)
+    assert len(run.files) <= 3 and run.histories() == reference.histories() == expected_histories(run_dir)
+    steps = sorted(item["_step"] for item in run.history)
+    assert steps == list(range(len(read_metrics(run_dir).splitlines())))
+    keys = [key for update in run.configs for key in update]
+    assert len(keys) == len(set(keys))  # the config set once

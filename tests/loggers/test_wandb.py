@@ -162,3 +162,21 @@ def test_log_model_logs_the_weights_of_the_last_checkpoint_as_an_artifact(wandb_
     assert entry["path"] == "model.safetensors"
     weights, trained = load_file(entry["local_path"]), model.state_dict()  # the file W&B staged for upload
     assert weights.keys() == trained.keys() and all(torch.equal(weights[key], trained[key]) for key in trained)
+
+
+# Three W&B attachments in one process (seconds each): exhaustive; the default run keeps the kill
+# test, which attaches again in a new process.
+@pytest.mark.exhaustive
+def test_rollbacks_in_one_process_stay_in_the_one_wandb_run(wandb_home, tmp_path):
+    """engine.Rollback restores a checkpoint in the same process twice: each time the logger
+    ends its attachment and attaches again (a new offline directory), sending on from the first
+    row the W&B run lacks."""
+    from rollback_scenario import train_poisoned
+
+    run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "wandb"
+    train_poisoned("nan", run_dir, loggers=[
+        engine.loggers.WandB(project=PROJECT, mode="offline", dir=wandb_dir, retry_seconds=0.1)])
+    run = the_one_run(wandb_dir, run_dir)
+    assert len(run.files) == 3 and run.finished == 3  # the start and each of the two rollbacks
+    assert_each_step_once(run)
+    assert run.histories() == expected_histories(run_dir)

@@ -89,14 +89,17 @@ class WandB(Tracker):
         self.run_id: str | None = None
         self._wandb_run: Any = None  # a wandb Run once connected
         self._held_rows: int | None = None
+        self._chosen_id: str | None = None
 
     def __repr__(self) -> str:
         return f"engine.loggers.WandB(project={self.project!r}, mode={self.mode!r})"
 
     # ---- the sender thread's calls ----------------------------------------------------------
     def _connect(self, fresh: bool) -> None:
+        if self._chosen_id is None:  # once per start: a connection tried again keeps its id
+            self._chosen_id = self._run_id(fresh)
         if self._wandb_run is None:
-            self._wandb_run = self._init(_import_wandb(), self._run_id(fresh))
+            self._wandb_run = self._init(_import_wandb(), self._chosen_id)
             self.run_id = self._wandb_run.id
         run = self._wandb_run
         if self._held_rows is None:
@@ -111,8 +114,7 @@ class WandB(Tracker):
         if not fresh and isinstance(record.get("id"), str):
             return record["id"]
         # A fresh start replaces the earlier run: never attach to the W&B run it wrote to.
-        given = self.id is not None and record.get("id") != self.id
-        run_id = self.id if given and self.id is not None else uuid.uuid4().hex[:16]
+        run_id = self.id if self.id is not None and record.get("id") != self.id else uuid.uuid4().hex[:16]
         write_record(self.run, RUN_FILE, {"id": run_id})
         return run_id
 
@@ -183,6 +185,7 @@ class WandB(Tracker):
 
     def _reset(self) -> None:
         run, self._wandb_run, self._held_rows, self.run_id = self._wandb_run, None, None, None
+        self._chosen_id = None
         if run is not None:  # a rollback restarts the logger in this process: end the previous attachment
             try:
                 run.finish()

@@ -196,10 +196,8 @@ class WandB(Tracker):
 def read_run_file(path: str) -> tuple[int, dict[str, object]]:
     """What a W&B run file (``run-<id>.wandb``) holds: its next step (the largest ``_step`` + 1)
     and its config; read with wandb's own reader, which stops at a torn end (a killed process's)."""
-    from wandb.util import get_core_path
-
     # What `wandb leet inspect --json --run-file PATH` runs, without a Python start-up.
-    command = [get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file", path,
+    command = [_import_wandb().util.get_core_path(), "leet", "inspect", "--no-observability", "--json", "--run-file", path,
                os.path.dirname(os.path.dirname(path))]
     result = subprocess.run(command, capture_output=True, text=True, timeout=_READ_TIMEOUT)
     if result.returncode != 0:
@@ -217,9 +215,10 @@ def read_run_file(path: str) -> tuple[int, dict[str, object]]:
 
 
 def _import_wandb() -> ModuleType:
-    """wandb (imported by the sender thread, not by ``import engine``)."""
+    """wandb, with its utilities (imported by the sender thread, not by ``import engine``)."""
     try:
         import wandb
+        import wandb.util
     except ImportError as error:
         raise ConfigError(_MISSING) from error
     return wandb

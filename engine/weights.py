@@ -20,11 +20,10 @@ from __future__ import annotations
 import os
 import torch
 
-from engine.checkpoint.store.storage import Storage
-from engine.checkpoint.store.checkpoint_store import CheckpointStore, LoadedCheckpoint
 from engine.distributed.sharded import consolidated_module_state
-from engine.errors import CheckpointIncompatible, CheckpointNotFound, ConfigError
+from engine.errors import ConfigError
 from engine.run import state as run_state
+from engine.run.weights_file import EXPORT_FORMATS, read_checkpoint, write_weights
 
 
 def load_weights(module: torch.nn.Module, source: str, checkpoint: str = "latest") -> str:
@@ -45,9 +44,6 @@ def load_weights(module: torch.nn.Module, source: str, checkpoint: str = "latest
     return loaded.name
 
 
-EXPORT_FORMATS = ("torch", "safetensors")
-
-
 def export_weights(source: str, path: str, checkpoint: str = "latest", format: str = "torch") -> str:
     """Write the model state of a run's checkpoint to ``path``; returns the checkpoint's name.
 
@@ -64,45 +60,5 @@ def export_weights(source: str, path: str, checkpoint: str = "latest", format: s
     if not os.path.isdir(parent):
         raise ConfigError(f"export_weights: cannot write {path}: its directory {parent} does not exist; create it first")
     loaded = read_checkpoint(source, checkpoint)
-    weights = {key: tensor.detach().cpu().contiguous() for key, tensor in consolidated_module_state(loaded).items()}
-    temporary = f"{path}.tmp-{os.getpid()}"
-    if format == "safetensors":
-        _save_safetensors(weights, temporary)
-    else:
-        torch.save(weights, temporary)
-    os.replace(temporary, path)
+    write_weights(loaded, path, format)
     return loaded.name
-
-
-def _save_safetensors(weights: dict[str, torch.Tensor], path: str) -> None:
-    try:
-        from safetensors.torch import save_file
-    except ImportError as error:
-        raise ConfigError("export_weights: format='safetensors' needs the safetensors package: "
-                          "pip install 'splitloop[safetensors]' (or pip install safetensors)") from error
-    save_file(weights, path)
-
-
-def read_checkpoint(source: str, checkpoint: str) -> LoadedCheckpoint:
-    """The verified checkpoint ``checkpoint`` of the run in ``source``."""
-    if not isinstance(source, str) or not source:
-        raise ConfigError(f"source must be a run directory path or URL, got {source!r}")
-    if not isinstance(checkpoint, str):
-        raise ConfigError(f"checkpoint must be 'latest', 'best' or a checkpoint name, got {checkpoint!r}")
-    try:
-        storage = Storage(source, create=False)
-    except ConfigError as error:
-        raise CheckpointNotFound(f"{source}: no such run directory") from error
-    store = CheckpointStore(storage, create=False)
-    if checkpoint == "best":
-        best = store.best(1)
-        if not best:
-            raise CheckpointNotFound(f"{source} holds no best checkpoint that verifies "
-                                     "(best checkpoints need CheckpointConfig(monitor=...))")
-        return store.load(best[0], run_state.validate)
-    if checkpoint == "latest":
-        loaded = store.latest(run_state.validate)
-        if loaded is None:
-            raise CheckpointNotFound(f"{source} holds no checkpoint that verifies")
-        return loaded
-    return store.load(checkpoint, run_state.validate)

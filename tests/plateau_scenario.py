@@ -4,10 +4,11 @@ metric (``interval="step"``, ``frequency=3``), one at each epoch end with ``val_
 logs the learning rate it trains with, so metrics.jsonl holds the lr sequence. Run as a script
 for the subprocess kill tests (the name is the configure_optimizers form)::
 
-    python tests/plateau_scenario.py {lightning,schedule} RUN_DIR [--sleep S] [--loggers] [--mlflow URI EXPERIMENT]
+    python tests/plateau_scenario.py {lightning,schedule} RUN_DIR [--sleep S] [--loggers] [--mlflow URI EXPERIMENT] [--wandb DIR PROJECT]
 
 With ``--loggers`` the run also writes TensorBoard events to RUN_DIR/tensorboard and a CSV to
-RUN_DIR/metrics.csv (engine.loggers); with ``--mlflow`` it sends its rows to that MLflow server.
+RUN_DIR/metrics.csv (engine.loggers); with ``--mlflow`` it sends its rows to that MLflow server, with
+``--wandb`` to an offline W&B run written under DIR.
 """
 
 from __future__ import annotations
@@ -82,12 +83,20 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--loggers", action="store_true")
     parser.add_argument("--mlflow", nargs=2, metavar=("URI", "EXPERIMENT"))
+    parser.add_argument("--wandb", nargs=2, metavar=("DIR", "PROJECT"))
     args = parser.parse_args(argv)
     loggers = run_loggers(args.run_dir) if args.loggers else []
     if args.mlflow:
         import mlflow.tracking  # noqa: F401  (imported before training: the sender connects at once)
 
         loggers.append(engine.loggers.MLflow(args.mlflow[0], experiment=args.mlflow[1], retry_seconds=0.2))
+    if args.wandb:
+        # Its own wandb-core, not the test process's (which its W&B runs would have exported here).
+        os.environ.pop("WANDB_SERVICE", None)
+        import wandb  # noqa: F401  (imported before training: the sender connects at once)
+
+        loggers.append(engine.loggers.WandB(project=args.wandb[1], mode="offline", dir=args.wandb[0],
+                                            retry_seconds=0.2))
     train_plateau(args.run_dir, args.form, callbacks=(Announce(args.sleep),), loggers=loggers)
     return 0
 

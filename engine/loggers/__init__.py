@@ -15,5 +15,6 @@ from engine.loggers.base import Logger
 from engine.loggers.csv_file import CSV
 from engine.loggers.mlflow_tracker import MLflow
 from engine.loggers.tensorboard import TensorBoard
+from engine.loggers.wandb_tracker import WandB
 
-__all__ = ["CSV", "Logger", "MLflow", "TensorBoard"]
+__all__ = ["CSV", "Logger", "MLflow", "TensorBoard", "WandB"]

@@ -13,6 +13,9 @@ others are sent. Every committed row reaches the tracker once, whatever was kill
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import tempfile
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -28,14 +31,18 @@ class Point(NamedTuple):
     step: int                  # the row's optimizer step
     values: dict[str, float]   # "<stage>/<name>" -> value
     milliseconds: int          # when first sent (0 before); fixed, so a send tried again is the same send
+    row: int                   # its row number in metrics.jsonl (from 0, counted from the file's start)
 
 
 class Tracker(Logger):
     """Base of the tracker loggers: subclasses say how to reach their tracker
-    (:meth:`_connect`, :meth:`_held_counts`, :meth:`_send`, :meth:`_finish`); this class decides
-    what is sent and when (see the module docstring)."""
+    (:meth:`_connect`, :meth:`_held_counts` or :meth:`_missing`, :meth:`_send`, :meth:`_finish`);
+    this class decides what is sent and when (see the module docstring)."""
 
-    def __init__(self, close_timeout: float, retry_seconds: float) -> None:
+    def __init__(self, close_timeout: float, retry_seconds: float, log_model: bool = False) -> None:
+        if not isinstance(log_model, bool):
+            raise ConfigError(f"{type(self).__name__}.log_model: expected True or False, got {log_model!r}")
+        self.log_model = log_model
         self.close_timeout = _positive(type(self).__name__, "close_timeout", close_timeout)
         self.retry_seconds = _positive(type(self).__name__, "retry_seconds", retry_seconds)
         self.run = RunInfo()
@@ -51,6 +58,7 @@ class Tracker(Logger):
         self._notices: list[str] = []    # warnings from the sender thread, raised on the training thread
         self.unsent: list[Point] = []    # committed rows that never reached the tracker (after close)
         self._last_milliseconds = 0
+        self._model_sent = False
 
     # ---- the Logger interface (training thread; committed() also the writer's) -------------
     def bind(self, run: RunInfo) -> None:
@@ -64,7 +72,7 @@ class Tracker(Logger):
 
     def log_row(self, row: Row) -> None:
         with self._condition:
-            self._points.append(Point(row_step(row), dict(row_scalars(row)), 0))
+            self._points.append(Point(row_step(row), dict(row_scalars(row)), 0, self._first + len(self._points)))
         self._raise_notices()
 
     def committed(self, rows: int) -> None:
@@ -91,12 +99,21 @@ class Tracker(Logger):
         """How many points of each key the attached tracker run holds."""
         raise NotImplementedError
 
+    def _missing(self, committed_rows: list[Row]) -> tuple[list[Point], dict[str, int]]:
+        """The points of ``committed_rows`` the attached run lacks, and what it holds beyond them
+        (by default from :meth:`_held_counts`; see :func:`points_missing`)."""
+        return points_missing(committed_rows, self._held_counts())
+
     def _send(self, points: list[Point]) -> None:
         """Send ``points`` (in order) to the attached run."""
         raise NotImplementedError
 
     def _finish(self) -> None:
         """Everything committed was sent and ``fit`` ends."""
+
+    def _send_model(self, path: str) -> None:
+        """Log the weights file ``path`` as the run's model (``log_model=True``)."""
+        raise NotImplementedError
 
     def _reset(self) -> None:
         """A new start (no sender thread runs): forget the previous start's connection."""
@@ -109,6 +126,7 @@ class Tracker(Logger):
             self._points, self._backlog, self.unsent = [], [], []
             self._first = self._committed = 0 if committed_rows is None else len(committed_rows)
             self._closing, self._give_up_at, self._down = False, float("inf"), False
+            self._model_sent = False
         self._thread = threading.Thread(target=self._work, args=(committed_rows,), daemon=True,
                                         name=f"splitloop {type(self).__name__} sender")
         self._thread.start()
@@ -129,17 +147,31 @@ class Tracker(Logger):
         if not self._until_done(lambda: self._connect(committed_rows is None)):
             return
         if committed_rows is not None:
-            held: list[dict[str, int]] = []
-            if not self._until_done(lambda: held.append(self._held_counts())):
+            found: list[tuple[list[Point], dict[str, int]]] = []
+            if not self._until_done(lambda: found.append(self._missing(committed_rows))):
                 return
             with self._condition:
-                self._backlog, extra = points_missing(committed_rows, held[0])
+                self._backlog, extra = found[0]
             if extra:
                 self._notice(f"{self!r}: the tracker run holds points beyond the resumed checkpoint ({extra}); "
                              "a newer checkpoint was lost after its rows were sent, and they stay in the tracker")
         while self._send_next():
             pass
-        self._until_done(self._finish)
+        self._until_done(self._end)
+
+    def _end(self) -> None:
+        """``fit`` ends and every committed row was sent: the model (``log_model``), then the end."""
+        if self.log_model and self.run.export_weights is not None and not self._model_sent:
+            with tempfile.TemporaryDirectory(prefix="splitloop-model-") as directory:
+                try:
+                    path = self.run.export_weights(directory)
+                except Exception as error:  # noqa: BLE001 - no checkpoint to export: the rest still ends
+                    self._notice(f"{self!r}: log_model: the weights could not be exported ({type(error).__name__}: "
+                                 f"{error}); no model is logged")
+                else:
+                    self._send_model(path)
+            self._model_sent = True  # (a retry of a failed _finish does not log it again)
+        self._finish()
 
     def _send_next(self) -> bool:
         """Send what is committed and unsent; False once closing and nothing is left (or time is up)."""
@@ -202,7 +234,7 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple
     of which it holds more than the rows have."""
     remaining = dict(held)
     missing: list[Point] = []
-    for row in committed_rows:
+    for number, row in enumerate(committed_rows):
         values = {}
         for key, value in row_scalars(row):
             if remaining.get(key, 0) > 0:
@@ -210,8 +242,28 @@ def points_missing(committed_rows: Sequence[Row], held: dict[str, int]) -> tuple
             else:
                 values[key] = value
         if values:
-            missing.append(Point(row_step(row), values, 0))
+            missing.append(Point(row_step(row), values, 0, number))
     return missing, {key: count for key, count in remaining.items() if count > 0}
+
+
+def read_record(run: RunInfo, name: str) -> dict[str, str] | None:
+    """The JSON record ``name`` a tracker keeps in the run directory (its run's id), if any."""
+    if run.files is None or not run.files.exists(name):
+        return None
+    record = json.loads(run.files.read(name).decode())
+    return record if isinstance(record, dict) else None
+
+
+def write_record(run: RunInfo, name: str, record: dict[str, str]) -> None:
+    """Replace the record ``name`` in the run directory (nothing without a ``run_dir``)."""
+    if run.files is not None:
+        run.files.replace(name, json.dumps(record).encode())
+
+
+def require_package(package: str, message: str) -> None:
+    """ConfigError(``message``) when ``package`` is not installed (looked up, not imported)."""
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(message)
 
 
 def _positive(owner: str, field: str, value: object) -> float:

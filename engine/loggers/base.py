@@ -43,10 +43,15 @@ class RunInfo:
         files: the run directory's files (None without a ``run_dir``).
         hyperparameters: the run's settings as flat ``name -> text`` pairs (the TrainerConfig's
             fields as ``config/<field>``, the module's ``hparams`` as ``hparams/<name>``).
+        export_weights: writes the model weights of the run's newest checkpoint into the local
+            directory it is given and returns the file's path (``model.safetensors``, or
+            ``model.pt`` without safetensors); None without checkpoints. Call it at ``close``:
+            the run's last checkpoint is durable by then.
     """
 
     files: RunFiles | None = None
     hyperparameters: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    export_weights: Callable[[str], str] | None = None
 
 
 class Logger:

@@ -6,7 +6,7 @@ mapping on an engine module) as ``hparams/<name>``. Nested mappings are flattene
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 from engine.loggers.base import RunFiles, RunInfo
 
@@ -15,9 +15,10 @@ MAX_VALUE_CHARACTERS = 500
 _SKIPPED_FIELDS = ("loggers",)  # the loggers themselves are not a setting of the training
 
 
-def run_info(files: RunFiles | None, config: object, module: object) -> RunInfo:
+def run_info(files: RunFiles | None, config: object, module: object,
+             export_weights: Callable[[str], str] | None = None) -> RunInfo:
     """What the loggers are told about the run (engine.loggers.base.Logger.bind)."""
-    return RunInfo(files, run_hyperparameters(config, module))
+    return RunInfo(files, run_hyperparameters(config, module), export_weights)
 
 
 def run_hyperparameters(config: object, module: object) -> dict[str, str]:

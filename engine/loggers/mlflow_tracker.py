@@ -19,8 +19,6 @@ private generator instead (:func:`_private_random`), once, when the sender first
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import json
 import random
 import sys
 import uuid
@@ -28,7 +26,7 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from engine.errors import ConfigError
-from engine.loggers._tracker import Point, Tracker
+from engine.loggers._tracker import Point, Tracker, read_record, require_package, write_record
 
 _MISSING = ("engine.loggers.MLflow needs the mlflow package, which is not installed: "
             "pip install 'splitloop[mlflow]' (or pip install mlflow-skinny)")
@@ -37,6 +35,7 @@ RUN_FILE = "mlflow-run.json"
 _DRAWING_MODULES = ("mlflow.utils.name_utils", "mlflow.utils.rest_utils", "mlflow.utils.request_utils",
                     "urllib3.util.retry")
 TOKEN_TAG = "splitloop.run_token"
+MODEL_ARTIFACT = "model"  # log_model's folder among the run's artifacts
 _BATCH_METRICS, _BATCH_PARAMS = 1000, 100  # MLflow's limits for one log_batch
 
 
@@ -52,14 +51,16 @@ class MLflow(Tracker):
         experiment: the experiment's name (created if missing).
         run_name: the MLflow run's name (MLflow picks one if None).
         tags: tags set on the MLflow run when it is created.
+        log_model: at the end of ``fit``, log the weights of the run's last checkpoint as the
+            artifact ``model/model.safetensors`` (``model/model.pt`` without safetensors).
         close_timeout: seconds ``fit``'s end waits for the last rows to reach the server.
         retry_seconds: how often an unreachable server is tried again.
     """
 
     def __init__(self, tracking_uri: str | None = None, experiment: str = "splitloop", run_name: str | None = None,
-                 tags: Mapping[str, str] | None = None, close_timeout: float = 30.0,
+                 tags: Mapping[str, str] | None = None, log_model: bool = False, close_timeout: float = 30.0,
                  retry_seconds: float = 5.0) -> None:
-        super().__init__(close_timeout, retry_seconds)
+        super().__init__(close_timeout, retry_seconds, log_model)
         if tracking_uri is not None and (not isinstance(tracking_uri, str) or not tracking_uri.strip()):
             raise ConfigError(f"MLflow.tracking_uri: expected a URI string or None, got {tracking_uri!r}")
         if not isinstance(experiment, str) or not experiment.strip():
@@ -68,8 +69,7 @@ class MLflow(Tracker):
             raise ConfigError(f"MLflow.run_name: expected a string or None, got {run_name!r}")
         if tags is not None and not (isinstance(tags, Mapping) and all(isinstance(k, str) for k in tags)):
             raise ConfigError(f"MLflow.tags: expected a mapping of str to str, got {tags!r}")
-        if importlib.util.find_spec("mlflow") is None:
-            raise ConfigError(_MISSING)
+        require_package("mlflow", _MISSING)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
         self.tags = {key: str(value) for key, value in (tags or {}).items()}
         self.run_id: str | None = None
@@ -85,10 +85,10 @@ class MLflow(Tracker):
         _private_random()
         client = self._client = mlflow.tracking.MlflowClient(self.tracking_uri)
         if self._record is None:  # once per start: a connection tried again keeps its token
-            record = None if fresh else self._read_record()
+            record = None if fresh else read_record(self.run, RUN_FILE)
             if record is None or "token" not in record:
                 record = {"token": uuid.uuid4().hex}
-                self._write_record(record)
+                write_record(self.run, RUN_FILE, record)
             self._record = record
         record = self._record
         run_id = record.get("run_id") or self._run_with_token(client, record["token"])
@@ -100,7 +100,7 @@ class MLflow(Tracker):
                                        run_name=self.run_name).info.run_id
         if record.get("run_id") != run_id:
             record = self._record = {**record, "run_id": run_id}
-            self._write_record(record)
+            write_record(self.run, RUN_FILE, record)
         client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         self._log_missing_params(client, run_id)
@@ -127,6 +127,10 @@ class MLflow(Tracker):
         client, run_id = self._attached()
         client.set_terminated(run_id, "FINISHED")
 
+    def _send_model(self, path: str) -> None:
+        client, run_id = self._attached()
+        client.log_artifact(run_id, path, artifact_path=MODEL_ARTIFACT)
+
     # ---- helpers ----------------------------------------------------------------------------
     def _attached(self) -> tuple[Any, str]:
         assert self._client is not None and self.run_id is not None, "called before _connect"
@@ -146,17 +150,6 @@ class MLflow(Tracker):
         params = [Param(key, value) for key, value in self.run.hyperparameters.items() if key not in held]
         for start in range(0, len(params), _BATCH_PARAMS):
             client.log_batch(run_id, params=params[start:start + _BATCH_PARAMS])
-
-    def _read_record(self) -> dict[str, str] | None:
-        files = self.run.files
-        if files is None or not files.exists(RUN_FILE):
-            return None
-        record = json.loads(files.read(RUN_FILE).decode())
-        return record if isinstance(record, dict) else None
-
-    def _write_record(self, record: dict[str, str]) -> None:
-        if self.run.files is not None:
-            self.run.files.replace(RUN_FILE, json.dumps(record).encode())
 
 
 def _import_mlflow() -> ModuleType:

@@ -17,6 +17,7 @@ and the loops go on (engine.run.rollback).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Iterable, Sequence
 
@@ -53,6 +54,7 @@ from engine.run.module_checks import check_module, check_optimizer_setup
 from engine.faults.preemption import PreemptionWatcher
 from engine.run.preemption import preemption_reason, run_requeue_command
 from engine.run.start import ResumedStart, RunStart, announce
+from engine.run.weights_file import newest_weights_into
 from engine.watchdog.crash_loop import Attempts
 from engine.goodput import clock
 from engine.goodput.ledger import Ledger
@@ -99,7 +101,9 @@ class FitRun:
         self.storage = storage
         writes_metrics = self.coordinator.is_writer
         chosen = config.loggers if writes_metrics else ()
-        loggers = LoggerSet(chosen, run_info(storage, config, original_module(module)) if chosen else None)
+        export = functools.partial(newest_weights_into, storage.url) if storage is not None and config.checkpoint \
+            else None
+        loggers = LoggerSet(chosen, run_info(storage, config, original_module(module), export) if chosen else None)
         self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
             RunCheckpointer(storage, _checkpoint_plan(config, storage), self.metrics, self.coordinator.commit_group())

@@ -26,6 +26,9 @@ rank leaves through the interpreter's teardown (not ``rank_exit.leave``) and wri
 ``atexit`` handler registered before ``fit``, whether a process group was still up then
 (``OUT_DIR/group-at-exit-<rank>``).
 
+``--mlflow URI EXPERIMENT`` and ``--wandb DIR PROJECT`` give every rank the tracker logger
+(engine.loggers.MLflow to that server, engine.loggers.WandB offline under DIR); rank 0 sends.
+
 ``--poison`` makes one sample's input NaN (one rank meets it each epoch) and trains with
 ``engine.Rollback()``: both ranks roll back together.
 
@@ -213,6 +216,8 @@ def main() -> int:
     parser.add_argument("--plateau-and-loggers", action="store_true",
                         help="a ReduceLROnPlateau on each rank's own training loss; TensorBoard and CSV loggers "
                              "writing to OUT_DIR/tensorboard-<rank> and OUT_DIR/metrics-<rank>.csv")
+    parser.add_argument("--mlflow", nargs=2, metavar=("URI", "EXPERIMENT"), help="engine.loggers.MLflow to that server")
+    parser.add_argument("--wandb", nargs=2, metavar=("DIR", "PROJECT"), help="engine.loggers.WandB, offline, in DIR")
     parser.add_argument("--val-epoch-slow", type=float, default=None,
                         help="validate after each epoch, sleeping this long per validation split (counted)")
     parser.add_argument("--fail-after-preemption-rank", type=int, default=None,
@@ -252,6 +257,13 @@ def main() -> int:
     pause_rank, _, pause_batch = os.environ.get("VALIDATION_PAUSE", "").partition("/")
     if restart == 0 and pause_rank == str(rank):
         model.pause_at_validation_batch = int(pause_batch)
+    trackers: list[engine.loggers.Logger] = []  # every rank is given them; rank 0 alone opens them
+    if args.mlflow:
+        trackers.append(engine.loggers.MLflow(args.mlflow[0], experiment=args.mlflow[1], retry_seconds=0.2))
+    if args.wandb:
+        os.environ.pop("WANDB_SERVICE", None)  # its own wandb-core, not the test process's
+        trackers.append(engine.loggers.WandB(project=args.wandb[1], mode="offline", dir=args.wandb[0],
+                                             retry_seconds=0.2))
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, asynchronous=args.asynchronous,
@@ -259,8 +271,8 @@ def main() -> int:
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
-        loggers=[engine.loggers.TensorBoard(str(out / f"tensorboard-{rank}")),
-                 engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else [],
+        loggers=([engine.loggers.TensorBoard(str(out / f"tensorboard-{rank}")),
+                  engine.loggers.CSV(str(out / f"metrics-{rank}.csv"))] if args.plateau_and_loggers else []) + trackers,
         anomaly=engine.Rollback() if args.poison else None,
         **({} if args.start_timeout is None else {"start_timeout": args.start_timeout}),
         **({} if args.watchdog is None else {"watchdog": engine.Watchdog(

@@ -1,7 +1,9 @@
 """Train one of lit_modules' LightningModules through engine.lightning.Trainer into a run
 directory; run as a script by the kill tests::
 
-    python tests/lightning/lit_scenarios.py NAME RUN_DIR
+    python tests/lightning/lit_scenarios.py NAME RUN_DIR [--wandb DIR]
+
+With ``--wandb DIR`` the trainer is given Lightning's ``WandbLogger(save_dir=DIR, offline=True)``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def boring_settings(name: str) -> dict[str, object]:
     return {"max_epochs": 2, "checkpoint": engine.CheckpointConfig(every_n_splits=16)}
 
 
-def train(name: str, run_dir: str, resume: str = "auto") -> engine.FitResult:
+def train(name: str, run_dir: str, resume: str = "auto", logger: object = None) -> engine.FitResult:
     if name == "transformer":  # LightningTransformer reads ./data/wikitext-2.txt
         os.makedirs(f"{run_dir}-cwd", exist_ok=True)
         os.chdir(f"{run_dir}-cwd")
@@ -56,13 +58,19 @@ def train(name: str, run_dir: str, resume: str = "auto") -> engine.FitResult:
     train_loader, val_loader = (None, None) if name in OWN_DATA else loaders(name)
     config = trainer_config(**{"max_epochs": EPOCHS, **boring_settings(name)}, run_dir=run_dir, progress_bar="off",
                             val_every_n_steps=3 if name == "checkpointed" else None, loggers=loggers(name, run_dir))
-    trainer = engine.lightning.Trainer(config, callbacks=callbacks(name, run_dir))
+    trainer = engine.lightning.Trainer(config, callbacks=callbacks(name, run_dir), logger=logger)
     return trainer.fit(model, train_loader, None if name == "gan" else val_loader, resume=resume)
 
 
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    result = train(argv[0], argv[1])
+    logger = None
+    if argv[2:3] == ["--wandb"]:
+        from pytorch_lightning.loggers import WandbLogger
+
+        os.environ.pop("WANDB_SERVICE", None)  # its own wandb-core, not the test process's
+        logger = WandbLogger(project="splitloop-tests", save_dir=argv[3], offline=True)
+    result = train(argv[0], argv[1], logger=logger)
     print(f"done: {result.optimizer_steps} steps; {result.stop_reason}", flush=True)
     return 0
 

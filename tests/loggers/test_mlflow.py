@@ -9,25 +9,21 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
+from typing import Callable
 
 import pytest
+import torch
 
 import engine
 import engine.loggers
-import forkserver
-from kill_helpers import TIMEOUT, environment, kill_at_random_instant, run_scenario
+from kill_helpers import kill_at_random_instant, run_scenario
 from mlflow_server import MlflowTestServer, mlflow_server  # noqa: F401  (fixture)
 from plateau_scenario import train_plateau
 from resume_helpers import assert_same_run, read_metrics
+from tracker_histories import History, expected_histories, kill_once
 
 SCRIPT = str(pathlib.Path(__file__).parent.parent / "plateau_scenario.py")
-History = dict[str, list[tuple[int, float]]]
 
 
 def mlflow_runs(server: MlflowTestServer, experiment: str) -> list:
@@ -48,17 +44,6 @@ def histories(server: MlflowTestServer, run_id: str) -> History:
         points = sorted(client.get_metric_history(run_id, key), key=lambda metric: metric.timestamp)
         result[key] = [(metric.step, metric.value) for metric in points]
     return result
-
-
-def expected_histories(run_dir: str) -> History:
-    """What the rows of metrics.jsonl describe, keyed as the TensorBoard tags."""
-    expected: History = {}
-    for line in read_metrics(run_dir).splitlines():
-        row = json.loads(line)
-        for name, value in [("loss", row.get("loss")), *row.get("metrics", {}).items()]:
-            if value is not None:
-                expected.setdefault(f"{row['stage']}/{name}", []).append((row["step"], value))
-    return expected
 
 
 def the_one_run(server: MlflowTestServer, experiment: str, run_dir: str):
@@ -94,31 +79,18 @@ def test_the_mlflow_run_holds_exactly_the_rows_of_metrics_jsonl_and_the_params(m
     assert not any(key.startswith("config/loggers") for key in run.data.params)
 
 
-def kill_once_the_tracker_holds_rows(server: MlflowTestServer, experiment: str, run_dir: str, points: int) -> None:
-    """Start the scenario and SIGKILL it once its MLflow run holds ``points`` train/loss points
-    (rows a checkpoint committed and the sender sent; more may be committed and unsent)."""
+def holds_train_losses(server: MlflowTestServer, experiment: str, points: int) -> Callable[[], bool]:
+    """Whether the experiment's MLflow run holds ``points`` train/loss points (rows a checkpoint
+    committed and the sender sent; more may be committed and unsent)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(server.uri)
-    with tempfile.TemporaryFile(mode="w+") as stderr:
-        process = forkserver.popen([sys.executable, SCRIPT, "schedule", run_dir, "--sleep", "0.2",
-                                    "--mlflow", server.uri, experiment], env=environment(None),
-                                   stdout=subprocess.DEVNULL, stderr=stderr, text=True)
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while time.monotonic() < deadline and process.poll() is None:
-                runs = mlflow_runs(server, experiment)
-                if runs and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= points:
-                    break
-                time.sleep(0.1)
-            process.send_signal(signal.SIGKILL)
-            process.wait(TIMEOUT)
-            stderr.seek(0)
-            assert process.returncode == -signal.SIGKILL, f"it ended before holding {points} points: " + stderr.read()[-3000:]
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+
+    def holds() -> bool:
+        runs = mlflow_runs(server, experiment)
+        return bool(runs) and len(client.get_metric_history(runs[0].info.run_id, "train/loss")) >= points
+
+    return holds
 
 
 @pytest.mark.slow
@@ -126,7 +98,8 @@ def test_a_run_killed_after_rows_reached_mlflow_resumes_into_the_same_run_each_p
                                                                                        tmp_path):
     reference_dir, reference_run = reference
     run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
-    kill_once_the_tracker_holds_rows(mlflow_server, experiment, run_dir, points=8)
+    kill_once(SCRIPT, run_dir, ["--mlflow", mlflow_server.uri, experiment],
+              holds_train_losses(mlflow_server, experiment, points=8))
     process = run_scenario("schedule", run_dir, None, "--mlflow", mlflow_server.uri, experiment, script=SCRIPT)
     assert process.returncode == 0, process.stderr[-3000:]
     assert_same_run(reference_dir, run_dir)
@@ -228,10 +201,16 @@ def test_settings_are_checked_up_front(make, message):
         make()
 
 
-def test_without_mlflow_installed_the_logger_says_what_to_install(monkeypatch):
-    import importlib.util
+def test_log_model_logs_the_weights_of_the_last_checkpoint_as_an_artifact(mlflow_server, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "mlflow" else find_spec(name, *args))
-    with pytest.raises(engine.ConfigError, match=r"needs the mlflow package.*pip install 'splitloop\[mlflow\]'"):
-        engine.loggers.MLflow("http://127.0.0.1:1")
+    run_dir, experiment = str(tmp_path / "run"), mlflow_server.experiment()
+    model, _ = train_plateau(run_dir, loggers=[engine.loggers.MLflow(mlflow_server.uri, experiment=experiment,
+                                                                     log_model=True)], max_epochs=1)
+    run = the_one_run(mlflow_server, experiment, run_dir)
+    client = MlflowClient(mlflow_server.uri)
+    assert [entry.path for entry in client.list_artifacts(run.info.run_id, "model")] == ["model/model.safetensors"]
+    weights = load_file(client.download_artifacts(run.info.run_id, "model/model.safetensors", str(tmp_path)))
+    trained = model.state_dict()
+    assert weights.keys() == trained.keys() and all(torch.equal(weights[key], trained[key]) for key in trained)

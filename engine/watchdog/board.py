@@ -76,6 +76,7 @@ class NodeBoard:
 
     def __init__(self, directory: str, rank: int, keep: bool = False) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        remove_earlier_restarts(directory)
         self.directory = directory
         self.keep = keep  # leave the word (flagged finished) for the launcher, which removes it
         self.path = rank_file(directory, rank)
@@ -118,6 +119,24 @@ class NodeBoard:
         """Remove every rank's word and the directory (the job ends on a hang)."""
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def remove_earlier_restarts(directory: str) -> None:
+    """Remove the words the earlier restarts of this job left on this node (``directory``'s
+    name ends with the restart count): torchrun ends every local worker of a try before it starts
+    the next, so the ranks that wrote them are gone, killed before they could remove their own."""
+    parent, name = os.path.split(directory)
+    job, _, restart = name.rpartition("-")
+    if not restart.isdigit():
+        return
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        return
+    for sibling in siblings:
+        earlier = sibling.rpartition("-")
+        if earlier[0] == job and earlier[2].isdigit() and int(earlier[2]) < int(restart):
+            shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
 
 
 def remove_words(directory: str, path: str) -> None:

@@ -4,6 +4,8 @@ node where no rank arrived, nor a rank of another try; and where the words live 
 
 from __future__ import annotations
 
+import os
+
 from engine.watchdog import phases
 from engine.watchdog.arrival import Worker, arrived, never_arrived
 from engine.watchdog.board import BOARD_VARIABLE, shared_directory
@@ -60,3 +62,21 @@ def test_the_launcher_board_holds_the_words_even_of_a_job_of_one(tmp_path) -> No
     directory = shared_directory({**torchrun, BOARD_VARIABLE: str(tmp_path)})
     assert directory is not None and directory.startswith(str(tmp_path)) and directory.endswith("job-1-0-2")
     assert shared_directory({**torchrun, BOARD_VARIABLE: "relative/path"}) is None  # not the launcher's: ignored
+
+
+def test_a_restart_removes_the_words_its_killed_predecessors_left_on_the_node(tmp_path):
+    from engine.watchdog.board import NodeBoard
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job", "MASTER_PORT": "29500",
+                "GROUP_RANK": "0", BOARD_VARIABLE: str(tmp_path)}
+    left = []
+    for restart in ("0", "1"):  # two tries SIGKILLed with their words in place
+        directory = shared_directory({**torchrun, "TORCHELASTIC_RESTART_COUNT": restart})
+        NodeBoard(directory, 0, keep=True).buffer.close()
+        left.append(directory)
+    other_node = shared_directory({**torchrun, "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"})
+    NodeBoard(other_node, 1, keep=True).buffer.close()
+    current = shared_directory({**torchrun, "TORCHELASTIC_RESTART_COUNT": "2"})
+    board = NodeBoard(current, 0)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(path) for path in (current, other_node))
+    board.close()

@@ -66,6 +66,24 @@ TORCHRUN_SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
 
 
+_LAUNCH_PREFIX = "splitloop-launch-"
+_BOARD_PREFIX = "splitloop-watchdog-launch-"
+
+
+def remove_what_dead_launchers_left(parent: str, prefix: str) -> None:
+    """Remove the directories ``prefix<pid>-...`` in ``parent`` whose launcher (the pid in the
+    name) is no longer alive: a launcher killed with SIGKILL cannot remove its own. A pid in use
+    again keeps its directory (the safe side)."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
 @dataclass(frozen=True)
 class LaunchFiles:
     """The files of one launch: a private directory (workers register in it), the marker, and
@@ -77,10 +95,13 @@ class LaunchFiles:
 
     @classmethod
     def create(cls, marker: str | None) -> "LaunchFiles":
-        directory = tempfile.mkdtemp(prefix=f"splitloop-launch-{os.getpid()}-")
+        remove_what_dead_launchers_left(tempfile.gettempdir(), _LAUNCH_PREFIX)
+        directory = tempfile.mkdtemp(prefix=f"{_LAUNCH_PREFIX}{os.getpid()}-")
         os.mkdir(os.path.join(directory, "workers"))
-        board = tempfile.mkdtemp(prefix=f"splitloop-watchdog-launch-{os.getpid()}-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else directory)
+        shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        if shared is not None:
+            remove_what_dead_launchers_left(shared, _BOARD_PREFIX)
+        board = tempfile.mkdtemp(prefix=f"{_BOARD_PREFIX}{os.getpid()}-", dir=shared or directory)
         files = cls(directory, marker if marker is not None else os.path.join(directory, "preempted.json"), board)
         files.remove_marker()  # a marker of an earlier launch must not turn this one into a preemption
         return files

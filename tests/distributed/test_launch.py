@@ -108,3 +108,16 @@ def test_the_workers_a_dead_torchrun_left_are_stopped_and_waited_for(tmp_path: p
     assert "ended with 2 process(es) left; stopping them" in stderr
     assert job.returncode == 75, stderr  # the orphaned rank 0 still committed and left the marker
     assert not launch_helpers.alive(processes)
+
+
+def test_a_launcher_removes_what_killed_launchers_left(tmp_path: pathlib.Path) -> None:
+    from engine.distributed.launch import remove_what_dead_launchers_left
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"splitloop-watchdog-launch-{dead.pid}-abc", f"splitloop-watchdog-launch-{os.getpid()}-def",
+                 "splitloop-watchdog-launch-x-ghi", f"other-{dead.pid}-jkl"):
+        (tmp_path / name).mkdir()
+    remove_what_dead_launchers_left(str(tmp_path), "splitloop-watchdog-launch-")
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [f"splitloop-watchdog-launch-{os.getpid()}-def", "splitloop-watchdog-launch-x-ghi", f"other-{dead.pid}-jkl"])

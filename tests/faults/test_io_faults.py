@@ -57,8 +57,11 @@ def test_io_error_with_raise_policy_loses_no_checkpoint(where, kind, hit, armed,
             raised = str(error)
     faults.clear()
     retention = [str(w.message) for w in caught if "could not delete old checkpoint" in str(w.message)]
-    # Either the write failed and training stopped, or only deleting an old checkpoint failed.
-    assert (raised is not None and expected in raised) or (retention and expected in retention[0])
+    ledger = [str(w.message) for w in caught if "could not append to the goodput ledger" in str(w.message)]
+    # Either the write failed and training stopped, or only deleting an old checkpoint failed, or
+    # only an append to the goodput ledger (it costs the ledger a row, never the run).
+    assert (raised is not None and expected in raised) or (retention and expected in retention[0]) or \
+        (ledger and expected in ledger[0] and raised is None)
     infos = committed_infos(run_dir)
     assert infos and all(info.valid for info in infos)
     assert all(not name.startswith("tmp-") for name in Storage(run_dir).list_names("checkpoints")) or where == "local"

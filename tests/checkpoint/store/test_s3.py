@@ -241,7 +241,7 @@ def test_plot_reads_an_s3_run_directory(s3_run_url, tmp_path):
     train_with_checkpoints("plain", s3_run_url, epochs=1)
     train_with_checkpoints("plain", s3_run_url, epochs=2)  # resumes: one row in resumes.jsonl
     drawn = plot_run(s3_run_url, str(tmp_path / "curves.png"))
-    assert drawn == {"train": 6, "val": 0, "resumes": 1, "anomalies": 0}
+    assert drawn == {"train": 6, "val": 0, "resumes": 1, "anomalies": 0, "hangs": 0}
     assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 

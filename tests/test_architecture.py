@@ -6,6 +6,7 @@ downwards only (docs/concepts.md has the map)."""
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -60,6 +61,7 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return {name for name in found if name.split(".")[0] == "engine"}
 
 
+@functools.cache  # the tree does not change during a test session; the callers only read
 def unit_graph() -> dict[str, dict[str, set[str]]]:
     """unit -> imported unit -> the files that import it."""
     graph: dict[str, dict[str, set[str]]] = {}
@@ -94,6 +96,7 @@ def find_cycle(graph: dict[str, dict[str, set[str]]]) -> list[str] | None:
     return None
 
 
+@functools.cache  # the tree does not change during a test session; the callers only read
 def engine_modules() -> dict[str, pathlib.Path]:
     return {module_name(path): path for path in ENGINE.rglob("*.py")}
 
@@ -118,6 +121,7 @@ def imported_engine_modules(path: pathlib.Path, modules: dict[str, pathlib.Path]
     return resolved - {module_name(path, root)}
 
 
+@functools.cache  # the tree does not change during a test session; the callers only read
 def module_graph() -> dict[str, dict[str, set[str]]]:
     """engine module -> the engine modules it imports (at any depth of its file) -> its file."""
     modules = engine_modules()
@@ -199,10 +203,11 @@ def test_a_writer_is_seen_through_its_protocol_and_chosen_in_one_place() -> None
         targets = graph.get(module, {})
         reaching_in += [f"{module} -> {target}" for target in targets
                         if target.startswith(WRITERS + ".") and target not in WRITERS_FRONT]
-        calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+        nodes = list(ast.walk(ast.parse(path.read_text())))
+        calls = [node for node in nodes if isinstance(node, ast.Call)]
         if any(getattr(call.func, "id", getattr(call.func, "attr", None)) == "choose_writer" for call in calls):
             choosers.append(module)
-        listing += [module for node in ast.walk(ast.parse(path.read_text()))
+        listing += [module for node in nodes
                     if isinstance(node, (ast.List, ast.Tuple, ast.Set, ast.Dict))
                     and len({getattr(element, "value", None) for element in getattr(node, "elts", getattr(node, "keys", []))}
                             & set(WRITER_KINDS)) >= 2]

@@ -73,7 +73,7 @@ def test_the_wandb_run_holds_exactly_the_rows_of_metrics_jsonl_and_the_config(re
     assert not any(key.startswith("config/loggers") for key in config)
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # CI time (a minute here): the default run kills the MLflow logger, on the same _tracker machinery
 def test_a_run_killed_after_rows_reached_wandb_resumes_into_the_same_run_each_step_once(reference, tmp_path):
     reference_dir, reference_run = reference
     run_dir, wandb_dir = str(tmp_path / "run"), tmp_path / "wandb"

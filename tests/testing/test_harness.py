@@ -150,7 +150,7 @@ def test_chaos_command_prints_table_and_summary(tmp_path, monkeypatch, capsys):
     # the command runs here; each of its training attempts is a child forked from the fork server
     monkeypatch.setattr(harness, "subprocess", forkserver.SubprocessShim)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for those children: a tiny model, threads only contend
-    status = main(["chaos", "--dir", str(tmp_path), "--trials", "2"])
+    status = main(["chaos", "--dir", str(tmp_path), "--trials", "2", "--hang-timeout", "4"])  # its first trial hangs
     process = subprocess.CompletedProcess([], status, *capsys.readouterr())
     assert process.returncode == 0, process.stderr[-2000:]
     lines = process.stdout.strip().splitlines()

@@ -235,28 +235,26 @@ def _mark_resumes(panels: list[Any], resumes: list[tuple[float, str]]) -> None:
 
 def _mark_anomalies(panels: list[Any], anomalies: list[tuple[float, str]]) -> None:
     """A red dotted line at each anomaly the run rolled back past, labelled on the top panel."""
-    top = panels[0]
-    for number, (step, label) in enumerate(anomalies):
-        for panel in panels:
-            panel.axvline(step, color="red", linestyle=":", linewidth=1.0,
-                          label="rolled back (anomaly)" if panel is top and number == 0 else None)
-        top.annotate(label, xy=(step, 0.0), xycoords=("data", "axes fraction"), xytext=(2, 4),
-                     textcoords="offset points", rotation=90, va="bottom", ha="left", fontsize="x-small", color="red")
-    if anomalies:
-        _legend(top)
+    _mark_events(panels, anomalies, "red", ":", "rolled back (anomaly)", at=0.0, va="bottom", offset=(2, 4))
 
 
 def _mark_hangs(panels: list[Any], hangs: list[tuple[float, str]]) -> None:
     """A purple dash-dotted line at each hang, labelled on the top panel."""
+    _mark_events(panels, hangs, "purple", "-.", "hang (watchdog)", at=0.5, va="center", offset=(2, 0))
+
+
+def _mark_events(panels: list[Any], events: list[tuple[float, str]], colour: str, linestyle: str, legend: str,
+                 at: float, va: str, offset: tuple[int, int]) -> None:
+    """A vertical line on every panel at each event's step; the event's label written up the top
+    panel from height ``at`` (a fraction of the panel), the legend there once."""
     top = panels[0]
-    for number, (step, label) in enumerate(hangs):
+    for number, (step, label) in enumerate(events):
         for panel in panels:
-            panel.axvline(step, color="purple", linestyle="-.", linewidth=1.0,
-                          label="hang (watchdog)" if panel is top and number == 0 else None)
-        top.annotate(label, xy=(step, 0.5), xycoords=("data", "axes fraction"), xytext=(2, 0),
-                     textcoords="offset points", rotation=90, va="center", ha="left", fontsize="x-small",
-                     color="purple")
-    if hangs:
+            panel.axvline(step, color=colour, linestyle=linestyle, linewidth=1.0,
+                          label=legend if panel is top and number == 0 else None)
+        top.annotate(label, xy=(step, at), xycoords=("data", "axes fraction"), xytext=offset,
+                     textcoords="offset points", rotation=90, va=va, ha="left", fontsize="x-small", color=colour)
+    if events:
         _legend(top)
 
 

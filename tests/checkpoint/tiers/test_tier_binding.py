@@ -48,7 +48,7 @@ def another_bucket(s3_run_url):
     return s3_run_url[:-len("/run")] + "/other-run"
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive  # CI time (about 35 s): the default run keeps another run's checkpoints in a tier never resumed from
 def test_a_tier_in_use_by_a_live_s3_run_is_refused_and_that_run_is_untouched(s3_run_url, reference, tmp_path):
     fast = str(tmp_path / "node" / "fast")
     live_run = another_bucket(s3_run_url)

@@ -44,8 +44,14 @@ def test_the_readme_lists_benchmarks_that_exist():
     assert {pathlib.Path(name).name for name in listed} <= {path.name for path in BENCHMARKS}
 
 
+# The two slowest smoke runs (about 20 and 12 s) are in the exhaustive run (CI time).
+SLOW_SMOKE = {"checkpoint_io.py", "goodput_validation.py"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", readme_benchmarks(), ids=lambda name: pathlib.Path(name).name)
+@pytest.mark.parametrize("script", [pytest.param(name, marks=pytest.mark.exhaustive)
+                                    if pathlib.Path(name).name in SLOW_SMOKE else name for name in readme_benchmarks()],
+                         ids=lambda name: pathlib.Path(name).name)
 def test_a_readme_benchmark_runs_to_its_figures_in_smoke_mode(script, tmp_path):
     # Each runs whole, every way it measures, at its smallest (--smoke): a refactor that breaks a
     # benchmark fails here, not on the day someone needs its figures. The figures mean nothing.

@@ -69,6 +69,7 @@ def test_ctrl_c_in_the_demo_exits_130_with_one_line(tmp_path, capsys, monkeypatc
     assert len(list((tmp_path / "checkpoints").iterdir())) == 2
 
 
+@pytest.mark.exhaustive  # CI time (about 25 s: the default run keeps Ctrl-C at random instants (test_save_on_exception))
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_real_sigint_stops_the_demo_without_a_traceback(tmp_path):

@@ -49,7 +49,9 @@ def train(kind: str, run_dir: pathlib.Path, **options):
 
 # The two longest epochs (a mixture that drops an exhausted source, the loaders one after the
 # other) resume from many checkpoints: behind the exhaustive marker, their modes' siblings stay.
-LONG_KINDS = ("mixture-drop", "combined-sequential")
+# CI time: one worker count of each kind by default, the other in the exhaustive run.
+LONG_KINDS = ("mixture-drop", "combined-sequential", "stream-0", "hf-2", "hf_shuffled-0", "hf_shuffled_after_map-2",
+              "mixture-cycle", "combined-max_size_cycle")
 
 
 @pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.exhaustive) if kind in LONG_KINDS else kind

@@ -82,7 +82,8 @@ def test_a_loader_without_workers_is_iterated_as_given():
     assert_same_batches(by_hand, list(data.open_epoch(0)))
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent_workers"])
+@pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=pytest.mark.exhaustive)],  # CI time (17 s)
+                         ids=["workers", "persistent_workers"])
 def test_resume_from_every_checkpoint_with_augmenting_workers_is_exact(persistent):
     reference = memory_url("workers")
     train(reference, persistent)

@@ -239,6 +239,7 @@ def workers_reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return job
 
 
+@pytest.mark.exhaustive  # CI time (about 60 s: the default run keeps the other world-size resumes of this file and tests/data's worker augmentation)
 def test_augmentation_drawn_in_workers_is_the_uninterrupted_runs_after_a_resume_on_1_rank(
         workers_reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     job = tmp_path / "workers"

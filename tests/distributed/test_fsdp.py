@@ -84,6 +84,7 @@ def test_the_documented_reader_decodes_rank_0s_shards(reference_two: pathlib.Pat
     assert torch.equal(torch.from_numpy(shard["local"].copy()), final[:8])
 
 
+@pytest.mark.exhaustive  # CI time (about 20 s: the default run keeps the sharded kill tests)
 def test_sharding_before_fit_trains_like_configure_model_and_survives_two_restarts(reference_two: pathlib.Path,
                                                                                   tmp_path: pathlib.Path) -> None:
     # The reproduction: fully_shard applied before fit used to be wrapped in DDP and die
@@ -179,6 +180,7 @@ def test_a_preemption_of_one_rank_stops_every_rank_and_the_rerun_ends_exactly(re
     helpers.assert_same_result(reference_two, tmp_path / "job", 2)
 
 
+@pytest.mark.exhaustive  # CI time (about 20 s: the default run keeps the sharded kill tests)
 def test_validation_of_a_sharded_model_runs_every_batch_in_lockstep_and_counts_each_sample_once(
         tmp_path: pathlib.Path) -> None:
     # 5 validation batches on 2 ranks: blocks of 3 and 2 would leave rank 0 waiting forever in

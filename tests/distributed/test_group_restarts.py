@@ -49,6 +49,7 @@ def kill_one_worker_of_two_nodes(reference: pathlib.Path, job: pathlib.Path) -> 
 # Whether the two agents count the failure differently is a race (which each notices first: its
 # worker's death or the new round); test_group_start checks the cause deterministically in
 # process, so the default run makes one trial here and the exhaustive run eight more.
+@pytest.mark.exhaustive  # CI time (about 45 s: the default run keeps two nodes killed whole and restarted (test_validation_ranks))
 def test_two_nodes_restart_a_sigkilled_worker_and_end_exactly(reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     kill_one_worker_of_two_nodes(reference, tmp_path / "job")
 

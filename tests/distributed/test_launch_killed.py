@@ -24,6 +24,7 @@ ENDED_WITHIN_SECONDS = 20
 EPOCHS = "40"
 
 
+@pytest.mark.exhaustive  # CI time (about 17 s: the default run keeps launch's own signal tests (test_launch_signals))
 def test_a_sigkilled_launcher_leaves_no_worker_training(tmp_path: pathlib.Path) -> None:
     run_dir, out_dir = tmp_path / "run", tmp_path / "out"
     out_dir.mkdir()

@@ -48,6 +48,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return job
 
 
+@pytest.mark.exhaustive  # CI time (about 40 s: the default run keeps the FSDP2 recipe resumed on another world size (test_fsdp_recipe))
 def test_sigkilled_sharded_run_resumed_on_4_then_1_then_2_ranks_reshards_and_trains_the_same_samples(
         reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
     job = tmp_path / "job"

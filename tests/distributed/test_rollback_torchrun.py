@@ -40,6 +40,7 @@ def test_the_ranks_roll_back_together_and_end_with_finite_equal_weights(referenc
         assert torch.equal(finals[0][key], finals[1][key])  # DDP replicas: no rank trained on the NaN
 
 
+@pytest.mark.exhaustive  # CI time (about 14 s: the default run keeps the ranks rolling back together)
 def test_a_rank_killed_between_the_rollback_and_its_commit_resumes_bit_identical(reference, tmp_path):
     process, run_dir, out_dir = helpers.train(tmp_path, "killed", 2, "--poison", "--every", "2", max_restarts=1,
                                               KILLS="0/1/after_rollback:1:sigkill")

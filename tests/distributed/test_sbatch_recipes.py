@@ -118,7 +118,9 @@ def check_recipe(tmp: pathlib.Path, name: str, target: str, phase: str, number: 
                                                  pytest.param("torchrun", "launcher", "training",
                                                               marks=pytest.mark.exhaustive),
                                                  ("lightning-torchrun", "launcher", "training"),
-                                                 ("several-nodes", "every", "validation")])
+                                                 # CI time (about 25 s): two nodes' recipe in the exhaustive run
+                                                 pytest.param("several-nodes", "every", "validation",
+                                                              marks=pytest.mark.exhaustive)])
 def test_the_documented_sbatch_script_requeues_after_one_commit(tmp_path: pathlib.Path, name: str, target: str,
                                                                  phase: str) -> None:
     check_recipe(tmp_path, name, target, phase)

@@ -106,6 +106,7 @@ def test_a_fit_writes_through_the_translated_loggers_what_the_engines_write(tmp_
     assert scalars(tmp_path / "lit" / "lightning_logs" / "version_0") == scalars(tmp_path / "tb")
 
 
+@pytest.mark.exhaustive  # CI time (about 20 s: the default run keeps the mapping of each Lightning logger and the W&B tests of tests/loggers)
 def test_a_fit_through_a_wandb_logger_fills_one_offline_wandb_run_with_the_rows(tmp_path, monkeypatch):
     for key, value in wandb_environment(tmp_path / "home").items():
         monkeypatch.setenv(key, value)

@@ -93,6 +93,7 @@ def holds_train_losses(server: MlflowTestServer, experiment: str, points: int) -
     return holds
 
 
+@pytest.mark.exhaustive  # CI time (about 30 s: the default run keeps the MLflow rows test and the tracker kills of tests/loggers on the shared machinery)
 @pytest.mark.slow
 def test_a_run_killed_after_rows_reached_mlflow_resumes_into_the_same_run_each_point_once(mlflow_server, reference,
                                                                                        tmp_path):

@@ -60,8 +60,10 @@ def test_kill_at_epoch_end(tmp_path, references):
     assert_same_run(references("tbptt", epochs=3), run_dir)
 
 
-@pytest.mark.parametrize("name", ["accumulate_splits", "manual", "tbptt_several_optimizers", "carried_hidden",
-                                  "accumulate_batches", "plain"])
+# CI time: manual optimization and accumulation over whole batches in the exhaustive run (an open
+# accumulation window across a kill stays by default, with accumulate_splits).
+@pytest.mark.parametrize("name", ["accumulate_splits", "tbptt_several_optimizers", "carried_hidden", "plain"]
+                         + [pytest.param(name, marks=pytest.mark.exhaustive) for name in ("manual", "accumulate_batches")])
 def test_kill_every_few_boundaries(name, tmp_path, references):
     run_dir = str(tmp_path / "run")
     kills = run_until_done(name, run_dir, "split_end_after_checkpoint:6:sigkill")

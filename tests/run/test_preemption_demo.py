@@ -77,6 +77,7 @@ def preempt_until_finished(run_dir, rng):
         assert latest.progress.cursor == Cursor(last["epoch"], last["batch"], last["split"], 0)
 
 
+@pytest.mark.exhaustive  # CI time (about 16 s: the default run keeps the other preemption tests of tests/run)
 def test_sigterm_at_random_instants_of_the_demo(tmp_path):
     reference_dir = str(tmp_path / "reference")
     reference = forkserver.run(DEMO + ["--dir", reference_dir], capture_output=True, text=True,

@@ -114,6 +114,7 @@ def wait_until_stopped(pid):
     raise AssertionError(f"process {pid} did not stop")
 
 
+@pytest.mark.exhaustive  # CI time (about 40 s: the default run keeps the frozen writer on a local disk)
 @pytest.mark.slow
 def test_a_writer_frozen_after_its_fence_check_cannot_change_the_run_after_a_takeover(tmp_path):
     """Object-store protocol (no flock, heartbeat lease, manifest as the commit point), shared by

@@ -274,6 +274,7 @@ def wait_for_checkpoints(run_dir, count):
     raise AssertionError(f"no {count} checkpoints in {run_dir}")
 
 
+@pytest.mark.exhaustive  # CI time (about 35 s: the default run keeps the live writer in another PID namespace)
 @pytest.mark.slow
 def test_a_writer_killed_as_pid_1_resumes_when_restarted_as_pid_1(tmp_path):
     reference = str(tmp_path / "reference")

@@ -246,6 +246,7 @@ def test_plot_reads_an_s3_run_directory(s3_run_url, tmp_path):
 
 
 # ---- real processes -------------------------------------------------------------------------------
+@pytest.mark.exhaustive  # CI time (about 50 s: the default run keeps the asynchronous S3 run equal to a local one and commit, verify and retention on S3)
 @pytest.mark.slow
 def test_runs_killed_before_their_manifest_resume_bit_exactly_on_s3(tmp_path, s3_run_url):
     reference = str(tmp_path / "reference")

@@ -17,6 +17,7 @@ visible; :meth:`StagedCheckpoint.discard` drops it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Protocol, TypeVar
@@ -56,22 +57,27 @@ class StagingArea(Protocol):
         ...
 
 
+@dataclasses.dataclass
+class _Written:
+    """How far one commit got: its open staging files (local filesystems), the data files'
+    records, whether their checksums overlap the fsyncs, whether the rename happened."""
+
+    local: DirectoryFiles | None = None
+    records: dict[str, FileRecord] = dataclasses.field(default_factory=dict)
+    overlap: bool = False
+    renamed: bool = False
+
+
 class StagedCheckpoint:
     """One checkpoint's data files in their staging directory, not yet committed."""
 
     def __init__(self, store: StagingArea, request: CommitRequest, sequence: int, directory: str,
                  callbacks: CommitCallbacks) -> None:
-        self._store = store
-        self._request = request
-        self._callbacks = callbacks
-        self.sequence = sequence
-        self.name = checkpoint_name(sequence)
-        self.directory = directory
+        self._store, self._request, self._callbacks = store, request, callbacks
+        self.sequence, self.name, self.directory = sequence, checkpoint_name(sequence), directory
+        # Object stores that create only what is absent: every file is created exclusively.
         self._exclusive = not store.storage.rename_is_atomic and store.storage.exclusive_create
-        self._local: DirectoryFiles | None = None
-        self._records: dict[str, FileRecord] = {}
-        self._overlap = False
-        self._renamed = False
+        self._written = _Written()
 
     @classmethod
     def stage(cls, store: StagingArea, request: CommitRequest, sequence: int,
@@ -115,28 +121,28 @@ class StagedCheckpoint:
                     f"{self._store.storage.url}: {name} already holds a file another writer created ({error}); "
                     "this writer was overtaken and stops without committing or deleting anything"
                 ) from error
-            if self._renamed:  # committed; only the durability of the rename is in doubt
+            if self._written.renamed:  # committed; only the durability of the rename is in doubt
                 raise CheckpointWriteError(f"checkpoint {name} is in place but making its rename durable failed: {error}") from error
             self._store.discard(self.directory)
             raise CheckpointWriteError(f"writing checkpoint {name} failed: {error}; earlier checkpoints are intact") from error
         except BaseException:
-            if not self._renamed:
+            if not self._written.renamed:
                 self._store.discard(self.directory)
             self._close()
             raise
 
     def _close(self) -> None:
-        local, self._local = self._local, None
+        local, self._written.local = self._written.local, None
         if local is not None:
             local.close()
 
     def _write_data(self, files: CheckpointFiles, recycle: bool) -> None:
         store, directory = self._store, self.directory
         store.make_staging_directory(directory, recycle=recycle)
-        local = self._local = store.storage.local_files(directory) if store.storage.rename_is_atomic else None
+        local = self._written.local = store.storage.local_files(directory) if store.storage.rename_is_atomic else None
         # A large state is checksummed in memory while its files reach the disk; a small one
         # inline (one fsync round fewer).
-        overlap = self._overlap = local is not None and store.durable and files.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
+        overlap = self._written.overlap = local is not None and store.durable and files.tensor_bytes >= _OVERLAP_CHECKSUM_BYTES
         checksum = not overlap and files.known is None
         records = {}
         for file_name, chunks in files.contents.items():
@@ -160,15 +166,15 @@ class StagedCheckpoint:
             self._callbacks.on_data_written()
         if overlap:
             pending.wait()
-        self._records = records
+        self._written.records = records
 
     def _make_visible(self, other_files: dict[str, FileRecord]) -> Manifest:
         store, request, directory = self._store, self._request, self.directory
-        records = {**self._records, **other_files}
+        records = {**self._written.records, **other_files}
         faults.reach("checkpoint_before_manifest")
         manifest = Manifest(self.sequence, request.cursor, records, time.time(), request.generation,
                             request.monitor, store.run, request.anchor)
-        local = self._local
+        local = self._written.local
         if local is None:
             if self._callbacks.fence is not None:
                 self._callbacks.fence()  # the manifest is the commit point here
@@ -179,7 +185,7 @@ class StagedCheckpoint:
         # Everything must be durable before the rename makes it visible (the data files'
         # descriptors again when they were not synced above: fsync is cheap on a clean file).
         if store.durable:
-            if self._overlap:
+            if self._written.overlap:
                 local.start_sync([directory, *request.also_sync]).wait()
             else:
                 local.sync([directory, *request.also_sync])
@@ -187,7 +193,7 @@ class StagedCheckpoint:
         if self._callbacks.fence is not None:
             self._callbacks.fence()
         store.storage.rename(directory, f"{CHECKPOINT_DIR}/{self.name}")
-        self._renamed = True
+        self._written.renamed = True
         faults.reach("checkpoint_after_rename")
         if store.durable:
             store.storage.fsync_directory(CHECKPOINT_DIR)

@@ -213,7 +213,8 @@ class _Model(engine.Module):
         return torch.optim.Adam(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize("writer", ["sync", "thread", "process"])
+@pytest.mark.parametrize("writer", [pytest.param("sync", marks=pytest.mark.exhaustive), "thread",
+                                    pytest.param("process", marks=pytest.mark.exhaustive)])
 def test_every_checkpoint_of_a_changing_run_holds_the_state_it_was_taken_from(tmp_path, monkeypatch, writer):
     """A real run whose state changes scalars and structure while its snapshots go through the
     remembered structure and the reused buffers: every checkpoint, read back from disk, equals

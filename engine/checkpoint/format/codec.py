@@ -83,12 +83,13 @@ def _pack_tree_walked(tree: Any, tensors: list[torch.Tensor]) -> bytes:
     return msgpack.packb(_to_plain(tree, ("state",), tensors, 0))
 
 
-_Structure = tuple[tuple[torch.dtype, torch.Size, torch.device], ...]
+_Structure = tuple[tuple[torch.dtype, torch.Size, torch.device, torch.layout], ...]
 
 
 def _structure(tensors: list[torch.Tensor]) -> _Structure:
-    """What the tensor table depends on: each tensor's dtype, shape and device."""
-    return tuple([(tensor.dtype, tensor.shape, tensor.device) for tensor in tensors])
+    """What the tensor table depends on: each tensor's dtype, shape and device (and its memory
+    layout, which must be strided)."""
+    return tuple([(tensor.dtype, tensor.shape, tensor.device, tensor.layout) for tensor in tensors])
 
 
 class Layout(list):  # type: ignore[type-arg]  # list[tuple[int, int]]: (offset, nbytes) per tensor
@@ -112,13 +113,13 @@ class Layout(list):  # type: ignore[type-arg]  # list[tuple[int, int]]: (offset,
 def _table(structure: _Structure) -> tuple[bytes, Layout] | None:
     """The header's bytes up to the tree's (its map with the tensor table, which depends on the
     tensors' dtypes, shapes and devices only), and each tensor's (offset, nbytes). Made once per
-    structure: the same bytes as packing the whole header map at once. None when a dtype cannot
-    be stored (the walk names it)."""
+    structure: the same bytes as packing the whole header map at once. None when a dtype or a
+    memory layout cannot be stored (the walk names it)."""
     table: list[dict[str, Any]] = []
     layout = []
     offset = 0
-    for dtype, shape, device in structure:
-        if dtype not in _DTYPE_NAMES:
+    for dtype, shape, device, memory_layout in structure:
+        if dtype not in _DTYPE_NAMES or memory_layout is not torch.strided:
             return None
         nbytes = math.prod(shape) * dtype.itemsize
         table.append({"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "offset": offset,
@@ -336,8 +337,6 @@ def _pack_tree_fast(tree: Any, tensors: list[torch.Tensor]) -> tuple[bytes, tupl
             packed = _FastPacker(found).pack(tree)
         except (_NotFast, OverflowError, ValueError, TypeError):
             return None
-    if any([tensor.layout is not torch.strided for tensor in found]):
-        return None
     table = _table(_structure(found))  # normalizing below keeps each tensor's dtype, shape and device
     if table is None:
         return None

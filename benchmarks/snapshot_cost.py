@@ -19,7 +19,8 @@ way of a round rotates): ``thread`` (``writer="thread"``), ``process`` (``writer
 ``local_tier``, durable copies every 60 s and at the end). One intra-op thread, as the other
 checkpoint benchmarks. An untimed warm-up run of each way comes first. Reported per way: the
 median per checkpoint over every checkpoint of every round; the last line is the writer
-thread's median ``FitRun._save`` (the issue's figure, goal <= 0.25 ms).
+thread's median ``FitRun._save`` (the issue's figure, goal <= 0.25 ms). The ways must end each
+round with identical parameters (``torch.equal``): checkpoints must not change training.
 
 Reproduce (from the repository root, in the environment of the README)::
 
@@ -111,8 +112,9 @@ def checkpoint_config(way: str, local_tier: str | None) -> engine.CheckpointConf
 
 
 def one_run(workload: checkpoint_overhead.Workload, way: str, batches: list[Any], work: str,
-            clock: ThreadClock) -> dict[str, list[float]]:
-    """One fresh run of ``way``; the thread CPU seconds of each checkpoint's parts."""
+            clock: ThreadClock) -> tuple[dict[str, list[float]], torch.nn.Module]:
+    """One fresh run of ``way``; the thread CPU seconds of each checkpoint's parts, and the
+    trained model."""
     model = checkpoint_overhead.fresh_model(workload)
     run_dir = tempfile.mkdtemp(prefix=f"{way}-", dir=work)
     local_tier = tempfile.mkdtemp(prefix="splitloop-snapshot-cost-", dir=FAST_TIER_ROOT) if way == "fast" else None
@@ -125,7 +127,7 @@ def one_run(workload: checkpoint_overhead.Workload, way: str, batches: list[Any]
         shutil.rmtree(run_dir, ignore_errors=True)
         if local_tier is not None:
             shutil.rmtree(local_tier, ignore_errors=True)
-    return clock.take()
+    return clock.take(), model
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -160,9 +162,14 @@ def main() -> None:
             one_run(dataclasses.replace(workload, batches=1), way, batches[:1], work, clock)
         for index in range(arguments.repeats):
             order = WAYS[index % len(WAYS):] + WAYS[:index % len(WAYS)]
+            models = []
             for way in order:
-                for label, values in one_run(workload, way, batches, work, clock).items():
+                seconds, model = one_run(workload, way, batches, work, clock)
+                models.append(model)
+                for label, values in seconds.items():
                     recorded[way][label] += values
+            if not checkpoint_overhead.same_parameters(models):
+                raise RuntimeError(f"round {index + 1}: the ways trained different parameters")
     finally:
         clock.uninstall()
         shutil.rmtree(work, ignore_errors=True)

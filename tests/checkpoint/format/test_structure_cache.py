@@ -254,3 +254,81 @@ def test_every_checkpoint_of_a_changing_run_holds_the_state_it_was_taken_from(tm
     assert torch.float32 in scales and torch.float64 in scales
     assert any("seen_splits" in entry for state in taken for entry in state["optimizers"][0]["state"].values())
     assert len({state["optimizers"][0]["param_groups"][0]["lr"] for state in taken}) >= 8
+
+
+def _random_value(rng, depth: int):
+    kind = rng.randrange(9 if depth < 4 else 5)
+    if kind == 0:
+        return rng.choice([None, True, False, 0, 1, -7, 2**40, 0.5, -0.0, "s", "", b"b"])
+    if kind == 1:
+        return torch.full((rng.randrange(4),), float(rng.randrange(9)), dtype=rng.choice([torch.float32, torch.int64]))
+    if kind == 2:
+        return rng.randrange(-5, 5)
+    if kind == 3:
+        return rng.random()
+    if kind == 4:
+        return rng.choice(["a", "bb", "ccc"])
+    items = [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == 5:
+        return items
+    if kind == 6:
+        return tuple(items)
+    return {rng.choice(["x", "y", "z", 0, 1, 2.5, None]): item for item in items}
+
+
+def _mutate(rng, tree: dict) -> None:
+    """Change one thing somewhere in ``tree``, in place: a scalar, a type (to one that packs to
+    the same bytes: bytes to bytearray, a tuple to msgpack's ExtType of its bytes, 1 to True), a
+    tensor's dtype or shape, an entry added or dropped."""
+    containers = [tree]
+    for container in containers:
+        values = container.values() if isinstance(container, dict) else container
+        containers += [value for value in values if isinstance(value, (dict, list))]
+    container = rng.choice(containers)
+    keys = list(container) if isinstance(container, dict) else list(range(len(container)))
+    if not keys or rng.random() < 0.2:
+        key = rng.choice(["x", "y", "z", 3]) if isinstance(container, dict) else None
+        value = _random_value(rng, 2)
+        container.append(value) if key is None else container.__setitem__(key, value)
+        return
+    key = rng.choice(keys)
+    value = container[key]
+    if isinstance(value, bytes):
+        container[key] = rng.choice([bytearray(value), memoryview(value), value + b"!"])
+    elif isinstance(value, tuple):
+        container[key] = rng.choice([msgpack.ExtType(2, codec._FastPacker([]).pack(list(value)) if not any(
+            isinstance(item, torch.Tensor) for item in value) else b"\x90"), list(value), value + (1,)])
+    elif isinstance(value, torch.Tensor):
+        container[key] = rng.choice([value.to(torch.float64), value.reshape(-1, 1), value + 1, torch.nn.Parameter(value.float())])
+    elif value is True or value == 1:
+        container[key] = rng.choice([True, 1, 1.0])
+    elif isinstance(value, (dict, list)) and rng.random() < 0.5:
+        del container[key]
+    else:
+        container[key] = _random_value(rng, 2)
+
+
+def test_random_changes_after_remembered_structures_encode_as_the_walk_or_raise_its_error():
+    """Random trees, each changed a little at a time (mostly in ways that keep the packed bytes
+    or swap in a type the walk refuses): every encoding equals the walk's, or both refuse."""
+    import random
+
+    rng = random.Random(34)
+    for _ in range(30):
+        tree = {name: _random_value(rng, 1) for name in ("module", "optimizers", "loops", "rng", "callbacks")}
+        for _ in range(15):
+            walked_error = None
+            try:
+                header, tensors = _walked(tree)
+            except engine.CheckpointWriteError as error:
+                walked_error = str(error)
+            if walked_error is not None:
+                with pytest.raises(engine.CheckpointWriteError) as caught:
+                    codec.encode_state(tree)
+                assert str(caught.value) == walked_error
+            else:
+                encoded = codec.encode_state(tree)
+                assert encoded.header == header
+                assert all(torch.equal(mine, theirs) and mine.dtype == theirs.dtype
+                           for mine, theirs in zip(encoded.tensors, tensors, strict=True))
+            _mutate(rng, tree)

@@ -270,7 +270,6 @@ def _add_tensor(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) 
 # encodes the same bytes or raises the error naming the value's place.
 _FAST_LEAVES = frozenset((type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter))
 _FAST_TYPES = _FAST_LEAVES | {dict, collections.OrderedDict, list, tuple}
-_STORABLE_DTYPES = frozenset(_DTYPE_NAMES)
 # Natively packed by msgpack's C packer, but not stored (or stored otherwise) by the walk.
 _PACKED_OTHERWISE = (bytearray, memoryview, msgpack.ExtType, msgpack.Timestamp)
 

@@ -265,9 +265,10 @@ def _add_tensor(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) 
 # leaves is packed by msgpack in C: the Python walk above costs a call per node, this costs one
 # call per tensor and per tuple. What the C packer would store differently from the walk
 # (bytearray, memoryview, msgpack's own ExtType and Timestamp, which it packs natively) or not
-# check (key types, the nesting limit) is screened first by :func:`_fits_fast_path`, a walk of
-# the containers only; a tree it turns away, and any error while packing, go to the walk, which
-# encodes the same bytes or raises the error naming the value's place.
+# check (key types, the nesting limit) is screened by :func:`_screen`, a walk of the containers
+# only (for a state map, entry by entry and only when an entry changed: :data:`_SCREENED`); a
+# tree it turns away, and any error while packing, go to the walk, which encodes the same bytes
+# or raises the error naming the value's place.
 _FAST_LEAVES = frozenset((type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter))
 _FAST_TYPES = _FAST_LEAVES | {dict, collections.OrderedDict, list, tuple}
 # Natively packed by msgpack's C packer, but not stored (or stored otherwise) by the walk.

@@ -67,6 +67,10 @@ class RunParts:
     config: TrainerConfig
     world_size: int = 1  # processes of a distributed run (engine.distributed)
     rank: int = 0  # this process's rank in it
+    # Whether the module's parameters are DTensors, read at the first signature: a fit's module
+    # is sharded before the fit or never (its loop tree picks its step by it once, too), and
+    # reading it walks every parameter, at every checkpoint.
+    _sharded: bool | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def signature(self) -> dict[str, Any]:
         """What must match between a checkpoint and the run that resumes it."""
@@ -87,8 +91,13 @@ class RunParts:
             # Only a distributed run records it, so single-process checkpoints stay as they were.
             **global_order.order_signature(self.tree.data.source, self.world_size),
             # Only a sharded (FSDP2) run records it: its module and optimizers are saved per rank.
-            **({SHARDED: True} if is_sharded_module(module) else {}),
+            **({SHARDED: True} if self._sharded_module() else {}),
         }
+
+    def _sharded_module(self) -> bool:
+        if self._sharded is None:
+            self._sharded = is_sharded_module(self.module)
+        return self._sharded
 
     def callbacks_by_key(self) -> dict[str, Callback]:
         """Callbacks keyed by class, so their states survive adding or reordering callbacks."""

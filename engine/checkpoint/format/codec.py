@@ -65,12 +65,16 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 def encode_state(tree: Any) -> EncodedState:
     """Describe ``tree``; tensors are referenced (moved to CPU, made contiguous), not copied."""
     tensors: list[torch.Tensor] = []
-    tree_bytes = _pack_tree_fast(tree, tensors)
-    if tree_bytes is None:
+    fast = _pack_tree_fast(tree, tensors)
+    if fast is None:
         tensors = []
         tree_bytes = _pack_tree_walked(tree, tensors)
-    table_prefix, layout = _table(tuple((tensor.dtype, tensor.shape, tensor.device) for tensor in tensors))
-    return EncodedState(table_prefix + msgpack.packb(tree_bytes), tensors, list(layout))
+        table = _table(_structure(tensors))
+        assert table is not None  # the walk keeps only tensors of a storable dtype
+    else:
+        tree_bytes, table = fast
+    table_prefix, layout = table
+    return EncodedState(table_prefix + msgpack.packb(tree_bytes), tensors, layout.copy())
 
 
 def _pack_tree_walked(tree: Any, tensors: list[torch.Tensor]) -> bytes:
@@ -79,22 +83,53 @@ def _pack_tree_walked(tree: Any, tensors: list[torch.Tensor]) -> bytes:
     return msgpack.packb(_to_plain(tree, ("state",), tensors, 0))
 
 
+_Structure = tuple[tuple[torch.dtype, torch.Size, torch.device, torch.layout], ...]
+
+
+def _structure(tensors: list[torch.Tensor]) -> _Structure:
+    """What the tensor table depends on: each tensor's dtype, shape and device (and its memory
+    layout, which must be strided)."""
+    return tuple([(tensor.dtype, tensor.shape, tensor.device, tensor.layout) for tensor in tensors])
+
+
+class Layout(list):  # type: ignore[type-arg]  # list[tuple[int, int]]: (offset, nbytes) per tensor
+    """Each tensor's (offset, nbytes) in tensors.bin, and :attr:`structure`: an object made once
+    per structure (dtypes, shapes and devices) of the tensors laid out. Two layouts with the
+    same ``structure`` object were made for the same structure, so a snapshot buffer laid out
+    for one can take the other's tensors without comparing them again
+    (engine.checkpoint.writers.buffers.SnapshotBuffers)."""
+
+    __slots__ = ("structure",)
+
+    def __init__(self, pairs: Any, structure: object) -> None:
+        super().__init__(pairs)
+        self.structure = structure
+
+    def copy(self) -> "Layout":
+        return Layout(self, self.structure)
+
+
 @functools.lru_cache(maxsize=8)
-def _table(structure: tuple[tuple[torch.dtype, torch.Size, torch.device], ...]) -> tuple[bytes, list[tuple[int, int]]]:
+def _table(structure: _Structure) -> tuple[bytes, Layout] | None:
     """The header's bytes up to the tree's (its map with the tensor table, which depends on the
     tensors' dtypes, shapes and devices only), and each tensor's (offset, nbytes). Made once per
-    structure: the same bytes as packing the whole header map at once."""
+    structure: the same bytes as packing the whole header map at once. None when a dtype or a
+    memory layout cannot be stored (the walk names it)."""
     table: list[dict[str, Any]] = []
     layout = []
     offset = 0
-    for dtype, shape, device in structure:
+    for dtype, shape, device, memory_layout in structure:
+        if dtype not in _DTYPE_NAMES or memory_layout is not torch.strided:
+            return None
         nbytes = math.prod(shape) * dtype.itemsize
         table.append({"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "offset": offset,
                       "nbytes": nbytes, "device": "cpu" if device.type == "cpu" else str(device)})
         layout.append((offset, nbytes))
         offset = _align(offset + nbytes)
     prefix = msgpack.packb({"format": FORMAT, "version": VERSION, "tensors": table, "tree": None})
-    return prefix[:-1], layout  # the packed None (one byte) is where the tree's bytes go
+    # The packed None (one byte) is where the tree's bytes go. The layout is never modified
+    # (encode_state hands out copies): the key object identifies the structure.
+    return prefix[:-1], Layout(layout, structure)
 
 
 def check_storable(tree: Any, name: str) -> None:
@@ -230,12 +265,12 @@ def _add_tensor(tensor: torch.Tensor, path: _Path, tensors: list[torch.Tensor]) 
 # leaves is packed by msgpack in C: the Python walk above costs a call per node, this costs one
 # call per tensor and per tuple. What the C packer would store differently from the walk
 # (bytearray, memoryview, msgpack's own ExtType and Timestamp, which it packs natively) or not
-# check (key types, the nesting limit) is screened first by :func:`_fits_fast_path`, a walk of
-# the containers only; a tree it turns away, and any error while packing, go to the walk, which
-# encodes the same bytes or raises the error naming the value's place.
+# check (key types, the nesting limit) is screened by :func:`_screen`, a walk of the containers
+# only (for a state map, entry by entry and only when an entry changed: :data:`_SCREENED`); a
+# tree it turns away, and any error while packing, go to the walk, which encodes the same bytes
+# or raises the error naming the value's place.
 _FAST_LEAVES = frozenset((type(None), bool, int, float, str, bytes, torch.Tensor, torch.nn.Parameter))
 _FAST_TYPES = _FAST_LEAVES | {dict, collections.OrderedDict, list, tuple}
-_STORABLE_DTYPES = frozenset(_DTYPE_NAMES)
 # Natively packed by msgpack's C packer, but not stored (or stored otherwise) by the walk.
 _PACKED_OTHERWISE = (bytearray, memoryview, msgpack.ExtType, msgpack.Timestamp)
 
@@ -246,26 +281,35 @@ class _NotFast(Exception):
 
 def _fits_fast_path(tree: Any) -> bool:
     """Whether ``tree``'s containers, keys and leaves are ones the C packer stores as the walk
-    does, within the nesting limit (the root container is level 1). Depth first, as the walk:
-    a reference cycle reaches the limit after as many steps, however often it branches. A
-    container of leaves only costs two type scans in C."""
-    pending = [(tree, 1)]
+    does, within the nesting limit (the root container is level 1)."""
+    return _screen(tree, 1) is not None
+
+
+def _screen(container: Any, depth: int) -> bool | None:
+    """Whether the container ``container`` (at nesting level ``depth``) holds a ``bytes`` value
+    somewhere; None when its containers, keys or leaves are not ones the C packer stores as the
+    walk does, or nest past the limit. Depth first, as the walk: a reference cycle reaches the
+    limit after as many steps, however often it branches. A container of leaves only costs two
+    type scans in C."""
+    pending = [(container, depth)]
+    holds_bytes = False
     while pending:
         container, depth = pending.pop()
         if depth > MAX_NESTING:
-            return False
+            return None
         children = container
         if isinstance(container, dict):
             if not _KEY_TYPES.issuperset(map(type, container)):
-                return False
+                return None
             children = container.values()
         kinds = set(map(type, children))
+        holds_bytes = holds_bytes or bytes in kinds
         if kinds <= _FAST_LEAVES:
             continue
         if not all(map(_is_fast_subclass, kinds)):
-            return False
+            return None
         pending += [(child, depth + 1) for child in children if isinstance(child, (dict, list, tuple))]
-    return True
+    return holds_bytes
 
 
 @functools.lru_cache(maxsize=256)
@@ -280,21 +324,91 @@ def _is_fast_subclass(kind: type) -> bool:
     return issubclass(kind, (str, bytes, int, float, dict, list, tuple))
 
 
-def _pack_tree_fast(tree: Any, tensors: list[torch.Tensor]) -> bytes | None:
+def _pack_tree_fast(tree: Any, tensors: list[torch.Tensor]) -> tuple[bytes, tuple[bytes, Layout]] | None:
     """The tree's msgpack, the same bytes as :func:`_pack_tree_walked` and the same tensors in
-    ``tensors``; None when only the walk can encode it."""
-    if not isinstance(tree, (dict, list, tuple)) or not _fits_fast_path(tree):
-        return None
+    ``tensors``, and the :func:`_table` of those tensors; None when only the walk can encode it."""
     found: list[torch.Tensor] = []
-    try:
-        packed = _FastPacker(found).pack(tree)
-    except (_NotFast, OverflowError, ValueError, TypeError):
-        return None
-    if not _STORABLE_DTYPES.issuperset([tensor.dtype for tensor in found]) or any(
-            [tensor.layout is not torch.strided for tensor in found]):
+    packed = _pack_entries(tree, found) if type(tree) is dict else None
+    if packed is None:
+        if not isinstance(tree, (dict, list, tuple)) or not _fits_fast_path(tree):
+            return None
+        found = []
+        try:
+            packed = _FastPacker(found).pack(tree)
+        except (_NotFast, OverflowError, ValueError, TypeError):
+            return None
+    table = _table(_structure(found))  # normalizing below keeps each tensor's dtype, shape and device
+    if table is None:
         return None
     tensors += [tensor if not (tensor.requires_grad or tensor.is_conj() or tensor.is_neg()) and tensor.is_contiguous()
                 else tensor.detach().resolve_conj().resolve_neg().contiguous() for tensor in found]
+    return packed, table
+
+
+# The screen of a state tree's entries, remembered: a state tree is a map whose entries keep
+# their structure from one checkpoint to the next (the model's and optimizers' state, the
+# signature), while a few scalars change (counters, the learning rate, the time). Each entry is
+# packed by itself (the same bytes as packing the whole map), and an entry is screened again
+# only when its bytes, or the types the packer's hook met in it, differ from the last ones that
+# passed the screen without holding a ``bytes`` value. That memo is exact, not a guess: the
+# bytes fix every container, key and leaf's msgpack type and the nesting; what the C packer
+# stores natively but the screen turns away either is packed as bin (bytearray, memoryview,
+# which no remembered entry holds) or as an extension type that only the hook makes in a
+# remembered entry (ExtType, Timestamp: a hook call fewer, or another extension code).
+_SCREENED: dict[Any, tuple[bytes, list[type]]] = {}
+_MAX_SCREENED = 64
+# Packing before the screen is safe because the packer's hook refuses tuples nested deeper than
+# this (msgpack's C packer bounds each level between two tuples itself): a reference cycle
+# through tuples cannot recurse without end. A tree that nests deeper takes the screen first.
+_NESTED_TUPLES = 4
+
+
+def _pack_entries(tree: dict[Any, Any], found: list[torch.Tensor]) -> bytes | None:
+    """The map ``tree``'s msgpack, entry by entry (see :data:`_SCREENED`), its tensors added to
+    ``found``; None when an entry is not one this path stores as the walk does."""
+    if not _KEY_TYPES.issuperset(map(type, tree)):
+        return None
+    packer = _FastPacker(found, _NESTED_TUPLES)
+    hooked = packer.hooked
+    chunks = [_MAP_HEADER(len(tree))]
+    try:
+        for key, value in tree.items():
+            before = len(hooked)
+            packed = packer.pack(value)
+            chunks += (_packed_key(key), packed)
+            kind: type = type(value)
+            if not _is_fast_subclass(kind):
+                return None
+            if not isinstance(value, (dict, list, tuple)):
+                continue
+            seen = hooked[before:]
+            if _SCREENED.get(key) == (packed, seen):
+                continue
+            holds_bytes = _screen(value, 2)
+            if holds_bytes is None:
+                return None
+            if not holds_bytes:
+                if len(_SCREENED) >= _MAX_SCREENED:
+                    _SCREENED.clear()
+                _SCREENED[key] = (packed, seen)
+    except (_NotFast, OverflowError, ValueError, TypeError):
+        return None
+    return b"".join(chunks)
+
+
+_MAP_HEADER = msgpack.Packer().pack_map_header
+_PACKED_KEYS: dict[str, bytes] = {}
+
+
+def _packed_key(key: Any) -> bytes:
+    """A map key's msgpack (a str's remembered: keys repeat from one checkpoint to the next)."""
+    if type(key) is not str:
+        return msgpack.packb(key)
+    packed = _PACKED_KEYS.get(key)
+    if packed is None:
+        if len(_PACKED_KEYS) >= _MAX_SCREENED:
+            _PACKED_KEYS.clear()
+        packed = _PACKED_KEYS[key] = msgpack.packb(key)
     return packed
 
 
@@ -303,16 +417,32 @@ class _FastPacker:
     of plain types into what the walk would have made of them. Tensors are collected as they
     are, in order (checked and made contiguous afterwards, in one pass)."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], max_nested: int | None = None) -> None:
         self._tensors = tensors
+        self.hooked: list[type] = []  # the type of each value the hook met, in order
+        self._max_nested = MAX_NESTING if max_nested is None else max_nested  # None: a screened tree
+        # One packer per level of nesting through the hook (a tuple's items are packed while
+        # the packer of the level above is in the middle of its own bytes), each reused.
+        self._packers: list[msgpack.Packer] = []
+        self._nested = 0
 
     def pack(self, value: Any) -> bytes:
-        # strict_types: tuples and subclasses reach ``default`` instead of packing as lists or
-        # as their base type.
-        return msgpack.packb(value, default=self._default, strict_types=True)
+        nested = self._nested
+        if nested > self._max_nested:
+            raise _NotFast("tuples nest too deep to pack before the screen")
+        if nested == len(self._packers):
+            # strict_types: tuples and subclasses reach ``default`` instead of packing as lists
+            # or as their base type.
+            self._packers.append(msgpack.Packer(default=self._default, strict_types=True))
+        self._nested = nested + 1
+        try:
+            return self._packers[nested].pack(value)
+        finally:
+            self._nested = nested
 
     def _default(self, value: Any) -> Any:
         kind = type(value)
+        self.hooked.append(kind)
         if kind is torch.Tensor or kind is torch.nn.Parameter:
             index = len(self._tensors)
             self._tensors.append(value)

@@ -32,6 +32,10 @@ class SnapshotBuffers:
         self._flat: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []
         self._key: StructureKey | None = None
+        # The structure object of the layout the buffer was laid out for, when the layout came
+        # from engine.checkpoint.format.codec (a Layout): the same object again means the same
+        # structure, so the tensors' dtypes and shapes need not be read again.
+        self._structure: object | None = None
         self._copy: BulkCopy | None = None
         self._cuda_devices: set[torch.device] = set()
         self._copied: list[torch.cuda.Event] = []
@@ -46,15 +50,18 @@ class SnapshotBuffers:
         # Imported here, as torch in _allocate: the writer process imports this module without torch.
         from engine.checkpoint.writers.snapshot_buffer import BulkCopy, structure_key
 
-        # The layout follows from the dtypes and shapes (engine.checkpoint.format.codec.encode_state).
-        key = structure_key(tensors)
-        if key != self._key or self._copy is None:
-            self._key, self._copy = None, None  # an allocation that fails leaves no half layout behind
-            from_cuda = key[2]
-            self._allocate(tensors, layout, pinned=any(from_cuda))
-            self._copy = BulkCopy(self._views, from_cuda)
-            self._cuda_devices = {tensor.device for tensor in tensors if tensor.is_cuda}
-            self._key = key
+        # The layout follows from the dtypes, shapes and devices (engine.checkpoint.format.codec.encode_state).
+        structure = getattr(layout, "structure", None)
+        if structure is None or structure is not self._structure or self._copy is None:
+            key = structure_key(tensors)
+            if key != self._key or self._copy is None:
+                self._key, self._structure, self._copy = None, None, None  # a failed allocation leaves no half layout
+                from_cuda = key[2]
+                self._allocate(tensors, layout, pinned=any(from_cuda))
+                self._copy = BulkCopy(self._views, from_cuda)
+                self._cuda_devices = {tensor.device for tensor in tensors if tensor.is_cuda}
+                self._key = key
+            self._structure = structure
         self._copy.copy(tensors)
         self._copied = [self._record_event(device) for device in self._cuda_devices]
         return list(self._views)

@@ -51,6 +51,8 @@ class _PartReport:
     records: dict[str, tuple[int, int]]
     digest: dict[str, int]
     error: str | None
+    # What failed in its memory tier (engine.distributed.memory_commit; None: nothing, or none).
+    memory_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -235,12 +237,13 @@ class GroupCommit:
                 "the newest committed checkpoint is the last agreed state")
 
     def _gather(self, report: _PartReport) -> list[_PartReport]:
-        as_plain = (report.records, report.digest, report.error)
+        as_plain = (report.records, report.digest, report.error, report.memory_error)
         received: list[Any] | None = [None] * self.context.world_size if self.is_writer else None
         dist.gather_object(as_plain, received, dst=0, group=self.context.writer_group)
         if received is None:
             return []
-        return [_PartReport(dict(records), dict(digest), error) for records, digest, error in received]
+        return [_PartReport(dict(records), dict(digest), error, memory_error)
+                for records, digest, error, memory_error in received]
 
     def _announce(self, outcome: str | None) -> str:
         message = [outcome]

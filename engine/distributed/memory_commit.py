@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from engine import faults
 from engine.checkpoint.format.codec import decode_state
 from engine.checkpoint.format.names import checkpoint_name
 from engine.checkpoint.format.rank_parts import saved_world_size
@@ -97,8 +98,10 @@ def peer_ring(context: DistributedContext, peer_copies: int) -> PeerRing | None:
 @dataclasses.dataclass
 class _MemoryRound:
     sequence: int = -1
-    durable: bool = False
+    # What failed in this rank's memory tier (None: nothing).
     error: str | None = None
+    # Announced by rank 0: every part and copy of the round is in memory.
+    complete: bool = False
 
 
 class MemoryFirstCommit(GroupCommit):
@@ -133,7 +136,7 @@ class MemoryFirstCommit(GroupCommit):
     def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
               callbacks: CommitCallbacks) -> str:
         assert request.sequence is not None and request.staging is not None, "prepare() first"
-        self._memory = _MemoryRound(request.sequence, pending.durable)
+        self._memory = _MemoryRound(request.sequence)
         self._memory.error = self._write_to_memory(pending, request)
         if not pending.durable and callbacks.on_data_written is not None:
             callbacks.on_data_written()  # the snapshot's bytes are in memory: its buffers are free
@@ -144,11 +147,10 @@ class MemoryFirstCommit(GroupCommit):
             report = self._write_rank_part(store, pending, callbacks, f"{CHECKPOINT_DIR}/{request.staging}")
         else:
             report = _PartReport({}, pending.digest or {}, None)
-        if self._memory.error is not None:
-            report.error = self._memory.error
+        report.memory_error = self._memory.error
         self._gather(report)
         outcome = self._announce(None)
-        self._after_outcome(outcome == name)
+        self._after_outcome()
         if outcome != name:
             raise _outcome_error(outcome)
         return name
@@ -171,6 +173,7 @@ class MemoryFirstCommit(GroupCommit):
                 outgoing = byte_transfer.pack_part(*self._node.own.read(sequence))
             except (OSError, CheckpointError) as failure:
                 error = f"rank {rank}: reading its part back from the memory tier: {failure}"
+        faults.reach("memory_tier_peer_copy")
         received = byte_transfer.exchange(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
                                           self.context.writer_group)
         owner = self._ring.kept_by_me(rank)
@@ -190,26 +193,44 @@ class MemoryFirstCommit(GroupCommit):
         staged = store.stage(request, callbacks) if pending.durable else None
         try:
             self._round.gathered = True
-            reports = self._gather(_PartReport({}, pending.digest or {}, self._memory.error))
-            failed = [report.error for report in reports if report.error is not None]
-            if failed:
-                raise CheckpointWriteError("the checkpoint is not complete in the memory tier: " + "; ".join(failed))
-            if staged is None:
-                self._check_digests(reports)  # a memory-only round writes nothing into the run dir
-            parts = self._check_reports(reports) if staged is not None else {}
+            reports = self._gather(_PartReport({}, pending.digest or {}, None, self._memory.error))
+            missing = [report.memory_error for report in reports if report.memory_error is not None]
+            if staged is None:  # a memory-only round: it is the checkpoint
+                if missing:
+                    raise CheckpointWriteError("the checkpoint is not complete in the memory tier: " + "; ".join(missing))
+                self._check_digests(reports)
+                parts = {}
+            else:
+                parts = self._check_reports(reports)
         except BaseException:
             if staged is not None:
                 staged.discard()
             raise
-        return staged.commit(parts) if staged is not None else checkpoint_name(request.sequence or 0)
+        self._memory.complete = not missing
+        if staged is None:
+            return checkpoint_name(request.sequence or 0)
+        name = staged.commit(parts)
+        if missing:  # durable all the same; a restart after it starts from the run dir
+            warnings.warn(f"{name} is in the run dir but not complete in the memory tier: " + "; ".join(missing),
+                          stacklevel=2)
+        return name
 
     def settle(self, store: CheckpointStore, outcome: str | BaseException) -> None:
+        if isinstance(outcome, BaseException):
+            self._memory.complete = False
         super().settle(store, outcome)
-        self._after_outcome(not isinstance(outcome, BaseException))
+        self._after_outcome()
 
-    def _after_outcome(self, complete: bool) -> None:
-        """After the announcement: keep the newest complete parts, or drop this round's."""
-        sequence = self._memory.sequence
+    def _announce(self, outcome: str | None) -> str:
+        """Rank 0's outcome, and whether the round is complete in the memory tier."""
+        message = [outcome, self._memory.complete]
+        dist.broadcast_object_list(message, src=0, group=self.context.writer_group)
+        self._memory.complete = bool(message[1])
+        return str(message[0])
+
+    def _after_outcome(self) -> None:
+        """After the announcement: keep the newest parts complete in memory, or drop this round's."""
+        sequence, complete = self._memory.sequence, self._memory.complete
         for tier in self._node.tiers():
             try:
                 if complete:
@@ -314,6 +335,7 @@ class MemoryFirstCommit(GroupCommit):
             main_manifest, main = byte_transfer.unpack_part(packed_main)  # type: ignore[arg-type]
             own_manifest, own = byte_transfer.unpack_part(own_packed)
             if sources[rank] != rank:  # refill this node's tier from the peer's copy (verified on the way)
+                faults.reach("memory_tier_refill")
                 self._node.own.keep(own_manifest, own)
             if rank == 0:
                 main_manifest, main = own_manifest, own

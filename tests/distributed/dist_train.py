@@ -232,6 +232,7 @@ def main() -> int:
                         help="CheckpointConfig.local_tier; '{node}' in it becomes this node's GROUP_RANK")
     parser.add_argument("--peer-copies", type=int, default=0, help="CheckpointConfig.peer_copies")
     parser.add_argument("--durable-every", type=int, default=None, help="CheckpointConfig.durable_every_n_splits")
+    parser.add_argument("--on-io-error", default="raise", help="CheckpointConfig.on_io_error")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -275,7 +276,8 @@ def main() -> int:
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer="thread" if args.asynchronous else "sync",
-                                           at_epoch_end=args.epoch_checkpoint, **memory_tier(args)),
+                                           at_epoch_end=args.epoch_checkpoint, on_io_error=args.on_io_error,
+                                           **memory_tier(args)),
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py

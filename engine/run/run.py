@@ -212,6 +212,11 @@ class FitRun:
         if not isinstance(self.checkpoints, RunCheckpointer) or self.storage is None:
             raise ConfigError("TrainerConfig.anomaly: Rollback needs checkpoints to roll back to; set run_dir and a "
                               "checkpoint policy")
+        checkpoint = self.config.checkpoint
+        if self.coordinator.world_size > 1 and checkpoint is not None and checkpoint.local_tier is not None:
+            raise ConfigError("TrainerConfig.anomaly: Rollback rolls a torchrun job back to a checkpoint in the run dir, "
+                              "and with CheckpointConfig.local_tier most checkpoints are in node memory only; drop "
+                              "local_tier under torchrun, or Rollback (not supported together yet)")
         return Rollbacks(policy, self.checkpoints, self.storage, self.coordinator.is_writer, self.data.length)
 
     def _train(self) -> None:

@@ -318,8 +318,19 @@ def main() -> int:
     return 0
 
 
+# Set (tests/distributed/test_kill_tests_with_a_memory_tier.py): every job without --memory-tier
+# gets one under /dev/shm named after its run dir, with peer copies when it spans two nodes.
+MEMORY_TIER_SWITCH = "SPLITLOOP_TEST_MEMORY_TIER"
+SWITCHED_TIERS = "/dev/shm/splitloop-test-switched-"
+
+
 def memory_tier(args: argparse.Namespace) -> dict[str, Any]:
     """The memory tier's settings of ``--memory-tier``, ``--peer-copies``, ``--durable-every``."""
+    if args.memory_tier is None and os.environ.get(MEMORY_TIER_SWITCH):
+        import hashlib
+        args.memory_tier = SWITCHED_TIERS + hashlib.sha256(os.path.realpath(args.run_dir).encode()).hexdigest()[:16] + "-{node}"
+        several_nodes = os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1")
+        args.peer_copies = 1 if several_nodes else args.peer_copies
     if args.memory_tier is None:
         return {}
     return {"local_tier": args.memory_tier.replace("{node}", os.environ.get("GROUP_RANK", "0")),

@@ -193,3 +193,9 @@ def test_a_memory_tier_too_small_fails_clearly_and_training_goes_on_where_the_po
     assert "checkpoint not written, training goes on (on_io_error='warn')" in process.stderr
     assert durable_sequences(run_dir), "the durable checkpoints are written all the same"
     helpers.assert_same_result(reference, tmp_path / "job", 2)
+
+
+def test_rollback_with_a_memory_tier_under_torchrun_is_refused_in_one_line(tmp_path: pathlib.Path, tiers: str) -> None:
+    process, _, _ = helpers.train(tmp_path, "job", 2, "--memory-tier", tiers, "--poison", "--epochs", "1")
+    assert process.returncode != 0
+    assert "Rollback rolls a torchrun job back to a checkpoint in the run dir" in process.stderr, process.stderr[-3000:]

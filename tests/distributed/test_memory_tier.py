@@ -16,6 +16,8 @@ import pytest
 
 import forkserver
 import torchrun_helpers as helpers
+from engine.checkpoint.tiers.node import describe_parts
+from engine.cli.main import main
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +82,10 @@ def test_a_lost_node_comes_back_from_its_peer_copies_exactly(reference: pathlib.
     assert min(done) - resumed[1] <= 1, f"splits done {done}, resumed at {resumed[1]}: more than one split replayed"
     assert pathlib.Path(tiers + "-1", "rank-00001", "checkpoints").is_dir()  # refilled, and written since
     helpers.assert_same_result(reference, job, 2)
+    # What `inspect --memory-tier` lists: node 0 holds rank 0's parts and the copies of rank 1's.
+    parts = describe_parts(tiers + "-0")
+    assert {(part["rank"], part["kind"]) for part in parts} == {(0, "own"), (1, "copy")}
+    assert all(part["valid"] for part in parts) and len({part["name"] for part in parts}) >= 2
 
 
 def lose_node_one(job: pathlib.Path, tiers: str, options: tuple[str, ...], splits: int = 6) -> list[int]:
@@ -101,7 +107,7 @@ def peer_options(tiers: str, durable_every: str = DURABLE_EVERY) -> tuple[str, .
 
 @pytest.mark.exhaustive
 def test_a_peer_copy_with_one_flipped_bit_is_reported_and_the_copy_before_it_is_loaded(
-        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str) -> None:
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "job"
     lose_node_one(job, tiers, peer_options(tiers))
     held = pathlib.Path(tiers + "-0", "held-rank-00001", "checkpoints")
@@ -111,6 +117,9 @@ def test_a_peer_copy_with_one_flipped_bit_is_reported_and_the_copy_before_it_is_
         byte = data.read(1)[0]
         data.seek(3)
         data.write(bytes([byte ^ 0x10]))
+    assert main(["inspect", str(job / "run"), "--memory-tier", tiers + "-0"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{newest.name}  rank 1 (copy kept for it)" in listed and "INVALID: CheckpointCorrupt" in listed, listed
     restarted = helpers.start_nodes(job, *peer_options(tiers), forked_ranks=True)
     assert [agent.wait(timeout=helpers.TIMEOUT) for agent in restarted] == [0, 0], helpers.node_logs(job)
     logs = helpers.node_logs(job)

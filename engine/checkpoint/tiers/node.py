@@ -21,7 +21,8 @@ engine.distributed.memory_commit's (it needs the process group); this module onl
 from __future__ import annotations
 
 import os
-from typing import Iterator
+import re
+from typing import Any, Iterator
 
 from engine.checkpoint.format.manifest import Manifest
 from engine.checkpoint.format.names import CHECKPOINT_DIR, CHECKPOINT_NAME, sequence_of
@@ -30,10 +31,36 @@ from engine.checkpoint.store.checkpoint_store import CheckpointStore
 from engine.checkpoint.store.request import CheckpointFiles, CommitCallbacks, CommitRequest
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.fast import FastTier
+from engine.errors import CheckpointError
 
 # A part's files in its own store: the main files of rank 0, or rank r's two files under the
 # names of the first two.
 PART_FILES = DATA_FILES
+
+
+_DIRECTORY = re.compile(r"(rank|held-rank)-([0-9]{5})", re.ASCII)
+
+
+def describe_parts(root: str) -> list[dict[str, Any]]:
+    """What one node's memory tier ``root`` holds, for ``inspect --memory-tier``: one entry per
+    part (checkpoint name, rank, ``own`` or ``copy`` kept for that rank, whether it verifies and
+    why not), by checkpoint then rank. Reads only; a directory that is no tier gives nothing."""
+    storage = Storage(root, create=False)
+    found = []
+    for directory in sorted(storage.list_names("")):
+        match = _DIRECTORY.fullmatch(directory)
+        if match is None:
+            continue
+        store = CheckpointStore(Storage(os.path.join(root, directory), create=False), create=False)
+        for name in store.names():
+            try:
+                store._read_verified(name)
+                valid, error = True, None
+            except (OSError, CheckpointError) as failure:
+                valid, error = False, f"{type(failure).__name__}: {failure}"
+            found.append({"name": name, "rank": int(match.group(2)), "kind": "own" if match.group(1) == "rank" else "copy",
+                          "directory": directory, "valid": valid, "error": error})
+    return sorted(found, key=lambda part: (part["name"], part["rank"], part["kind"]))
 
 
 def own_directory(root: str, rank: int) -> str:

@@ -78,7 +78,7 @@ def worker(mode: str, run_dir: str, tier: str, width: int, splits: int, report: 
     if mode == "none":
         policy = None
     elif mode == "durable":
-        policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2)
+        policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer="thread")
     else:
         policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer="thread",
                                          local_tier=f"{tier}-{node}", durable_every_n_splits=1000,

@@ -37,6 +37,62 @@ def unpack_part(raw: bytes | bytearray) -> Part:
     return manifest, {name: bytearray(data) for name, data in files.items()}
 
 
+Chunks = list[memoryview | bytes]
+# A part on its way to a peer: its manifest and each file's content as buffers (no copy).
+OutgoingPart = tuple[bytes, list[tuple[str, Chunks]]]
+ReceivedPart = tuple[bytes, dict[str, memoryview]]
+
+
+def exchange_part(outgoing: OutgoingPart | None, to: int, incoming_from: int, group: Any) -> ReceivedPart | None:
+    """Send a part's files to ``to`` while receiving one from ``incoming_from`` (None: nothing
+    sent or received). The manifest and the chunk sizes go first; every chunk then travels
+    straight from its buffer into the receiver's, one buffer per file."""
+    header = None if outgoing is None else msgpack.packb(
+        {"manifest": outgoing[0], "files": [[name, [len(chunk) for chunk in chunks]] for name, chunks in outgoing[1]]},
+        use_bin_type=True)
+    received_header = exchange(header, to, incoming_from, group)
+    works = []
+    if outgoing is not None:
+        for _, chunks in outgoing[1]:
+            works += [dist.isend(_as_tensor(chunk), to, group=group) for chunk in chunks if len(chunk)]
+    incoming: dict[str, torch.Tensor] = {}
+    manifest = b""
+    if received_header is not None:
+        manifest, layout = _parse_header(received_header)
+        for name, sizes in layout:
+            buffer = incoming[name] = torch.empty(sum(sizes), dtype=torch.uint8)
+            position = 0
+            for size in sizes:
+                if size:
+                    works.append(dist.irecv(buffer.narrow(0, position, size), incoming_from, group=group))
+                position += size
+    _wait_all(works)
+    if received_header is None:
+        return None
+    return manifest, {name: memoryview(buffer.numpy()).cast("B") for name, buffer in incoming.items()}  # type: ignore[arg-type]
+
+
+def _as_tensor(chunk: memoryview | bytes) -> torch.Tensor:
+    view = memoryview(chunk).cast("B")
+    if view.readonly:  # a header or the progress bytes: small
+        return torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _parse_header(raw: bytes) -> tuple[bytes, list[tuple[str, list[int]]]]:
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as error:
+        raise CheckpointCorrupt(f"a checkpoint part's header from another rank does not decode: {error}") from error
+    manifest = value.get("manifest") if isinstance(value, dict) else None
+    files = value.get("files") if isinstance(value, dict) else None
+    if not isinstance(manifest, bytes) or not isinstance(files, list) or not all(
+            isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], list)
+            and all(isinstance(size, int) and size >= 0 for size in entry[1]) for entry in files):
+        raise CheckpointCorrupt("a checkpoint part's header from another rank is not a manifest and its files' sizes")
+    return manifest, [(name, sizes) for name, sizes in files]
+
+
 def _length(data: bytes | None) -> torch.Tensor:
     return torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
 

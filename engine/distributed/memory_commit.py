@@ -167,21 +167,20 @@ class MemoryFirstCommit(GroupCommit):
             error = f"rank {rank}: its part in the memory tier {self._node.own.url}: {type(failure).__name__}: {failure}"
         if self._ring is None:
             return error
-        outgoing: bytes | None = None
+        outgoing: byte_transfer.OutgoingPart | None = None
         if error is None:
-            try:
-                outgoing = byte_transfer.pack_part(*self._node.own.read(sequence))
-            except (OSError, CheckpointError) as failure:
-                error = f"rank {rank}: reading its part back from the memory tier: {failure}"
+            # The bytes just written, from the snapshot's buffers; the receiver verifies them.
+            files = CheckpointFiles.of_state(pending.encoded, pending.progress_bytes).contents
+            outgoing = (self._node.own.manifest_of(sequence), list(files.items()))
         faults.reach("memory_tier_peer_copy")
-        received = byte_transfer.exchange(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
-                                          self.context.writer_group)
+        received = byte_transfer.exchange_part(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
+                                               self.context.writer_group)
         owner = self._ring.kept_by_me(rank)
         if received is None:
             return error or f"rank {rank}: rank {owner} sent no copy of its part"
         try:
             assert self._node.held is not None
-            manifest = self._node.held.keep(*byte_transfer.unpack_part(received))
+            manifest = self._node.held.keep(*received)
             if manifest.sequence != sequence:
                 raise CheckpointWriteError(f"received sequence {manifest.sequence}, expected {sequence}")
         except (OSError, CheckpointError) as failure:

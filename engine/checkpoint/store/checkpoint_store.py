@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from engine import faults
 from engine.checkpoint.format.manifest import MANIFEST_FILE, Manifest, verify_file
@@ -65,7 +65,12 @@ class CheckpointStore(CheckpointCatalogue):
         manifest, contents = source._read_verified(name)
         return self._commit_copy(manifest, contents, also_sync, fence)
 
-    def commit_verified_copy(self, manifest: Manifest, contents: dict[str, bytearray]) -> str:
+    def manifest_of_committed(self, name: str) -> Manifest:
+        """The manifest of a checkpoint this store committed or read."""
+        manifest = self._manifests.get(name)
+        return manifest if manifest is not None else self._read_manifest(name)
+
+    def commit_verified_copy(self, manifest: Manifest, contents: Mapping[str, bytearray | memoryview]) -> str:
         """Commit a checkpoint received as bytes (a peer's copy, engine.checkpoint.tiers.node):
         its data files are verified against ``manifest`` first (CheckpointCorrupt, nothing
         written, when one is missing, extra or does not match), and committed under its name,
@@ -78,10 +83,10 @@ class CheckpointStore(CheckpointCatalogue):
         self._refuse_if_of_another_run(checkpoint_name(manifest.sequence), manifest)
         return self._commit_copy(manifest, contents, (), None)
 
-    def _commit_copy(self, manifest: Manifest, contents: dict[str, bytearray], also_sync: Sequence[str],
+    def _commit_copy(self, manifest: Manifest, contents: Mapping[str, bytearray | memoryview], also_sync: Sequence[str],
                      fence: Callable[[], None] | None) -> str:
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
-        files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
+        files = CheckpointFiles(chunks, memoryview(contents["tensors.bin"]).nbytes, known=manifest.files)
         request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
                                 also_sync=also_sync, monitor=manifest.monitor, anchor=manifest.anchor)
         return self.stage(request, CommitCallbacks(fence=fence)).commit()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from engine.checkpoint.format.manifest import Manifest
 from engine.checkpoint.format.names import CHECKPOINT_DIR, CHECKPOINT_NAME, sequence_of
@@ -114,7 +114,11 @@ class RankTier:
         manifest, contents = self.store._read_verified(name)
         return manifest.to_json(), contents
 
-    def keep(self, manifest_bytes: bytes, contents: dict[str, bytearray]) -> Manifest:
+    def manifest_of(self, sequence: int) -> bytes:
+        """The manifest of the part this process just committed (as written)."""
+        return self.store.manifest_of_committed(f"ckpt-{sequence:010d}").to_json()
+
+    def keep(self, manifest_bytes: bytes, contents: Mapping[str, bytearray | memoryview]) -> Manifest:
         """Commit a part received from another rank, after verifying every file against its
         manifest (CheckpointCorrupt when one does not match: nothing is kept)."""
         manifest = Manifest.from_json(manifest_bytes)

@@ -7,6 +7,7 @@ rounds, each rank 0 timing its ``fit``:
 
 * ``memory``: a checkpoint every split into node memory with a peer copy on the other node,
   durable copies every 1,000 splits (and the last one);
+* ``local``: the same without peer copies (what the copy itself costs);
 * ``durable``: a checkpoint every split into the run dir (the commit across ranks, fsynced);
 * ``none``: no checkpoint.
 
@@ -82,7 +83,7 @@ def worker(mode: str, run_dir: str, tier: str, width: int, splits: int, report: 
     else:
         policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer="thread",
                                          local_tier=f"{tier}-{node}", durable_every_n_splits=1000,
-                                         peer_copies=0 if mode == "snapshot" else 1)
+                                         peer_copies=0 if mode in ("snapshot", "local") else 1)
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=policy, progress_bar="off", device="cpu")
     trainer = engine.Trainer(config)
     cpu: list[float] = []
@@ -195,7 +196,7 @@ def main() -> None:
     if args.smoke:
         args.repeats, args.width, args.splits = 1, 64, 8
     tier = f"/dev/shm/splitloop-bench-{uuid.uuid4().hex[:12]}"
-    times: dict[str, list[float]] = {"memory": [], "durable": [], "none": []}
+    times: dict[str, list[float]] = {"memory": [], "local": [], "durable": [], "none": []}
     try:
         with tempfile.TemporaryDirectory(dir=".") as temporary:
             directory = pathlib.Path(temporary)
@@ -212,10 +213,12 @@ def main() -> None:
     finally:
         for leftover in pathlib.Path("/dev/shm").glob(pathlib.Path(tier).name + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    memory, durable, none = (statistics.median(times[mode]) for mode in ("memory", "durable", "none"))
+    memory, local, durable, none = (statistics.median(times[mode]) for mode in ("memory", "local", "durable", "none"))
     parameters = args.width * args.width + 2 * args.width + 1
     print(f"(2 nodes x 1 rank, gloo on CPU, {parameters / 1e6:.1f}M parameters, {args.splits} splits per rank, "
-          f"median of {args.repeats}: memory {memory:.2f} s, durable {durable:.2f} s, none {none:.2f} s)")
+          f"median of {args.repeats}: memory {memory:.2f} s, memory without peer copies {local:.2f} s, "
+          f"durable {durable:.2f} s, none {none:.2f} s)")
+    print(f"memory tier without peer copies every split / no checkpoints: {local / none:.3f}")
     print(f"memory tier + peer copy every split / no checkpoints: {memory / none:.3f}")
     print(f"durable every split / no checkpoints: {durable / none:.3f}")
     print(f"splits replayed after a node loss: {replayed:.0f} ")

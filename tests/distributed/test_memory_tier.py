@@ -208,3 +208,41 @@ def test_rollback_with_a_memory_tier_under_torchrun_is_refused_in_one_line(tmp_p
     process, _, _ = helpers.train(tmp_path, "job", 2, "--memory-tier", tiers, "--poison", "--epochs", "1")
     assert process.returncode != 0
     assert "Rollback rolls a torchrun job back to a checkpoint in the run dir" in process.stderr, process.stderr[-3000:]
+
+
+@pytest.mark.exhaustive
+def test_a_replaced_node_joins_the_surviving_agent_and_comes_back_from_its_peer_copies(
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str) -> None:
+    """Node 1 is lost whole (agent and worker SIGKILLed, its tier deleted) while node 0's agent
+    stays up; node 0's worker fails at its next collective, its agent (--max-restarts) waits in
+    the rendezvous, and a new node 1 (a new agent, an empty tier) joins it."""
+    job, options = tmp_path / "job", peer_options(tiers)
+    port = helpers.free_port()
+    (job / "out").mkdir(parents=True)
+
+    def agent(node: int) -> subprocess.Popen:
+        command = helpers.node_command(node, port, job / "run", job / "out", *options, "--slow", "0.1",
+                                       max_restarts=1, forked_ranks=True)
+        with open(job / f"node-{node}.log", "a") as log:
+            # As for an elastic job (docs/distributed.md, Limits): with torch 2.13 the rendezvous
+            # after a membership change otherwise waits for keys written to another store.
+            return forkserver.popen(command, env=helpers.environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    survivor, lost = agent(0), agent(1)
+    replacement = None
+    try:
+        helpers.wait_for(lambda: helpers.splits_done(job / "out", 1) >= 6, "training started", survivor)
+        helpers.kill_node(lost)
+        shutil.rmtree(tiers + "-1")
+        done = helpers.splits_done(job / "out", 1)
+        replacement = agent(1)
+        assert survivor.wait(timeout=helpers.TIMEOUT) == 0, helpers.node_logs(job)
+        assert replacement.wait(timeout=helpers.TIMEOUT) == 0, helpers.node_logs(job)
+    finally:
+        for process in (survivor, lost, replacement):
+            if process is not None and process.poll() is None:
+                helpers.kill_node(process)
+    resumed = restored_units(job / "run", 1)[-1]
+    assert resumed is not None and done - resumed <= 1, (done, restored_units(job / "run", 1))
+    helpers.assert_same_result(reference, job, 2)

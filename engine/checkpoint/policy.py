@@ -42,10 +42,6 @@ from engine.errors import CheckpointWriteError, WriterConflict
 from progress import Cursor
 
 
-# Complete checkpoints a torchrun job's memory tier keeps per directory when keep_last keeps all.
-MEMORY_PARTS_KEPT = 2
-
-
 class RunCheckpointer:
     """A run's checkpoints (see the module docstring): its cadence (fixed or automatic) and its
     tiering (one tier or two) are objects chosen here, once."""
@@ -54,11 +50,8 @@ class RunCheckpointer:
                  group: RankGroup | None = None) -> None:
         plan.refuse_where(distributed=group is not None, run_dir_url=storage.url, run_dir_is_local=storage.is_local)
         self.store = CheckpointStore(storage)
-        node: NodeTier | None = None
-        if group is not None and plan.tiers.local_tier is not None:
-            # A torchrun job's memory tier: every rank's committer writes into node memory first.
-            group, node = group.memory_first(plan.tiers.local_tier, plan.tiers.peer_copies, storage,
-                                             plan.retention.keep_last or MEMORY_PARTS_KEPT)
+        # A torchrun job's memory tier: every rank's committer writes into node memory first.
+        node = None if group is None else group.node_tier
         # A distributed run: rank 0 holds the one lease of the job and commits (engine.distributed).
         self._group = group
         self._side: CommitSide = _Alone() if group is None else _InGroup(group)
@@ -346,10 +339,10 @@ class RankGroup(Committer, TakesPart, Protocol):
     (a :class:`Committer`), and rank 0 chooses the checkpoint all ranks resume from. Implemented
     by engine.distributed.commit.GroupCommit; this package never imports engine.distributed."""
 
-    def memory_first(self, local_tier: str, peer_copies: int, run_storage: Storage,
-                     keep: int) -> tuple[RankGroup, NodeTier]:
-        """This rank's committer with a memory tier under ``local_tier`` (engine.distributed.memory_commit),
-        and its directories there (``keep`` complete parts each)."""
+    @property
+    def node_tier(self) -> NodeTier | None:
+        """This rank's memory tier when its committer writes into node memory first
+        (engine.distributed.memory_commit); None: the run dir only."""
         ...
 
 

@@ -35,7 +35,6 @@ from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.format.manifest import FileRecord
 from engine.checkpoint.format.state_keys import SIGNATURE
 from engine.checkpoint.writers.pending import PendingCheckpoint
-from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.node import NodeTier
 from engine.checkpoint.store.checkpoint_store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
 from engine.distributed import state_parts
@@ -78,14 +77,10 @@ class GroupCommit:
     def is_writer(self) -> bool:
         return self.context.is_writer
 
-    def memory_first(self, local_tier: str, peer_copies: int, run_storage: Storage,
-                     keep: int) -> tuple[GroupCommit, NodeTier]:
-        """This rank's committer with a memory tier (engine.distributed.memory_commit)."""
-        from engine.distributed.memory_commit import MemoryFirstCommit, peer_ring
-        ring = peer_ring(self.context, peer_copies)
-        holds_for = None if ring is None else ring.kept_by_me(self.context.rank)
-        node = NodeTier(local_tier, run_storage, self.context.rank, holds_for, keep)
-        return MemoryFirstCommit(self.context, node, ring), node
+    @property
+    def node_tier(self) -> NodeTier | None:
+        """This rank's memory tier (engine.distributed.memory_commit); None: the run dir only."""
+        return None
 
     # ---- start --------------------------------------------------------------------------
     def after_acquire(self, store: CheckpointStore) -> None:

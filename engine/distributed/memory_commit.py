@@ -48,6 +48,7 @@ from engine.checkpoint.format.state_keys import SIGNATURE
 from engine.checkpoint.store.catalogue import LoadedCheckpoint, StateValidator
 from engine.checkpoint.store.checkpoint_store import CHECKPOINT_DIR, CheckpointStore
 from engine.checkpoint.store.request import CheckpointFiles, CommitCallbacks, CommitRequest
+from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.node import NodeTier, RankTier
 from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.distributed import byte_transfer, state_parts
@@ -104,6 +105,15 @@ class _MemoryRound:
     complete: bool = False
 
 
+def memory_first_commit(context: DistributedContext, local_tier: str, peer_copies: int, run_storage: Storage,
+                        keep: int) -> MemoryFirstCommit:
+    """This rank's committer with a memory tier under ``local_tier`` (``keep`` complete parts
+    per directory)."""
+    ring = peer_ring(context, peer_copies)
+    holds_for = None if ring is None else ring.kept_by_me(context.rank)
+    return MemoryFirstCommit(context, NodeTier(local_tier, run_storage, context.rank, holds_for, keep), ring)
+
+
 class MemoryFirstCommit(GroupCommit):
     """One rank's commits and restore with a memory tier (see the module docstring)."""
 
@@ -113,6 +123,10 @@ class MemoryFirstCommit(GroupCommit):
         self._ring = ring
         self._generation = 0
         self._memory = _MemoryRound()
+
+    @property
+    def node_tier(self) -> NodeTier:
+        return self._node
 
     # ---- start --------------------------------------------------------------------------
     def after_acquire(self, store: CheckpointStore) -> None:

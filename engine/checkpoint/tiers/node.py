@@ -33,6 +33,9 @@ from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.tiers.fast import FastTier
 from engine.errors import CheckpointError
 
+# Complete checkpoints a torchrun job's memory tier keeps per directory when keep_last keeps all.
+MEMORY_PARTS_KEPT = 2
+
 # A part's files in its own store: the main files of rank 0, or rank r's two files under the
 # names of the first two.
 PART_FILES = DATA_FILES

@@ -147,6 +147,11 @@ class CheckpointConfig:
             count of completed splits crosses a multiple of N.
         durable_every_seconds: with ``local_tier``, copy a checkpoint to the run dir when T
             seconds passed since the last copy.
+        peer_copies: under torchrun with ``local_tier`` (the memory tier: every rank commits
+            its part of each checkpoint into node memory), ``1`` also keeps a verified copy of
+            each rank's part on the same local rank of the next node, so that a lost node's
+            parts come back from its peer at restart; ``0`` keeps none. See
+            docs/distributed.md, "Memory-first checkpoints".
     """
 
     every_n_splits: int | Literal["auto"] | None = 1
@@ -168,6 +173,7 @@ class CheckpointConfig:
     local_tier: str | None = None
     durable_every_n_splits: int | None = None
     durable_every_seconds: float | None = None
+    peer_copies: int = 0
     max_overhead: float = 0.05
     mtbf_seconds: float | Literal["observed"] | None = None
     # A key of engine.checkpoint.writers.choice.WRITER_KINDS (checked by CheckpointPlan).
@@ -231,6 +237,9 @@ class CheckpointConfig:
                                             or "://" in self.local_tier or "::" in self.local_tier):
             raise ConfigError(f"{owner}.local_tier: expected a local directory path such as '/dev/shm/my-run', "
                               f"got {self.local_tier!r}")
+        if isinstance(self.peer_copies, bool) or self.peer_copies not in (0, 1):
+            raise ConfigError(f"{owner}.peer_copies: expected 0 or 1 (copies of each rank's memory part on "
+                              f"other nodes), got {self.peer_copies!r}")
         if not isinstance(self.writer, str):
             raise ConfigError(f"{owner}.writer: expected a writer's name such as 'thread', got {self.writer!r}")
 

@@ -47,6 +47,7 @@ class CheckpointSettings(Protocol):
     local_tier: str | None
     durable_every_n_splits: int | None
     durable_every_seconds: float | None
+    peer_copies: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,8 @@ class CheckpointPlan:
                               config.lease_expiry_seconds),
             retention=RetentionPlan(config.keep_last, config.monitor, config.mode,
                                     config.keep_best if config.monitor is not None else 0),
-            tiers=TierPlan(config.local_tier, config.durable_every_n_splits, config.durable_every_seconds),
+            tiers=TierPlan(config.local_tier, config.durable_every_n_splits, config.durable_every_seconds,
+                           config.peer_copies),
         )
 
     def with_observed_mtbf(self, mtbf_seconds: float | None) -> CheckpointPlan:
@@ -136,9 +138,9 @@ class CheckpointPlan:
         Raises:
             ConfigError: naming the field and what to use instead.
         """
-        if distributed and self.tiers.local_tier is not None:
-            raise ConfigError(f"{OWNER}.local_tier is not supported with several processes yet; "
-                              "leave it unset under torchrun")
+        if not distributed and self.tiers.peer_copies:
+            raise ConfigError(f"{OWNER}.peer_copies={self.tiers.peer_copies} copies each rank's memory parts to "
+                              "another node of a torchrun job; this run is one process: set peer_copies=0")
         if self.writer.kind == "process" and distributed:
             raise ConfigError(f"{OWNER}.writer='process' is not supported with several processes (torchrun) "
                               "yet; use writer='thread' there")
@@ -179,6 +181,9 @@ def _refuse_an_unknown_writer(config: CheckpointSettings) -> None:
 
 
 def _refuse_a_tier_without_its_cadence(config: CheckpointSettings) -> None:
+    if config.local_tier is None and config.peer_copies:
+        raise ConfigError(f"{OWNER}.peer_copies={config.peer_copies} copies the memory tier's parts to a peer node; "
+                          "set local_tier (e.g. '/dev/shm/<run>') or drop it")
     if config.local_tier is None:
         if config.durable_every_n_splits is not None or config.durable_every_seconds is not None:
             raise ConfigError(f"{OWNER}.durable_every_n_splits / durable_every_seconds: only meaningful with "

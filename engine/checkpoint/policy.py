@@ -31,6 +31,7 @@ from engine.checkpoint.store.lease import WriterLease
 from engine.checkpoint.store.metrics_log import METRICS_FILE, MetricsLog
 from engine.checkpoint.store.retention import Retention
 from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.tiers.node import NodeTier
 from engine.checkpoint.tiers.tiering import Tiering, choose_tiering
 from engine.checkpoint.writers.choice import WriterParts, choose_writer
 from engine.checkpoint.writers.committer import Committer
@@ -49,6 +50,8 @@ class RunCheckpointer:
                  group: RankGroup | None = None) -> None:
         plan.refuse_where(distributed=group is not None, run_dir_url=storage.url, run_dir_is_local=storage.is_local)
         self.store = CheckpointStore(storage)
+        # A torchrun job's memory tier: every rank's committer writes into node memory first.
+        node = None if group is None else group.node_tier
         # A distributed run: rank 0 holds the one lease of the job and commits (engine.distributed).
         self._group = group
         self._side: CommitSide = _Alone() if group is None else _InGroup(group)
@@ -66,7 +69,7 @@ class RunCheckpointer:
         self._resumed_name: str | None = None
         # Set by select() on rank 0 when "auto" went back to an anchor (another world size).
         self.anchor_fallback: AnchorFallback | None = None
-        self._tiering: Tiering = choose_tiering(plan.tiers, storage, self.store)
+        self._tiering: Tiering = choose_tiering(plan.tiers, storage, self.store, node)
 
     @property
     def last_name(self) -> str | None:
@@ -98,7 +101,7 @@ class RunCheckpointer:
         (another world size, inside a batch), they take the newest anchor instead and record
         the fallback in :attr:`anchor_fallback` (engine.checkpoint.resume_choice)."""
         choose = functools.partial(self._select, resume, validate, needs_an_anchor)
-        loaded = self._side.select(choose, self.store, validate)
+        loaded = self._side.select(choose, self.store, validate, newest_wanted=resume in AUTOMATIC)
         self._resumed_name = None if loaded is None else loaded.name
         return loaded
 
@@ -206,11 +209,12 @@ class RunCheckpointer:
         monitor, self._fresh_monitor = self._fresh_monitor, None
         try:
             encoded, digest = self._side.encode(snapshot.state, snapshot.progress_bytes)
+            durable = self._tiering.durable_due(mark[0], force) or monitor is not None
             # A distributed run: every rank must write every agreed checkpoint, none is skipped.
             force = force or self._side.writes_every_save
             pending = PendingCheckpoint(encoded, snapshot.progress_bytes, cursor,
                                         metrics_bytes=snapshot.metrics_bytes,
-                                        durable=self._tiering.durable_due(mark[0], force) or monitor is not None,
+                                        durable=durable,
                                         monitor=monitor,
                                         anchor=snapshot.anchor,
                                         digest=digest)
@@ -223,7 +227,8 @@ class RunCheckpointer:
             return False
         self._tiering.saved(written and pending.durable, mark[0])
         self._cadence.save_ended(written, mark[0], optimizer_steps)
-        if written:
+        if written and (pending.durable or self._tiering.makes_newest_durable_at_close):
+            # Otherwise (a torchrun job's memory tier) the run's end saves its boundary again, durably.
             self._mark_of_last_save = mark
         return written
 
@@ -309,8 +314,9 @@ class TakesPart(Protocol):
         ...
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
-        """The checkpoint ``choose`` returns (rank 0's choice, loaded by every rank)."""
+               validate: StateValidator, newest_wanted: bool = False) -> LoadedCheckpoint | None:
+        """The checkpoint ``choose`` returns (rank 0's choice, loaded by every rank), or with
+        ``newest_wanted`` (resume="auto"/"latest") a newer one a memory tier assembles."""
         ...
 
     def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
@@ -333,6 +339,12 @@ class RankGroup(Committer, TakesPart, Protocol):
     (a :class:`Committer`), and rank 0 chooses the checkpoint all ranks resume from. Implemented
     by engine.distributed.commit.GroupCommit; this package never imports engine.distributed."""
 
+    @property
+    def node_tier(self) -> NodeTier | None:
+        """This rank's memory tier when its committer writes into node memory first
+        (engine.distributed.memory_commit); None: the run dir only."""
+        ...
+
 
 class _Alone:
     """A single process chooses, encodes and commits by itself."""
@@ -344,7 +356,7 @@ class _Alone:
         pass
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
+               validate: StateValidator, newest_wanted: bool = False) -> LoadedCheckpoint | None:
         return choose()
 
     def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
@@ -367,8 +379,8 @@ class _InGroup:
         self._group.after_acquire(store)
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
-        return self._group.select(choose, store, validate)
+               validate: StateValidator, newest_wanted: bool = False) -> LoadedCheckpoint | None:
+        return self._group.select(choose, store, validate, newest_wanted)
 
     def encode(self, state: dict[str, Any], progress_bytes: bytes) -> tuple[EncodedState, dict[str, int] | None]:
         return self._group.encode(state, progress_bytes)

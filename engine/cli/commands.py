@@ -98,8 +98,9 @@ def _hyperparameters(callback_states: dict[str, Any]) -> dict[str, Any] | None:
                  if isinstance(state, dict) and isinstance(state.get(HYPERPARAMETERS), dict)), None)
 
 
-def run_inspect(url: str, as_json: bool) -> int:
+def run_inspect(url: str, as_json: bool, memory_tiers: list[str] | None = None) -> int:
     report = inspect_run(url)
+    report["memory_tiers"] = [{"dir": root, "parts": _memory_parts(root)} for root in memory_tiers or []]
     if as_json:
         print(json.dumps(report))
         return 0
@@ -128,10 +129,24 @@ def run_inspect(url: str, as_json: bool) -> int:
         print(describe_hang(hang))
     if report["crash_loop"]:
         print(f"crash loop: {report['crash_loop']} (the next start exits {CRASH_LOOP_EXIT_CODE})")
+    for tier in report["memory_tiers"]:
+        print(f"memory tier {tier['dir']}:" + ("" if tier["parts"] else " no parts"))
+        for part in tier["parts"]:
+            whose = f"rank {part['rank']}" + (" (copy kept for it)" if part["kind"] == "copy" else "")
+            status = "valid" if part["valid"] else f"INVALID: {part['error']}"
+            print(f"  {part['name']}  {whose:<28}  {status}")
     if report["goodput"] is not None:
         from engine.cli.goodput import summary_lines
         print("\n".join(summary_lines(report["goodput"])))
     return 0
+
+
+def _memory_parts(root: str) -> list[dict[str, Any]]:
+    """The parts a node's memory tier holds (engine.checkpoint.tiers.node.describe_parts)."""
+    from engine.checkpoint.tiers.node import describe_parts
+    if not os.path.isdir(root):
+        raise ConfigError(f"inspect --memory-tier: {root!r} is not a directory")
+    return describe_parts(root)
 
 
 def _goodput(storage: Storage) -> dict[str, Any] | None:

@@ -65,6 +65,9 @@ def build_parser(prog: str = "splitloop") -> argparse.ArgumentParser:
                                               "name the latest valid one and print its fingerprint.")
     inspect.add_argument("dir", help="run directory (path or fsspec URL)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    inspect.add_argument("--memory-tier", action="append", default=[], metavar="DIR",
+                         help="a node's memory tier under torchrun (CheckpointConfig.local_tier there): list which "
+                              "ranks' parts and peer copies it holds and whether each verifies (repeatable)")
 
     commands.add_parser("faults", help="list the fault-injection points and kinds",
                         description="List the named fault points and fault kinds of engine.faults.")
@@ -176,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         return run_demo(args)
     if args.command == "inspect":
-        return run_inspect(args.dir, as_json=args.json)
+        return run_inspect(args.dir, as_json=args.json, memory_tiers=args.memory_tier)
     if args.command == "faults":
         return run_list_faults()
     if args.command == "chaos":

@@ -19,6 +19,8 @@ One job per module:
 * :mod:`~engine.distributed.rank_values`: logged values and seeds exchanged in rank order;
 * :mod:`~engine.distributed.state_parts`: replicated vs per-rank state, digests, world size;
 * :mod:`~engine.distributed.commit`: one checkpoint for all ranks;
+* :mod:`~engine.distributed.memory_commit`: memory-first checkpoints (node memory, peer copies);
+* :mod:`~engine.distributed.byte_transfer`: bytes and checkpoint parts between ranks;
 * :mod:`~engine.distributed.preemption_marker`: a preemption the launcher can see;
 * :mod:`~engine.distributed.launch`: ``python -m engine launch -- torchrun ...``.
 """
@@ -32,6 +34,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from engine.distributed.agreement import AgreedFlags, agree, agree_on_reason, mean_losses
     from engine.distributed.commit import GroupCommit
+    from engine.distributed.memory_commit import memory_first_commit
     from engine.distributed.environment import DistributedContext, init_process_group, join
     from engine.distributed.variables import launched_by_torchrun
     from engine.distributed.preemption_marker import preempted_exit_status, register_launched_worker, write_preemption_marker
@@ -42,6 +45,7 @@ if _typing.TYPE_CHECKING:
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "engine.distributed.agreement": ("AgreedFlags", "agree", "agree_on_reason", "mean_losses"),
     "engine.distributed.commit": ("GroupCommit",),
+    "engine.distributed.memory_commit": ("memory_first_commit",),
     "engine.distributed.environment": ("DistributedContext", "init_process_group", "join"),
     "engine.distributed.variables": ("launched_by_torchrun",),
     "engine.distributed.preemption_marker": ("preempted_exit_status", "register_launched_worker", "write_preemption_marker"),
@@ -51,7 +55,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = ["AgreedFlags", "DistributedContext", "GroupCommit", "RankExchange", "agree", "agree_on_reason", "init_process_group", "join",
-           "launched_by_torchrun", "mean_losses", "order_alone", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
+           "launched_by_torchrun", "mean_losses", "memory_first_commit", "order_alone", "preempted_exit_status", "register_launched_worker", "shard_loader", "shard_validation_loader",
            "write_preemption_marker"]
 
 

@@ -35,6 +35,7 @@ from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.format.manifest import FileRecord
 from engine.checkpoint.format.state_keys import SIGNATURE
 from engine.checkpoint.writers.pending import PendingCheckpoint
+from engine.checkpoint.tiers.node import NodeTier
 from engine.checkpoint.store.checkpoint_store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
 from engine.distributed import state_parts
 from engine.distributed.environment import DistributedContext
@@ -49,6 +50,8 @@ class _PartReport:
     records: dict[str, tuple[int, int]]
     digest: dict[str, int]
     error: str | None
+    # What failed in its memory tier (engine.distributed.memory_commit; None: nothing, or none).
+    memory_error: str | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +77,11 @@ class GroupCommit:
     def is_writer(self) -> bool:
         return self.context.is_writer
 
+    @property
+    def node_tier(self) -> NodeTier | None:
+        """This rank's memory tier (engine.distributed.memory_commit); None: the run dir only."""
+        return None
+
     # ---- start --------------------------------------------------------------------------
     def after_acquire(self, store: CheckpointStore) -> None:
         """Agree on the first sequence number once rank 0 holds the lease and has removed what
@@ -83,9 +91,10 @@ class GroupCommit:
         self._next_sequence = int(first[0])
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
-               validate: StateValidator) -> LoadedCheckpoint | None:
+               validate: StateValidator, newest_wanted: bool = False) -> LoadedCheckpoint | None:
         """Rank 0 chooses the checkpoint (``choose``: the single-process choice); every rank
-        loads that one and takes its own per-rank part."""
+        loads that one and takes its own per-rank part. (``newest_wanted``: see
+        engine.distributed.memory_commit; the run dir holds every checkpoint here.)"""
         chosen: list[Any] = [None, None]
         loaded: LoadedCheckpoint | None = None
         if self.is_writer:
@@ -202,13 +211,7 @@ class GroupCommit:
         failed = [report.error for report in reports[1:] if report.error is not None]
         if failed:
             raise CheckpointWriteError("a rank could not write its part of the checkpoint: " + "; ".join(failed))
-        differing = state_parts.differences([report.digest for report in reports])
-        if differing:
-            raise ReplicaDivergence(
-                "the replicated state differs between ranks, so the checkpoint is not committed: "
-                + "; ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
-                + ". Every rank must apply the same updates (DDP-synced gradients, same optimizer settings); "
-                "the newest committed checkpoint is the last agreed state")
+        self._check_digests(reports)
         records: dict[str, FileRecord] = {}
         for rank, report in enumerate(reports[1:], start=1):
             expected = set(state_parts.rank_files(rank))
@@ -217,13 +220,25 @@ class GroupCommit:
             records.update({file_name: FileRecord(size, crc) for file_name, (size, crc) in report.records.items()})
         return records
 
+    @staticmethod
+    def _check_digests(reports: list[_PartReport]) -> None:
+        """ReplicaDivergence when the ranks' replicated states differ."""
+        differing = state_parts.differences([report.digest for report in reports])
+        if differing:
+            raise ReplicaDivergence(
+                "the replicated state differs between ranks, so the checkpoint is not committed: "
+                + "; ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+                + ". Every rank must apply the same updates (DDP-synced gradients, same optimizer settings); "
+                "the newest committed checkpoint is the last agreed state")
+
     def _gather(self, report: _PartReport) -> list[_PartReport]:
-        as_plain = (report.records, report.digest, report.error)
+        as_plain = (report.records, report.digest, report.error, report.memory_error)
         received: list[Any] | None = [None] * self.context.world_size if self.is_writer else None
         dist.gather_object(as_plain, received, dst=0, group=self.context.writer_group)
         if received is None:
             return []
-        return [_PartReport(dict(records), dict(digest), error) for records, digest, error in received]
+        return [_PartReport(dict(records), dict(digest), error, memory_error)
+                for records, digest, error, memory_error in received]
 
     def _announce(self, outcome: str | None) -> str:
         message = [outcome]

@@ -51,10 +51,15 @@ CHECKPOINT_POINTS: dict[str, str] = {
     "checkpoint_after_rename": "after the rename, before the directory fsync and retention",
     "checkpoint_retention": "while deleting checkpoints beyond keep_last",
 }
+MEMORY_TIER_POINTS: dict[str, str] = {
+    "memory_tier_peer_copy": "under torchrun with a memory tier: a rank's part is in node memory, its peer copy not sent",
+    "memory_tier_refill": "at a restart from the memory tier: a part received from a peer, before this node keeps it",
+}
 IO_POINTS: dict[str, str] = {
     "filesystem_write": "each write-type call on the run directory's filesystem (needs enospc/eio to mean an I/O error)",
 }
-POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **ROLLBACK_POINTS, **CHECKPOINT_POINTS, **IO_POINTS}
+POINTS: dict[str, str] = {**LOOP_POINTS, **VALIDATION_POINTS, **ROLLBACK_POINTS, **CHECKPOINT_POINTS, **MEMORY_TIER_POINTS,
+                         **IO_POINTS}
 
 KINDS = ("raise", "sigkill", "sigterm", "enospc", "eio", "hang", "sigstop")
 HANG_KINDS = ("hang", "sigstop")

@@ -14,6 +14,8 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from engine import distributed, watchdog
+from engine.checkpoint.store.storage import Storage
+from engine.checkpoint.tiers.tiering import TierPlan
 from engine.config import DEFAULT_START_TIMEOUT
 from engine.distributed.environment import DistributedContext
 from engine.errors import ConfigError
@@ -35,8 +37,10 @@ class Coordinator(Protocol):
     def is_writer(self) -> bool:
         """Whether this process writes the run's files (metrics, preemption marker)."""
 
-    def commit_group(self) -> distributed.GroupCommit | None:
-        """What the checkpointer commits through across ranks (None: alone)."""
+    def commit_group(self, tiers: TierPlan | None = None, storage: Storage | None = None,
+                     keep: int = 0) -> distributed.GroupCommit | None:
+        """What the checkpointer commits through across ranks (None: alone); with a memory tier
+        in ``tiers`` (``local_tier``), the memory-first committer over the run dir ``storage``."""
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         """The training data this process reads."""
@@ -70,7 +74,8 @@ class SingleProcess:
         self._global_order = global_order or elastic
         self._elastic = elastic
 
-    def commit_group(self) -> distributed.GroupCommit | None:
+    def commit_group(self, tiers: TierPlan | None = None, storage: Storage | None = None,
+                     keep: int = 0) -> distributed.GroupCommit | None:
         return None
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
@@ -115,8 +120,11 @@ class Group:
     def is_writer(self) -> bool:
         return self._context.is_writer
 
-    def commit_group(self) -> distributed.GroupCommit | None:
-        return distributed.GroupCommit(self._context)
+    def commit_group(self, tiers: TierPlan | None = None, storage: Storage | None = None,
+                     keep: int = 0) -> distributed.GroupCommit | None:
+        if tiers is None or tiers.local_tier is None or storage is None:
+            return distributed.GroupCommit(self._context)
+        return distributed.memory_first_commit(self._context, tiers.local_tier, tiers.peer_copies, storage, keep)
 
     def shard(self, data: Iterable[Any], distributed_sampler: bool) -> Iterable[Any]:
         return distributed.shard_loader(data, self._context) if distributed_sampler else data

@@ -28,6 +28,7 @@ from engine.callbacks import Callback, RunStatus, RunView
 from engine.checkpoint.checkpointing import Checkpointing, NoCheckpoints
 from engine.checkpoint.plan import CheckpointPlan
 from engine.checkpoint.policy import RunCheckpointer
+from engine.checkpoint.tiers.node import MEMORY_PARTS_KEPT
 from engine.checkpoint.store.storage import Storage
 from engine.config import TrainerConfig
 from engine.data.position import EpochData
@@ -106,8 +107,7 @@ class FitRun:
         loggers = LoggerSet(chosen, run_info(storage, config, original_module(module), export) if chosen else None)
         self.metrics = MetricsLog(storage if writes_metrics else None, loggers)
         self.checkpoints: Checkpointing = (
-            RunCheckpointer(storage, _checkpoint_plan(config, storage), self.metrics, self.coordinator.commit_group())
-            if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
+            self._checkpointer(config, storage) if storage is not None and config.checkpoint else NoCheckpoints(self.metrics))
         self.attempts = Attempts(storage if isinstance(self.checkpoints, RunCheckpointer) else None,
                                  writes_metrics, None if config.watchdog is None else config.watchdog.max_restarts)
         context = self.coordinator.context
@@ -126,6 +126,13 @@ class FitRun:
         self._resumed: ResumedStart | None = None
         self._elapsed_before = 0.0
         self._started = time.monotonic()
+
+    def _checkpointer(self, config: TrainerConfig, storage: Storage) -> RunCheckpointer:
+        """The run's checkpointer; under torchrun its group's committer (memory-first with a
+        ``local_tier``, engine.distributed.memory_commit)."""
+        plan = _checkpoint_plan(config, storage)
+        group = self.coordinator.commit_group(plan.tiers, storage, plan.retention.keep_last or MEMORY_PARTS_KEPT)
+        return RunCheckpointer(storage, plan, self.metrics, group)
 
     # ---- running ----------------------------------------------------------------------
     def run(self, resume: str) -> FitResult:
@@ -212,6 +219,11 @@ class FitRun:
         if not isinstance(self.checkpoints, RunCheckpointer) or self.storage is None:
             raise ConfigError("TrainerConfig.anomaly: Rollback needs checkpoints to roll back to; set run_dir and a "
                               "checkpoint policy")
+        checkpoint = self.config.checkpoint
+        if self.coordinator.world_size > 1 and checkpoint is not None and checkpoint.local_tier is not None:
+            raise ConfigError("TrainerConfig.anomaly: Rollback rolls a torchrun job back to a checkpoint in the run dir, "
+                              "and with CheckpointConfig.local_tier most checkpoints are in node memory only; drop "
+                              "local_tier under torchrun, or Rollback (not supported together yet)")
         return Rollbacks(policy, self.checkpoints, self.storage, self.coordinator.is_writer, self.data.length)
 
     def _train(self) -> None:

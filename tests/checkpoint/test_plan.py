@@ -60,8 +60,8 @@ def test_asynchronous_false_with_a_background_writer_is_a_contradiction():
 
 
 @pytest.mark.parametrize("config, where, message", [
-    (dict(local_tier="/dev/shm/plan-test", durable_every_n_splits=2), dict(distributed=True),
-     "local_tier is not supported with several processes"),
+    (dict(local_tier="/dev/shm/plan-test", durable_every_n_splits=2, peer_copies=1), dict(),
+     "peer_copies=1 copies each rank's memory parts to another node of a torchrun job; this run is one process"),
     (dict(writer="process"), dict(distributed=True), "writer='process' is not supported with several processes"),
     (dict(writer="process"), dict(run_dir_url="s3://bucket/run", run_dir_is_local=False),
      "writer='process' needs a local run dir for now, got 's3://bucket/run'"),
@@ -71,7 +71,18 @@ def test_what_cannot_work_where_the_run_writes_is_refused(config, where, message
     arguments = dict(distributed=False, run_dir_url="/tmp/run", run_dir_is_local=True) | where
     with pytest.raises(engine.ConfigError, match=message):
         plan.refuse_where(**arguments)
-    plan.refuse_where(distributed=False, run_dir_url="/tmp/run", run_dir_is_local=True)  # one local process: fine
+    if "peer_copies" not in config:
+        plan.refuse_where(distributed=False, run_dir_url="/tmp/run", run_dir_is_local=True)  # one local process: fine
+
+
+def test_a_memory_tier_under_torchrun_is_accepted_and_peer_copies_need_one():
+    engine.CheckpointConfig(local_tier="/dev/shm/plan-test", durable_every_n_splits=2, peer_copies=1).plan().refuse_where(
+        distributed=True, run_dir_url="/tmp/run", run_dir_is_local=True)
+    with pytest.raises(engine.ConfigError, match="peer_copies=1 copies the memory tier's parts to a peer node; set local_tier"):
+        engine.CheckpointConfig(peer_copies=1)
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(engine.ConfigError, match="peer_copies: expected 0 or 1"):
+            engine.CheckpointConfig(local_tier="/dev/shm/x", durable_every_n_splits=2, peer_copies=bad)
 
 
 def test_a_plan_refuses_a_combination_it_cannot_honour():
@@ -79,7 +90,7 @@ def test_a_plan_refuses_a_combination_it_cannot_honour():
         every_n_splits, every_n_steps, every_seconds, at_epoch_end, max_overhead, mtbf_seconds = 1, None, None, True, 0.05, None
         keep_last, monitor, mode, keep_best = 2, None, "min", 1
         writer, max_in_flight, when_behind, on_io_error, lease_expiry_seconds = "sync", 1, "wait", "raise", 60.0
-        local_tier, durable_every_n_splits, durable_every_seconds = None, 3, None
+        local_tier, durable_every_n_splits, durable_every_seconds, peer_copies = None, 3, None, 0
 
     with pytest.raises(engine.ConfigError, match="durable_every_n_splits / durable_every_seconds: only meaningful"):
         CheckpointPlan.from_config(Settings())

@@ -21,6 +21,10 @@ ranks (``samples``), and in validation the samples (``val_samples``, summed) and
 target (``val_max``). ``--no-carry`` resets the hidden state at each batch (in validation too,
 whose batches are then split across the ranks instead of all read by rank 0).
 
+``--memory-tier DIR`` (``{node}`` in it: the node's GROUP_RANK), ``--peer-copies N`` and
+``--durable-every N`` give the checkpoints a memory tier (CheckpointConfig.local_tier, peer_copies,
+durable_every_n_splits, default 50).
+
 ``--start-timeout SECONDS`` sets ``TrainerConfig.start_timeout``. ``--interpreter-exit``: a finished
 rank leaves through the interpreter's teardown (not ``rank_exit.leave``) and writes, from an
 ``atexit`` handler registered before ``fit``, whether a process group was still up then
@@ -224,6 +228,11 @@ def main() -> int:
                         help="this rank exits 3 after its preempted fit (first start only)")
     parser.add_argument("--watchdog", type=float, default=None,
                         help="the watchdog's min_timeout_s (test-sized: first_timeout_s 120, polled every 0.05 s)")
+    parser.add_argument("--memory-tier", default=None,
+                        help="CheckpointConfig.local_tier; '{node}' in it becomes this node's GROUP_RANK")
+    parser.add_argument("--peer-copies", type=int, default=0, help="CheckpointConfig.peer_copies")
+    parser.add_argument("--durable-every", type=int, default=None, help="CheckpointConfig.durable_every_n_splits")
+    parser.add_argument("--on-io-error", default="raise", help="CheckpointConfig.on_io_error")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))  # a single process (no torchrun) is rank 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -267,7 +276,8 @@ def main() -> int:
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
         checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer="thread" if args.asynchronous else "sync",
-                                           at_epoch_end=args.epoch_checkpoint),
+                                           at_epoch_end=args.epoch_checkpoint, on_io_error=args.on_io_error,
+                                           **memory_tier(args)),
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
@@ -306,6 +316,25 @@ def main() -> int:
     if args.interpreter_exit:
         sys.exit(0)
     return 0
+
+
+# Set (tests/distributed/test_kill_tests_with_a_memory_tier.py): every job without --memory-tier
+# gets one under /dev/shm named after its run dir, with peer copies when it spans two nodes.
+MEMORY_TIER_SWITCH = "SPLITLOOP_TEST_MEMORY_TIER"
+SWITCHED_TIERS = "/dev/shm/splitloop-test-switched-"
+
+
+def memory_tier(args: argparse.Namespace) -> dict[str, Any]:
+    """The memory tier's settings of ``--memory-tier``, ``--peer-copies``, ``--durable-every``."""
+    if args.memory_tier is None and os.environ.get(MEMORY_TIER_SWITCH):
+        import hashlib
+        args.memory_tier = SWITCHED_TIERS + hashlib.sha256(os.path.realpath(args.run_dir).encode()).hexdigest()[:16] + "-{node}"
+        several_nodes = os.environ.get("LOCAL_WORLD_SIZE", "1") != os.environ.get("WORLD_SIZE", "1")
+        args.peer_copies = 1 if several_nodes else args.peer_copies
+    if args.memory_tier is None:
+        return {}
+    return {"local_tier": args.memory_tier.replace("{node}", os.environ.get("GROUP_RANK", "0")),
+            "peer_copies": args.peer_copies, "durable_every_n_splits": args.durable_every or 50}
 
 
 def record_group_at_exit(path: pathlib.Path) -> None:

@@ -31,9 +31,10 @@ def matrix(kinds_by_point):
 
 def test_every_point_has_a_test_here():
     # validation_batch_end needs validation data: tests/run/test_validation*.py fault it;
-    # after_rollback needs an anomaly: tests/run/test_rollback.py faults it.
-    assert set(LOOP_POINTS) | set(CHECKPOINT_POINTS) | {"filesystem_write", "validation_batch_end",
-                                                        "after_rollback"} == set(faults.POINTS)
+    # after_rollback needs an anomaly: tests/run/test_rollback.py faults it; the memory tier's
+    # points need torchrun: tests/distributed/test_memory_tier.py kills there.
+    assert set(LOOP_POINTS) | set(CHECKPOINT_POINTS) | {"filesystem_write", "validation_batch_end", "after_rollback",
+                                                        "memory_tier_peer_copy", "memory_tier_refill"} == set(faults.POINTS)
 
 
 IN_PROCESS_KINDS = {**{point: ["raise", "sigterm"] for point in LOOP_POINTS},

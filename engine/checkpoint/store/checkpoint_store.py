@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from engine import faults
-from engine.checkpoint.format.manifest import MANIFEST_FILE, Manifest
+from engine.checkpoint.format.manifest import MANIFEST_FILE, Manifest, verify_file
 from engine.checkpoint.format.names import CHECKPOINT_DIR, STAGING_NAME, checkpoint_name, sequence_of
 from engine.checkpoint.store.catalogue import (DATA_FILES, CheckpointCatalogue, CheckpointInfo, LoadedCheckpoint,
                                                StateValidator)
@@ -22,7 +22,7 @@ from engine.checkpoint.store.request import NO_CALLBACKS, CheckpointFiles, Commi
 from engine.checkpoint.store.retention import retired_by_policy
 from engine.checkpoint.store.staged import StagedCheckpoint
 from engine.checkpoint.store.storage import Storage
-from engine.errors import ConfigError
+from engine.errors import CheckpointCorrupt, ConfigError
 
 __all__ = ["CHECKPOINT_DIR", "DATA_FILES", "CheckpointInfo", "CheckpointStore", "LoadedCheckpoint", "StateValidator",
            "checkpoint_name"]
@@ -63,8 +63,30 @@ class CheckpointStore(CheckpointCatalogue):
         and writer generation (a fast tier's checkpoint made durable). Its files are verified
         against its manifest on the way; CheckpointCorrupt if they do not."""
         manifest, contents = source._read_verified(name)
+        return self._commit_copy(manifest, contents, also_sync, fence)
+
+    def manifest_of_committed(self, name: str) -> Manifest:
+        """The manifest of a checkpoint this store committed or read."""
+        manifest = self._manifests.get(name)
+        return manifest if manifest is not None else self._read_manifest(name)
+
+    def commit_verified_copy(self, manifest: Manifest, contents: Mapping[str, bytearray | memoryview]) -> str:
+        """Commit a checkpoint received as bytes (a peer's copy, engine.checkpoint.tiers.node):
+        its data files are verified against ``manifest`` first (CheckpointCorrupt, nothing
+        written, when one is missing, extra or does not match), and committed under its name,
+        cursor, writer generation and run."""
+        if set(manifest.files) != set(DATA_FILES) or set(contents) != set(DATA_FILES):
+            raise CheckpointCorrupt(f"a copy of {checkpoint_name(manifest.sequence)} holds {sorted(contents)}, its manifest "
+                                    f"lists {sorted(manifest.files)}; expected {sorted(DATA_FILES)}")
+        for file_name, record in manifest.files.items():
+            verify_file(file_name, contents[file_name], record)
+        self._refuse_if_of_another_run(checkpoint_name(manifest.sequence), manifest)
+        return self._commit_copy(manifest, contents, (), None)
+
+    def _commit_copy(self, manifest: Manifest, contents: Mapping[str, bytearray | memoryview], also_sync: Sequence[str],
+                     fence: Callable[[], None] | None) -> str:
         chunks: dict[str, list[memoryview | bytes]] = {file_name: [memoryview(contents[file_name])] for file_name in DATA_FILES}
-        files = CheckpointFiles(chunks, len(contents["tensors.bin"]), known=manifest.files)
+        files = CheckpointFiles(chunks, memoryview(contents["tensors.bin"]).nbytes, known=manifest.files)
         request = CommitRequest(files, manifest.cursor, manifest.writer_generation, manifest.sequence,
                                 also_sync=also_sync, monitor=manifest.monitor, anchor=manifest.anchor)
         return self.stage(request, CommitCallbacks(fence=fence)).commit()

@@ -1,0 +1,63 @@
+"""A hung checkpoint writer under ``CheckpointConfig(on_io_error="warn")``: the training process's
+wait for it reaches the watchdog's deadline, reports it (hangs.jsonl and stderr: the writer's pid
+or thread and the checkpoint), counts that checkpoint as not written (a warning), replaces the
+writer — a writer process is SIGKILLed and started again, a writer thread stuck in a write is
+abandoned (fenced: it can commit and delete nothing should it return) — and training goes on: the
+later checkpoints commit and the run ends identical to one never interrupted. With the default
+``"raise"`` the hang ends the process instead (tests/watchdog/test_hang_in_process.py)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+import kill_helpers
+from engine.watchdog import HANGS_FILE
+from resume_helpers import assert_same_run
+
+pytestmark = pytest.mark.slow
+
+# The first allowance (a wait for the writer before its timeout is learned) is short too: whether the
+# stopped writer is met by a learned wait depends on how often the training process waited before.
+WATCHDOG = ("--watchdog", "3", "--first-timeout", "8", "--epochs", "1")
+
+
+def run_hung_writer(tmp_path: pathlib.Path, faults: str, *options: str) -> tuple[str, dict]:
+    """The reference run and the run with ``faults`` armed (on_io_error="warn"), which must end by
+    itself; its stderr and the hangs.jsonl row of the hung writer, once both runs are checked
+    identical. (A loaded machine may make a later commit outlast the test-sized timeout too: that
+    writer is abandoned the same way, and changes nothing of the result.)"""
+    reference, hung = str(tmp_path / "reference"), str(tmp_path / "hung")
+    assert kill_helpers.run_scenario("tbptt", reference, None, *WATCHDOG, *options).returncode == 0
+    process = kill_helpers.run_scenario("tbptt", hung, faults, *WATCHDOG, *options, "--on-io-error", "warn")
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "checkpoint not written, training goes on (on_io_error='warn')" in process.stderr, process.stderr[-3000:]
+    assert "was abandoned" in process.stderr, process.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "hung" / HANGS_FILE).read_text().splitlines()]
+    assert rows and all(row["phase"] == "waiting for the writer" and row["exit_code"] is None for row in rows), rows
+    row = rows[0]
+    assert row["rank"] == 0 and row["stalled_s"] >= 3.0 and "training goes on" in row["action"], row
+    # Later checkpoints committed: the newest is the end of the run, after the abandoned one.
+    assert_same_run(reference, hung)
+    return process.stderr, row
+
+
+def test_a_stopped_writer_process_is_killed_replaced_and_training_goes_on(tmp_path: pathlib.Path) -> None:
+    # The writer process stops (SIGSTOP) before a data file of its 30th checkpoint, once the
+    # training process has learned how long it waits for the writer.
+    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:30:sigstop", "--writer", "process")
+    assert row["detail"].startswith("writer process ") and ", checkpoint of split " in row["detail"], row
+    assert "killed (SIGKILL)" in row["action"] and row["process_state"].startswith("stopped by a signal"), row
+    pid = int(row["detail"].split()[2].rstrip(","))
+    assert f"writer process {pid}" in stderr
+
+
+@pytest.mark.exhaustive
+def test_a_writer_thread_stuck_in_a_write_is_abandoned_and_training_goes_on(tmp_path: pathlib.Path) -> None:
+    # The writer thread sleeps for ever before a data file of its 30th checkpoint (a write that
+    # never returns); a new thread takes over, the old one stays stuck (a daemon).
+    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:30:hang", "--async")
+    assert row["detail"].startswith("writer thread splitloop-checkpoint-writer (tid "), row
+    assert ", checkpoint of split " in row["detail"] and "_hang_forever" in row["stacks"], row

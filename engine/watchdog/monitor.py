@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog.outcomes import record_outcome
-from engine.watchdog.phases import HANG_EXIT_CODE
+from engine.watchdog.phases import BACKWARD, HANG_EXIT_CODE
 from engine.watchdog.remote import RemoteBoard
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
 from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
@@ -30,6 +30,10 @@ from engine.watchdog.verdict import Hang, judge
 from engine.watchdog.word import REPORTED, Word
 
 _GRACE_S = 2.0  # how long a rank waits for a hung rank on its node to report itself
+# Phases of a rank's own work that may also be a wait for the other ranks: DDP all-reduces the
+# gradients inside backward. A local rank stalled there is judged again with the other nodes'
+# words: the rank it waits for, stopped on another node, is the one to name.
+_MAY_WAIT_FOR_OTHERS = frozenset({BACKWARD})
 
 
 class Board(Protocol):
@@ -91,7 +95,8 @@ class Monitor:
         if self._remote is not None:
             self._remote.publish(local, now_ns)
         hang = judge(local, now_ns, alive, stopped)
-        if hang is not None and hang.culprit is None and self._remote is not None:
+        if hang is not None and self._remote is not None and (hang.culprit is None or
+                                                               hang.culprit.phase in _MAY_WAIT_FOR_OTHERS):
             hang = self._across_nodes(local, now_ns)
         if hang is None:
             self._first_seen.clear()
@@ -99,8 +104,9 @@ class Monitor:
         return self._act(hang, now_ns)
 
     def _across_nodes(self, local: list[Word], now_ns: int) -> Hang | None:
-        """Every local rank waits in a collective: judge again with the other nodes' words, so
-        that the rank they wait for is named (or the wait is found to be within its timeout)."""
+        """Every local rank waits in a collective (or the one blamed is in backward, where DDP
+        waits for every rank): judge again with the other nodes' words, so that the rank they
+        wait for is named (or the wait is found to be within its timeout)."""
         assert self._remote is not None
         remote = self._remote.read(local, now_ns)
         if not remote:

@@ -72,6 +72,8 @@ class Monitor:
                             else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitloop-watchdog", daemon=True)
+        # How old another node's last publication is when that node counts as stopped publishing.
+        self._silence_s = _GRACE_S + 2 * policy.poll_seconds
 
     def start(self) -> None:
         self._thread.start()
@@ -112,8 +114,11 @@ class Monitor:
         if not remote:
             return judge(local, now_ns, alive, stopped)  # the store does not answer: culprit unknown
         elsewhere = {item.word.pid for item in remote}
-        return judge([*local, *(item.word for item in remote)], now_ns,
-                     lambda pid: pid in elsewhere or alive(pid), lambda pid: pid not in elsewhere and stopped(pid))
+        # A node that no longer publishes (its lowest rank's monitor thread publishes every poll,
+        # whatever its main thread does) is stopped whole, or cut off: its ranks count as stopped.
+        silent = {item.word.pid for item in remote if item.age_s > self._silence_s}
+        return judge([*local, *(item.word for item in remote)], now_ns, lambda pid: pid in elsewhere or alive(pid),
+                     lambda pid: pid in silent if pid in elsewhere else stopped(pid))
 
     def _act(self, hang: Hang, now_ns: int) -> bool:
         culprit, own = hang.culprit, self._tracker.rank
@@ -152,7 +157,7 @@ class Monitor:
                 return False  # give the culprit's node the time to report it with its stacks
         if own == min(local_ranks):
             age = self._remote.ages.get(culprit.rank, 0.0)
-            silent = age > _GRACE_S + 2 * self._policy.poll_seconds
+            silent = age > self._silence_s
             self._report(hang, state=f"on {host}, whose node stopped publishing its words {age:.0f} s ago (stopped "
                                      "whole, or cut off)" if silent else f"on {host}, whose own monitors report its stacks")
         record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: rank {culprit.rank} on {host} hung")

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 # scenarios' 60 s too: whether the stopped writer is met by a learned wait depends on how often the
 # training process waited before. Not much shorter: a start on a loaded machine (torch's imports)
 # has been seen to take 8 s.
-WATCHDOG = ("--watchdog", "3", "--first-timeout", "20", "--epochs", "1")
+WATCHDOG = ("--watchdog", "3", "--first-timeout", "20")
 
 
 def run_hung_writer(tmp_path: pathlib.Path, faults: str, *options: str) -> tuple[str, dict]:
@@ -47,9 +47,9 @@ def run_hung_writer(tmp_path: pathlib.Path, faults: str, *options: str) -> tuple
 
 
 def test_a_stopped_writer_process_is_killed_replaced_and_training_goes_on(tmp_path: pathlib.Path) -> None:
-    # The writer process stops (SIGSTOP) before a data file of its 30th checkpoint, once the
-    # training process has learned how long it waits for the writer.
-    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:30:sigstop", "--writer", "process")
+    # The writer process stops (SIGSTOP) before a data file of its 20th checkpoint: late enough
+    # that the training process has learned how long it waits for the writer (3 s, not 20).
+    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:60:sigstop", "--writer", "process", "--epochs", "2")
     assert row["detail"].startswith("writer process ") and ", checkpoint of split " in row["detail"], row
     assert "killed (SIGKILL)" in row["action"] and row["process_state"].startswith("stopped by a signal"), row
     pid = int(row["detail"].split()[2].rstrip(","))
@@ -58,8 +58,8 @@ def test_a_stopped_writer_process_is_killed_replaced_and_training_goes_on(tmp_pa
 
 @pytest.mark.exhaustive
 def test_a_writer_thread_stuck_in_a_write_is_abandoned_and_training_goes_on(tmp_path: pathlib.Path) -> None:
-    # The writer thread sleeps for ever before a data file of its 30th checkpoint (a write that
+    # The writer thread sleeps for ever before a data file of its 20th checkpoint (a write that
     # never returns); a new thread takes over, the old one stays stuck (a daemon).
-    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:30:hang", "--async")
+    stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:60:hang", "--async", "--epochs", "2")
     assert row["detail"].startswith("writer thread splitloop-checkpoint-writer (tid "), row
     assert ", checkpoint of split " in row["detail"] and "_hang_forever" in row["stacks"], row

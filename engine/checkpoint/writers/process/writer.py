@@ -106,8 +106,9 @@ class ProcessWriter:
         # another (see the module docstring); the checkpoints abandoned so.
         self._abandons = abandon_hung
         self.abandoned = 0
-        # A writer process restarted (after a death or a hang) that has not answered yet: the
-        # waits for it have the watchdog's first allowance (it imports and maps its slots first).
+        # A writer process restarted (after a death or a hang) that has not ended a commit yet:
+        # the waits for it have the watchdog's first allowance (it imports and maps its slots
+        # first, and its first retention verifies checkpoints it did not write, importing torch).
         self._fresh = False
         self._lease = lease
         self._retention = retention
@@ -209,8 +210,9 @@ class ProcessWriter:
                 self._apply(event)
 
     def _apply(self, event: dict[str, Any]) -> None:
-        self._fresh = False
         kind = event.get("kind")
+        if kind in ("committed", "failed"):
+            self._fresh = False  # a commit's whole path ran once (its first retention may import torch)
         if kind == "released":
             self._release_slot(event["slot"], event["id"])
             return

@@ -294,12 +294,16 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
             return lease_fence
         thread = threading.current_thread()
 
-        def fence() -> None:
+        def still_the_writer() -> None:
             if thread is not self._thread:
                 raise CheckpointWriteError(f"the writer thread {thread.name} (tid {thread.native_id}) was abandoned "
                                            "as hung: it commits and deletes nothing")
+
+        def fence() -> None:
+            still_the_writer()
             if lease_fence is not None:
-                lease_fence()
+                lease_fence()  # (a read of the run dir: it may be what hangs)
+                still_the_writer()
         return fence
 
     def _still_writing(self) -> bool:

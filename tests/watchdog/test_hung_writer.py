@@ -26,14 +26,14 @@ pytestmark = pytest.mark.slow
 WATCHDOG = ("--watchdog", "3", "--first-timeout", "20")
 
 
-def run_hung_writer(tmp_path: pathlib.Path, faults: str, *options: str) -> tuple[str, dict]:
+def run_hung_writer(tmp_path: pathlib.Path, faults: str, *options: str, hung_only: tuple[str, ...] = ()) -> tuple[str, dict]:
     """The reference run and the run with ``faults`` armed (on_io_error="warn"), which must end by
     itself; its stderr and the hangs.jsonl row of the hung writer, once both runs are checked
     identical. (A loaded machine may make a later commit outlast the test-sized timeout too: that
     writer is abandoned the same way, and changes nothing of the result.)"""
     reference, hung = str(tmp_path / "reference"), str(tmp_path / "hung")
     assert kill_helpers.run_scenario("tbptt", reference, None, *WATCHDOG, *options).returncode == 0
-    process = kill_helpers.run_scenario("tbptt", hung, faults, *WATCHDOG, *options, "--on-io-error", "warn")
+    process = kill_helpers.run_scenario("tbptt", hung, faults, *WATCHDOG, *options, *hung_only, "--on-io-error", "warn")
     assert process.returncode == 0, process.stderr[-3000:]
     assert "checkpoint not written, training goes on (on_io_error='warn')" in process.stderr, process.stderr[-3000:]
     assert "was abandoned" in process.stderr, process.stderr[-3000:]
@@ -63,3 +63,18 @@ def test_a_writer_thread_stuck_in_a_write_is_abandoned_and_training_goes_on(tmp_
     stderr, row = run_hung_writer(tmp_path, "checkpoint_before_file:60:hang", "--async", "--epochs", "2")
     assert row["detail"].startswith("writer thread splitloop-checkpoint-writer (tid "), row
     assert ", checkpoint of split " in row["detail"] and "_hang_forever" in row["stacks"], row
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("writer", [("--writer", "process"), ("--async",)], ids=["process", "thread"])
+def test_with_when_behind_skip_a_hung_writer_is_abandoned_at_a_split_boundary(tmp_path: pathlib.Path,
+                                                                             writer: tuple[str, ...]) -> None:
+    # "skip" never waits for the writer: each split boundary looks at how long it has had its oldest
+    # checkpoint (a wait's timeout: the first allowance, 10 s here, as no wait was ever learned).
+    # The writer hangs at its 4th checkpoint; the hung run sleeps 1 s per split (24 splits), so
+    # that a boundary sees it before the end of fit's flush would.
+    fault = "sigstop" if writer[0] == "--writer" else "hang"
+    _, row = run_hung_writer(tmp_path, f"checkpoint_before_file:12:{fault}", *writer, "--epochs", "2",
+                             "--when-behind", "skip", hung_only=("--sleep", "1.0", "--first-timeout", "10"))
+    assert row["stalled_s"] >= 10.0 and row["timeout_s"] == 10.0 and row["last_split"] <= 20, row
+    assert ", checkpoint of split " in row["detail"], row

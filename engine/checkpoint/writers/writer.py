@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from typing import Callable
 
 from engine.checkpoint.format.encoded_state import EncodedState
@@ -162,8 +163,9 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._when_behind = when_behind
         self._busy = False
-        # The snapshot the thread writes (None while it is idle).
+        # The snapshot the thread writes (None while it is idle), and since when (time.monotonic()).
         self._current: PendingCheckpoint | None = None
+        self._current_since = 0.0
         # on_io_error="warn" in a process alone: a wait past the watchdog's deadline abandons the
         # checkpoint the thread is stuck in and starts a new thread (see _abandon_locked).
         self._abandons = abandon_hung
@@ -231,6 +233,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
             return None
         self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
         self._current = self._queue.popleft()
+        self._current_since = time.monotonic()
         return self._current
 
     def _run(self, pending: PendingCheckpoint) -> None:
@@ -264,7 +267,14 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         self._abandon_locked(self._current)
         return True
 
-    def _abandon_locked(self, stuck: PendingCheckpoint) -> None:
+    def _abandon_if_overdue_locked(self) -> None:
+        """``when_behind="skip"`` never waits for the thread: at each check, abandon the
+        checkpoint it has had for a wait's whole timeout (engine.watchdog.abandon.writer_timeout)."""
+        stuck, limit = self._current, abandon.writer_timeout()
+        if stuck is not None and limit is not None and time.monotonic() - self._current_since >= limit:
+            self._abandon_locked(stuck, time.monotonic() - self._current_since)
+
+    def _abandon_locked(self, stuck: PendingCheckpoint, writing_s: float | None = None) -> None:
         """The thread has not finished ``stuck`` by the deadline (a storage write that does not
         return: a thread in a system call cannot be stopped). Report it, count the checkpoint as
         not written (CheckpointWriteError at the next check, which ``on_io_error="warn"`` turns
@@ -276,7 +286,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         split = "?" if stuck.split is None else stuck.split
         detail = f"writer thread {thread.name} (tid {thread.native_id}), checkpoint of split {split}"
         abandon.report("the checkpoint it writes is abandoned (not written; on_io_error='warn'), a new writer thread "
-                       "takes over and training goes on", detail)
+                       "takes over and training goes on", detail, writing_s=writing_s)
         self.abandoned += 1
         if stuck.buffers is not None:  # the stuck thread may still read them
             stuck.buffers = None
@@ -328,7 +338,11 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
             raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
 
     def check(self) -> None:
-        """Raise, on the training thread, an error the background writer met."""
+        """Raise, on the training thread, an error the background writer met (and, with
+        ``abandon_hung`` and ``when_behind="skip"``, abandon a checkpoint it is stuck in)."""
+        if self._abandons and self._when_behind == "skip" and self._current is not None:
+            with self._condition:
+                self._abandon_if_overdue_locked()
         if self._error is not None:
             with self._condition:
                 self._raise_pending_locked()

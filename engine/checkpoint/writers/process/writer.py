@@ -88,6 +88,8 @@ class _Published:
     read: bool = False
     # The splits the run had completed when it was handed over (None without a watchdog).
     split: int | None = None
+    # When it was handed to the current writer process (time.monotonic()).
+    sent_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def keep(self) -> bool:
@@ -186,6 +188,7 @@ class ProcessWriter:
                 continue
             published.message.metrics, published.message.metrics_base, carried = carried, base, b""
             base += len(published.message.metrics)
+            published.sent_at = time.monotonic()
             self._send(published.message)
         self._carried = carried
 
@@ -265,7 +268,18 @@ class ProcessWriter:
         elif self._abandons and abandon.past_deadline():
             self._abandon_process()
 
-    def _abandon_process(self) -> None:
+    def _abandon_if_overdue(self) -> None:
+        """``when_behind="skip"`` never waits for the writer process: at each check, abandon it
+        when it has had its oldest snapshot for a wait's whole timeout
+        (engine.watchdog.abandon.writer_timeout)."""
+        limit = abandon.writer_timeout()
+        if limit is None or not self._published:
+            return
+        writing_s = time.monotonic() - self._published[min(self._published)].sent_at
+        if writing_s >= limit:
+            self._abandon_process(writing_s)
+
+    def _abandon_process(self, writing_s: float | None = None) -> None:
         """The writer process has not answered by the watchdog's deadline: report it (its pid,
         the oldest checkpoint in its hands: the one it writes), SIGKILL it, count that checkpoint
         as not written, and start a new writer process with the rest (as after a death)."""
@@ -275,7 +289,7 @@ class ProcessWriter:
         what = "no checkpoint" if stuck is None else f"checkpoint of split {split}"
         abandon.report("the writer process is killed (SIGKILL) and a new one started; the checkpoint it was writing "
                        "is not written (on_io_error='warn') and training goes on",
-                       f"writer process {process.pid}, {what}", process_state(process.pid))
+                       f"writer process {process.pid}, {what}", process_state(process.pid), writing_s)
         process.kill()
         process.wait()
         self._drain_events()  # what it said before it stopped
@@ -430,6 +444,8 @@ class ProcessWriter:
             return self._raise_reported()
         if not self._drain_events() or not self._alive():
             self._writer_died()
+        elif self._abandons and self._when_behind == "skip":
+            self._abandon_if_overdue()
         self._send_queued()
         self._raise_reported()
 

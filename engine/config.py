@@ -129,7 +129,10 @@ class CheckpointConfig:
         keep_best: how many best checkpoints (by ``monitor``) retention never deletes; they do
             not count towards ``keep_last``.
         on_io_error: ``"raise"`` stops training with CheckpointWriteError when a write fails;
-            ``"warn"`` warns and trains on (earlier checkpoints stay intact either way).
+            ``"warn"`` warns and trains on (earlier checkpoints stay intact either way). A writer
+            that hangs past the watchdog's timeout: with ``"raise"`` a hang exit (86, restart);
+            with ``"warn"``, in a process alone with a thread or process writer, that checkpoint
+            is abandoned and the writer replaced (docs/faults.md, "A hung writer").
         lease_expiry_seconds: on filesystems without file locks (object stores), how long a
             writer lease must stay unchanged, timed by the process that wants it, before that
             process may take it over (the holder's heartbeat rewrites it every third of that).

@@ -342,7 +342,8 @@ def train_with_checkpoints(name: str, run_dir: str, epochs: int = 2, resume: str
     writer = extra.pop("writer", "thread")  # "process": a writer process (implies asynchronous)
     checkpoint = engine.CheckpointConfig(every_n_splits=every, keep_last=keep_last,
                                          writer=writer if asynchronous or writer == "process" else "sync",
-                                         on_io_error=extra.pop("on_io_error", "raise"), **lease)
+                                         on_io_error=extra.pop("on_io_error", "raise"),
+                                         when_behind=extra.pop("when_behind", "wait"), **lease)
     settings = dict(max_epochs=epochs, run_dir=run_dir, checkpoint=checkpoint, progress_bar="off")
     settings.update(SCENARIOS[name].config_kwargs())
     settings.update(extra)
@@ -373,11 +374,11 @@ def stop_after_fence(count: int) -> None:
     CheckpointStore.write = write  # type: ignore[method-assign]
 
 
-def watchdog_settings(min_timeout_s: float | None) -> dict[str, Any]:
+def watchdog_settings(min_timeout_s: float | None, first_timeout_s: float = 60.0) -> dict[str, Any]:
     """TrainerConfig's watchdog with test-sized timeouts (the default's are minutes)."""
     if min_timeout_s is None:
         return {}
-    return {"watchdog": engine.Watchdog(min_timeout_s=min_timeout_s, first_timeout_s=60.0, warmup=3,
+    return {"watchdog": engine.Watchdog(min_timeout_s=min_timeout_s, first_timeout_s=first_timeout_s, warmup=3,
                                         poll_s=0.05)}
 
 
@@ -402,6 +403,10 @@ def main(argv: list[str]) -> int:
                         help="'process': checkpoints written by a writer process")
     parser.add_argument("--watchdog", type=float, default=None,
                         help="the watchdog's min_timeout_s (first_timeout_s 60, polled every 0.05 s)")
+    parser.add_argument("--when-behind", choices=["wait", "skip"], default="wait", help="CheckpointConfig.when_behind")
+    parser.add_argument("--first-timeout", type=float, default=60.0, help="with --watchdog: its first_timeout_s")
+    parser.add_argument("--on-io-error", choices=["raise", "warn"], default="raise",
+                        help="CheckpointConfig.on_io_error ('warn': a hung writer is abandoned, training goes on)")
     args = parser.parse_args(argv)
     if args.stop_after_fence:
         stop_after_fence(args.stop_after_fence)
@@ -410,7 +415,7 @@ def main(argv: list[str]) -> int:
     result = train_with_checkpoints(args.name, args.run_dir, epochs=args.epochs, every=args.every,
                                     asynchronous=args.asynchronous, callbacks=callbacks,
                                     keep_last=args.keep_last or None, lease_expiry=args.lease_expiry, seed=args.seed,
-                                    writer=args.writer, **watchdog_settings(args.watchdog),
+                                    writer=args.writer, on_io_error=args.on_io_error, when_behind=args.when_behind, **watchdog_settings(args.watchdog, args.first_timeout),
                                     **({"tier": (args.local_tier, args.durable_every)} if args.local_tier else {}))
     print(f"done {result.cursor} resumed_from={result.resumed_from}")
     return 0

@@ -147,9 +147,12 @@ class RunCheckpointer:
         abandoned = read_abandoned(self._storage) if self._side.is_writer else frozenset()
         retention = Retention(kept.keep_last, kept.keep_best, kept.monitor, abandoned)
         tier = self._tiering.start(retention, also_sync, self._lease, units)
+        # A hung writer is abandoned under "warn" in a process alone; under torchrun it stays a hang
+        # of the group (the ranks' writers commit together: docs/faults.md, "A hung writer").
+        abandon_hung = writer.on_io_error == "warn" and self._group is None
         self._writer = self._writer_kind.build(WriterParts(self.store, self._storage, self._lease, retention, also_sync,
                                                            self._metrics, self._group, tier, writer.max_in_flight,
-                                                           writer.when_behind))
+                                                           writer.when_behind, abandon_hung))
         self._cadence.start(optimizer_steps, units, self._background_work())
 
     def _background_work(self) -> BackgroundWork | None:

@@ -91,6 +91,7 @@ def read_hangs(storage: LedgerStorage) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("time"), (int, float)):
+        # A row with an "action" reports a hung writer abandoned while training went on: no attempt ended there.
+        if isinstance(row, dict) and isinstance(row.get("time"), (int, float)) and "action" not in row:
             found.append(row)
     return found

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog.outcomes import record_outcome
-from engine.watchdog.phases import HANG_EXIT_CODE
+from engine.watchdog.phases import BACKWARD, HANG_EXIT_CODE
 from engine.watchdog.remote import RemoteBoard
 from engine.watchdog.report import AppendOnly, HangReport, own_stacks, process_state, publish
 from engine.watchdog.stragglers import StragglerWatch, report as report_straggler
@@ -30,6 +30,10 @@ from engine.watchdog.verdict import Hang, judge
 from engine.watchdog.word import REPORTED, Word
 
 _GRACE_S = 2.0  # how long a rank waits for a hung rank on its node to report itself
+# Phases of a rank's own work that may also be a wait for the other ranks: DDP all-reduces the
+# gradients inside backward. A local rank stalled there is judged again with the other nodes'
+# words: the rank it waits for, stopped on another node, is the one to name.
+_MAY_WAIT_FOR_OTHERS = frozenset({BACKWARD})
 
 
 class Board(Protocol):
@@ -68,6 +72,8 @@ class Monitor:
                             else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitloop-watchdog", daemon=True)
+        # How old another node's last publication is when that node counts as stopped publishing.
+        self._silence_s = _GRACE_S + 2 * policy.poll_seconds
 
     def start(self) -> None:
         self._thread.start()
@@ -91,7 +97,8 @@ class Monitor:
         if self._remote is not None:
             self._remote.publish(local, now_ns)
         hang = judge(local, now_ns, alive, stopped)
-        if hang is not None and hang.culprit is None and self._remote is not None:
+        if hang is not None and self._remote is not None and (hang.culprit is None or
+                                                               hang.culprit.phase in _MAY_WAIT_FOR_OTHERS):
             hang = self._across_nodes(local, now_ns)
         if hang is None:
             self._first_seen.clear()
@@ -99,15 +106,19 @@ class Monitor:
         return self._act(hang, now_ns)
 
     def _across_nodes(self, local: list[Word], now_ns: int) -> Hang | None:
-        """Every local rank waits in a collective: judge again with the other nodes' words, so
-        that the rank they wait for is named (or the wait is found to be within its timeout)."""
+        """Every local rank waits in a collective (or the one blamed is in backward, where DDP
+        waits for every rank): judge again with the other nodes' words, so that the rank they
+        wait for is named (or the wait is found to be within its timeout)."""
         assert self._remote is not None
         remote = self._remote.read(local, now_ns)
         if not remote:
             return judge(local, now_ns, alive, stopped)  # the store does not answer: culprit unknown
         elsewhere = {item.word.pid for item in remote}
-        return judge([*local, *(item.word for item in remote)], now_ns,
-                     lambda pid: pid in elsewhere or alive(pid), lambda pid: pid not in elsewhere and stopped(pid))
+        # A node that no longer publishes (its lowest rank's monitor thread publishes every poll,
+        # whatever its main thread does) is stopped whole, or cut off: its ranks count as stopped.
+        silent = {item.word.pid for item in remote if item.age_s > self._silence_s}
+        return judge([*local, *(item.word for item in remote)], now_ns, lambda pid: pid in elsewhere or alive(pid),
+                     lambda pid: pid in silent if pid in elsewhere else stopped(pid))
 
     def _act(self, hang: Hang, now_ns: int) -> bool:
         culprit, own = hang.culprit, self._tracker.rank
@@ -146,7 +157,7 @@ class Monitor:
                 return False  # give the culprit's node the time to report it with its stacks
         if own == min(local_ranks):
             age = self._remote.ages.get(culprit.rank, 0.0)
-            silent = age > _GRACE_S + 2 * self._policy.poll_seconds
+            silent = age > self._silence_s
             self._report(hang, state=f"on {host}, whose node stopped publishing its words {age:.0f} s ago (stopped "
                                      "whole, or cut off)" if silent else f"on {host}, whose own monitors report its stacks")
         record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: rank {culprit.rank} on {host} hung")

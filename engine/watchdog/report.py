@@ -43,14 +43,19 @@ class HangReport:
     hang: Hang
     reported_by: int
     host: str
-    exit_code: int
+    exit_code: int | None
     stacks: str | None = None
     process_state: str | None = None
+    # What was done instead of ending the process (a hung writer abandoned, engine.watchdog.abandon);
+    # None: the process ends with ``exit_code``.
+    action: str | None = None
 
     def line(self) -> str:
         by = "itself" if self.hang.culprit is not None and self.hang.culprit.rank == self.reported_by \
             else f"rank {self.reported_by}"
         state = f"; its process is {self.process_state}" if self.process_state else ""
+        if self.action is not None:
+            return f"splitloop watchdog: on {self.host}, {self.hang.describe()}{state} (reported by {by}); {self.action}"
         return (f"splitloop watchdog: on {self.host}, {self.hang.describe()}{state} (reported by {by}); "
                 f"exiting with {self.exit_code} so that the job is restarted from its newest checkpoint")
 
@@ -66,6 +71,8 @@ class HangReport:
         else:
             row.update(rank=None, phase="collective (culprit on another node)")
         row.update(process_state=self.process_state, stacks=self.stacks)
+        if self.action is not None:
+            row["action"] = self.action
         return row
 
 
@@ -130,5 +137,6 @@ def describe_hang(row: dict[str, Any]) -> str:
     if row.get("rank") is None:
         return f"hang: every rank of {row.get('host')} waited in a collective for {row.get('stalled_s')} s"
     by = "itself" if row.get("reported_by") == row.get("rank") else f"rank {row.get('reported_by')}"
+    action = f"; {row['action']}" if row.get("action") else ""
     return (f"hang: rank {row.get('rank')} on {row.get('host')} in phase {row.get('phase')!r} for "
-            f"{row.get('stalled_s')} s after split {row.get('last_split')} (reported by {by})")
+            f"{row.get('stalled_s')} s after split {row.get('last_split')} (reported by {by}){action}")

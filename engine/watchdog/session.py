@@ -27,7 +27,7 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
                                      else NodeBoard(directory, rank, keep=launcher_board(os.environ) is not None))
-    tracker = trackers.PhaseTracker(policy, board.buffer, rank)
+    tracker = trackers.PhaseTracker(policy, board.buffer, rank, storage)
     remote = None
     if directory is not None and several_nodes(os.environ):
         remote = RemoteBoard(group_store, rank, int(os.environ["WORLD_SIZE"]))

@@ -18,6 +18,9 @@ class Watchdog:
     monitor writes one report (rank, host, phase, how long, the last split, the Python stacks) to
     stderr and ``hangs.jsonl``, and the process exits with ``engine.watchdog.HANG_EXIT_CODE`` so
     that torchrun (``--max-restarts``) or the scheduler restarts the job from its newest checkpoint.
+    A hung checkpoint writer under ``CheckpointConfig(on_io_error="warn")`` (a process alone, a
+    thread or process writer) is abandoned and replaced at that timeout instead, and training goes
+    on (docs/faults.md, "A hung writer").
 
     Args:
         min_timeout_s: no phase is called hung before this many seconds without progress. The

@@ -10,20 +10,36 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from typing import TYPE_CHECKING
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog import word as words
 from engine.watchdog.phases import CODE_OF, STARTING, WAITS
+from engine.watchdog.statistics import PhaseStatistics
+
+if TYPE_CHECKING:
+    from engine.watchdog.report import AppendOnly
 
 _SMOOTHING = 0.2  # weight of the newest split in the moving average of the busy time
-from engine.watchdog.statistics import PhaseStatistics
+# How much longer than its own deadline the monitor waits before it ends a process whose wait
+# abandons what it waits for (engine.watchdog.abandon): the wait acts first.
+_ABANDON_GRACE_S = 2.0
 
 
 class PhaseTracker:
     """Publishes this rank's progress word; see the module docstring."""
 
-    def __init__(self, policy: Watchdog, buffer: mmap.mmap, rank: int) -> None:
+    def __init__(self, policy: Watchdog, buffer: mmap.mmap, rank: int, storage: AppendOnly | None = None) -> None:
         self.statistics = PhaseStatistics(policy)
+        self._first_timeout_s = max(policy.min_timeout_s, policy.first_timeout_s)
+        # The current phase has its first allowance whatever was learned (a wait for a writer
+        # started anew: it imports and maps its slots before it answers).
+        self.fresh = False
+        # Where a wait that abandons a hung writer reports it (the run dir's hangs.jsonl).
+        self.storage = storage
+        # Added to the published timeout of a wait that abandons by itself at its deadline.
+        self.grace_s = max(_ABANDON_GRACE_S, 4 * policy.poll_seconds)
+        self.abandons = False
         self.buffer = buffer
         self.rank = rank
         self.pid = os.getpid()
@@ -37,18 +53,39 @@ class PhaseTracker:
         self.started_ns = time.monotonic_ns()
         self._publish()
 
-    def mark(self, phase: str, detail: str = "") -> None:
-        """Enter ``phase`` (no change when already in it with the same detail)."""
-        if phase == self.phase and detail == self.detail:
+    def mark(self, phase: str, detail: str = "", abandons: bool = False, fresh: bool = False) -> None:
+        """Enter ``phase`` (no change when already in it with the same detail). ``abandons``:
+        the caller's wait gives up by itself at :meth:`deadline` (engine.watchdog.abandon), so the
+        monitor waits :attr:`grace_s` longer before it calls the process hung. ``fresh``: the
+        phase has its first allowance (what it waits for has just started)."""
+        if phase == self.phase and detail == self.detail and abandons == self.abandons and fresh == self.fresh:
             return
-        self._end_phase()
-        self.phase, self.detail = phase, detail
+        self._end_phase(record=not self.fresh)  # a fresh start's wait is not a usual duration
+        self.phase, self.detail, self.abandons, self.fresh = phase, detail, abandons, fresh
         self._publish()
 
-    def _end_phase(self) -> None:
+    def restart_phase(self, detail: str) -> None:
+        """Start the current phase over with ``detail``, not counting the time spent in it so far
+        (a wait that was abandoned: its length says nothing of the phase's usual durations), with
+        its first allowance (what it waits for next starts anew)."""
+        self.started_ns = time.monotonic_ns()
+        self.detail, self.abandons, self.fresh = detail, False, True
+        self._publish()
+
+    def timeout(self) -> float:
+        """The current phase's timeout (engine.watchdog.statistics; its first allowance when fresh)."""
+        learned = self.statistics.timeout(self.phase, self.splits)
+        return max(learned, self._first_timeout_s) if self.fresh else learned
+
+    def deadline(self) -> float:
+        """When (``time.monotonic()``) the current phase reaches its timeout."""
+        return self.started_ns / 1e9 + self.timeout()
+
+    def _end_phase(self, record: bool = True) -> None:
         now = time.monotonic_ns()
         seconds = (now - self.started_ns) / 1e9
-        self.statistics.add(self.phase, seconds)
+        if record:
+            self.statistics.add(self.phase, seconds)
         if self.phase not in WAITS:
             self._busy += seconds
         self.started_ns = now
@@ -59,7 +96,7 @@ class PhaseTracker:
         self._end_phase()
         self.busy_s = self._busy if self.busy_s == 0.0 else (1 - _SMOOTHING) * self.busy_s + _SMOOTHING * self._busy
         self._busy = 0.0
-        self.phase, self.detail = phase, ""
+        self.phase, self.detail, self.abandons, self.fresh = phase, "", False, False
         self._publish()
 
     def resumed_at(self, splits: int) -> None:
@@ -75,18 +112,20 @@ class PhaseTracker:
     def _publish(self) -> None:
         self.sequence += 1
         quantiles = self.statistics.quantiles(self.phase) or (0.0, 0.0)
-        words.write(self.buffer, words.Word(self.sequence, self.splits, self.started_ns,
-                                            self.statistics.timeout(self.phase, self.splits), quantiles[0], quantiles[1], self.busy_s, self.pid,
-                                            self.rank, CODE_OF[self.phase], self.flags, self.detail))
+        timeout = self.timeout() + (self.grace_s if self.abandons else 0.0)
+        words.write(self.buffer, words.Word(self.sequence, self.splits, self.started_ns, timeout, quantiles[0],
+                                            quantiles[1], self.busy_s, self.pid, self.rank, CODE_OF[self.phase],
+                                            self.flags, self.detail))
 
 
 _tracker: PhaseTracker | None = None
 
 
-def mark(phase: str, detail: str = "") -> None:
-    """This process enters ``phase`` (nothing when no watchdog runs)."""
+def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = False) -> None:
+    """This process enters ``phase`` (nothing when no watchdog runs); ``abandons`` and
+    ``fresh``: see :meth:`PhaseTracker.mark`."""
     if _tracker is not None:
-        _tracker.mark(phase, detail)
+        _tracker.mark(phase, detail, abandons, fresh)
 
 
 def split_done(phase: str) -> None:

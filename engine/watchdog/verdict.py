@@ -4,8 +4,9 @@ A rank is *stalled* when its word has not moved for longer than the timeout it p
 phase. Ranks wait for each other in collectives (the engine's, and DDP's all-reduce inside
 backward), so the stalled rank to blame is the one *furthest behind* — fewest splits completed,
 then earliest in the split's order of phases: it has not arrived where the others wait. A rank
-waiting in a collective is blamed only when every rank on the node waits in one (the culprit is
-then on another node, or the ranks disagree on the collective). A rank that finished its fit, or
+waiting in a collective is blamed only when every rank on the node waits in one: one that is
+stopped (SIGSTOP, or on a node that stopped publishing) was stopped inside it and is the culprit;
+else the culprit is on another node, or the ranks disagree on the collective. A rank that finished its fit, or
 whose process is gone (torchrun handles deaths), is never blamed; a rank that reported itself
 hung is the culprit, whether or not its process has ended yet.
 """
@@ -64,6 +65,10 @@ def judge(local: Sequence[Word], now_ns: int, alive: Callable[[int], bool],
         return None
     arrived = [word for word in watched if word.phase != phases.COLLECTIVE]
     if not arrived:
+        frozen = [word for word in stalled if stopped(word.pid)]
+        if frozen:  # stopped inside the collective (by SIGSTOP, or its node stopped whole): it waits for nobody
+            culprit = min(frozen, key=lambda word: (position(word), word.started_ns))
+            return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))
         longest = max(word.stalled_s(now_ns) for word in stalled)
         return Hang(None, longest, tuple(watched))
     culprits = [word for word in stalled if word.phase != phases.COLLECTIVE]

@@ -73,6 +73,17 @@ def test_a_hang_is_read_from_hangs_jsonl(tmp_path: pathlib.Path) -> None:
     assert sum(found.buckets.values()) == pytest.approx(25.0)
 
 
+def test_a_hung_writer_abandoned_while_training_went_on_ends_no_attempt(tmp_path: pathlib.Path) -> None:
+    first, second = two_attempts()
+    write(tmp_path, first, second)
+    # The first attempt was killed at 11; a writer abandoned at 10 (on_io_error="warn") is no hang of it.
+    (tmp_path / "hangs.jsonl").write_text(json.dumps({"time": BASE + 10.0, "stalled_s": 4.0, "exit_code": None,
+                                                      "action": "a new writer thread takes over"}) + "\n")
+    found = account(Storage(str(tmp_path)))
+    assert found is not None
+    assert found.causes == {"killed": 1, "finished": 1} and found.buckets["hang_detection"] == 0.0
+
+
 def test_seen_twice_and_skipped_are_counted_per_epoch(tmp_path: pathlib.Path) -> None:
     attempt = AttemptWriter("a1", process_start=0.0).start(1.0).restored(2.0).row("training", 3.0)
     attempt.commit(4.0, 1, 0.1, {"0": [[0, 4], [2, 2]]})          # ids 2 and 3 twice in epoch 0

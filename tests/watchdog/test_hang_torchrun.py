@@ -6,9 +6,11 @@ to an uninterrupted one (parameters, RNG, hidden state of every rank, metrics.js
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import re
+import signal
 import sys
 
 import pytest
@@ -102,3 +104,40 @@ def test_on_two_nodes_the_rank_that_skipped_the_all_reduce_is_named_by_the_node_
     assert all(row["phase"] != "collective" and row["process_state"].startswith("on ") for row in by_rank_0), rows
     helpers.assert_same_result(reference, job, 2)
 
+
+
+@pytest.mark.exhaustive
+def test_a_whole_stopped_node_is_named_by_the_other_node_and_the_job_restarts_exactly(
+        reference: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # Two agents ("nodes") of one rank each, started as a job of two machines is (the rendezvous
+    # host first). Every worker of the second node (its one rank) is SIGSTOPped from outside once
+    # it trained a random number of splits; its agent runs on. The stopped rank's monitor thread
+    # stops with it, so its node stops publishing its words in the group's store: rank 0, waiting
+    # for it, names rank 1 on the other node (engine.watchdog.remote) and exits 86; both agents
+    # restart their workers (--max-restarts, the stopped worker is killed by its agent) and the
+    # job ends as an uninterrupted one.
+    split = random.randint(4, SPLITS - 6)
+    job = tmp_path / "job"
+    agents = helpers.start_nodes(job, *OPTIONS, "--slow", "0.1", max_restarts=1)
+    try:
+        helpers.wait_for(lambda: helpers.splits_done(job / "out", 1) >= split, f"rank 1's split {split}", agents[1])
+        helpers.signal_worker(job / "out", 1, signal.SIGSTOP)
+        statuses = [agent.wait(timeout=helpers.TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                helpers.kill_node(agent)
+        stopped = helpers.worker_pid(job / "out", 1)
+        if stopped is not None:  # never left behind stopped, whatever happened
+            for number in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, number)
+                except ProcessLookupError:
+                    pass
+    assert statuses == [0, 0], helpers.node_logs(job)
+    rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
+    assert rows and {row["rank"] for row in rows} == {1}, (rows, helpers.node_logs(job))
+    assert all(row["reported_by"] == 0 and row["process_state"].startswith("on ") for row in rows), rows
+    assert "stopped publishing its words" in rows[0]["process_state"], rows
+    assert abs(rows[0]["last_split"] - split) <= 2, (split, rows)
+    helpers.assert_same_result(reference, job, 2)

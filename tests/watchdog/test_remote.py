@@ -68,6 +68,46 @@ def test_the_rank_another_node_waits_for_is_named_across_nodes(tmp_path, store, 
     assert "rank 3 (pid" in capsys.readouterr().err
 
 
+def test_a_rank_waiting_in_ddps_all_reduce_inside_backward_names_the_remote_rank_it_waits_for(
+        tmp_path, store) -> None:
+    # Rank 0 is alone on its node, stalled in backward: DDP's gradient all-reduce waits there for
+    # rank 1, stopped whole in its step on the other node (its word published before it stopped).
+    board_b, _ = node(tmp_path, "b", {1: phases.STEP})
+    RemoteBoard(lambda: store, 1, 2, host="node-b").publish(board_b.words(), time.monotonic_ns())
+    board_a, ranks_a = node(tmp_path, "a", {0: phases.BACKWARD})
+    storage, ended = Appended(), threading.Event()
+    monitor = Monitor(POLICY, ranks_a[0], board_a, storage, on_hang=ended.set,
+                      remote=RemoteBoard(lambda: store, 0, 2, host="node-a"))
+    time.sleep(0.6)
+    deadline = time.monotonic() + 10
+    while not monitor.check(time.monotonic_ns()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    row = json.loads(storage.files["hangs.jsonl"])
+    assert (row["rank"], row["phase"], row["reported_by"]) == (1, "step", 0), row
+    assert row["waiting_ranks"] == [0] and "node-b" in row["process_state"], row
+
+
+def test_a_remote_rank_stopped_inside_the_collective_is_named_once_its_node_stopped_publishing(
+        tmp_path, store) -> None:
+    # Node b (rank 1) was stopped whole while rank 1 was inside the all-reduce rank 0 waits in: its
+    # last publication, 5 s old, says "collective"; a node that no longer publishes is stopped.
+    board_b, _ = node(tmp_path, "b", {1: phases.COLLECTIVE})
+    store.set(f"{KEY_PREFIX}1", encode(board_b.words(), "node-b", time.monotonic_ns(), time.time() - 5.0))
+    board_a, ranks_a = node(tmp_path, "a", {0: phases.COLLECTIVE})
+    storage, ended = Appended(), threading.Event()
+    monitor = Monitor(POLICY, ranks_a[0], board_a, storage, on_hang=ended.set,
+                      remote=RemoteBoard(lambda: store, 0, 2, host="node-a"))
+    time.sleep(0.6)
+    deadline = time.monotonic() + 10
+    while not monitor.check(time.monotonic_ns()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    row = json.loads(storage.files["hangs.jsonl"])
+    assert (row["rank"], row["phase"], row["reported_by"]) == (1, "collective", 0), row
+    assert "stopped publishing" in row["process_state"], row
+
+
 def test_a_remote_rank_that_reported_itself_ends_this_node_at_once(tmp_path, store) -> None:
     board_b, ranks_b = node(tmp_path, "b", {2: phases.COLLECTIVE, 3: phases.STEP})
     ranks_b[3].set_flag(REPORTED)

@@ -56,6 +56,14 @@ def test_every_rank_in_a_collective_blames_another_node() -> None:
     assert hang is not None and hang.culprit is None and "another node" in hang.describe()
 
 
+def test_a_rank_stopped_inside_the_collective_the_others_wait_in_is_blamed() -> None:
+    # SIGSTOP landed while rank 1 was in the all-reduce: every word says "collective", but a
+    # stopped process waits for nobody.
+    waiting, frozen = word(0, phases.COLLECTIVE, 9.0), word(1, phases.COLLECTIVE, 8.0)
+    hang = judge([waiting, frozen], NOW, everyone_alive, stopped=lambda pid: pid == frozen.pid)
+    assert hang is not None and hang.culprit == frozen and hang.waiting == (waiting,)
+
+
 def test_finished_and_dead_ranks_are_never_blamed() -> None:
     finished = word(1, phases.FINISHING, 50.0, flags=FINISHED)
     assert judge([finished], NOW, everyone_alive) is None

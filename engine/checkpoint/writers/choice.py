@@ -44,6 +44,10 @@ class WriterParts:
     tier: FastTierCommits | None
     max_in_flight: int
     when_behind: str
+    # A wait for a writer that hangs past the watchdog's deadline abandons the checkpoint it is
+    # stuck in and replaces the writer (on_io_error="warn" in a process alone), instead of the
+    # watchdog's hang exit (docs/faults.md, "A hung writer").
+    abandon_hung: bool = False
 
 
 class WriterKind(Protocol):
@@ -98,7 +102,7 @@ class _WriterProcess:
         assert self._launched is not None, "launch() before build()"
         launched, self._launched = self._launched, None
         return ProcessWriter(launched, parts.storage, parts.lease, parts.retention, parts.metrics,
-                             parts.max_in_flight, parts.when_behind)
+                             parts.max_in_flight, parts.when_behind, parts.abandon_hung)
 
     def abandon(self) -> None:
         launched, self._launched = self._launched, None
@@ -115,7 +119,7 @@ def _synchronous(parts: WriterParts) -> Writer:
 def _thread(parts: WriterParts) -> Writer:
     from engine.checkpoint.writers.writer import BackgroundWriter
     return BackgroundWriter(parts.store, parts.lease, parts.retention, parts.also_sync, parts.max_in_flight,
-                            parts.when_behind, parts.committer, parts.metrics, parts.tier)
+                            parts.when_behind, parts.committer, parts.metrics, parts.tier, parts.abandon_hung)
 
 
 # Each kind of writer, by the name the configuration gives it (CheckpointConfig.writer).

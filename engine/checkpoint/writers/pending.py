@@ -31,3 +31,6 @@ class PendingCheckpoint:
     anchor: bool = False
     # A distributed run's digest of its replicated state (compared across ranks at commit).
     digest: dict[str, int] | None = None
+    # The splits the run had completed when it was handed to the writer (what a report of a hung
+    # writer names it by; None without a watchdog).
+    split: int | None = None

@@ -51,24 +51,44 @@ class BackgroundWorker(Generic[Job]):
     def _work(self) -> None:
         while True:
             with self._condition:
+                if not self._is_current_thread():
+                    return
                 job = self._take_locked()
                 while job is None and not self._closing:
                     self._condition.wait()
                     job = self._take_locked()
                 if job is None:
                     return
+            error: BaseException | None = None
             try:
                 self._run(job)
-            except BaseException as error:  # reaches the training thread at its next boundary
-                with self._condition:
-                    if self._error is None:
-                        self._error = error
-            finally:
-                self._after(job)
-                with self._condition:
+            except BaseException as raised:  # reaches the training thread at its next boundary
+                error = raised
+            with self._condition:  # (re-entrant: _after may take it again)
+                if not self._is_current_thread():
+                    return  # abandoned while it ran (see _replace_thread): nothing of it counts
+                if error is not None and self._error is None:
+                    self._error = error
+                try:
+                    self._after(job)
+                finally:
                     self.last_end = time.monotonic()  # before the busy mark drops: see the *_since readers
                     self._idle_locked()
                     self._condition.notify_all()
+
+    def _is_current_thread(self) -> bool:
+        """Whether the calling thread is this worker's thread (False in one it abandoned)."""
+        return threading.current_thread() is self._thread
+
+    def _replace_thread(self) -> None:
+        """Abandon the thread (stuck in a job that never returns: a storage write) and start a
+        new one for the jobs still queued; call with the condition held, after the job's own
+        bookkeeping. The old thread, should it ever return, takes no job, keeps no error and
+        touches nothing (:meth:`_is_current_thread`); the job itself must fence its own effects
+        (engine.checkpoint.writers.writer.BackgroundWriter checks it in its fence)."""
+        self._idle_locked()
+        self._thread = threading.Thread(target=self._work, name=self._thread.name, daemon=True)
+        self._thread.start()
 
     def _take_error_locked(self) -> BaseException | None:
         error, self._error = self._error, None

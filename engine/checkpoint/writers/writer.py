@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from typing import Callable
 
 from engine.checkpoint.format.encoded_state import EncodedState
@@ -31,8 +32,10 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.protocol import FastTierCommits
 from engine.checkpoint.writers.worker import BackgroundWork, BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
-from engine.watchdog import WRITER, mark as mark_phase
+from engine.watchdog import WRITER, abandon, mark as mark_phase
 
+# How long a wait whose deadline passed with no job to abandon waits before it looks again.
+_RECHECK_S = 0.05
 
 
 class _WriterBase:
@@ -60,8 +63,7 @@ class _WriterBase:
         once more (a writer fenced off after its commit point deletes nothing), retention. A rank
         that does not commit only writes its part (see Committer)."""
         request = self.committer.prepare(self.store, self._request(pending))
-        callbacks = CommitCallbacks(fence=None if self.lease is None else self.lease.verify,
-                                    on_data_written=lambda: self.release(pending))
+        callbacks = CommitCallbacks(fence=self._commit_fence(), on_data_written=lambda: self.release(pending))
         if not self.committer.commits:
             self.last_name = self.committer.write(self.store, pending, request, callbacks)
             return
@@ -79,8 +81,19 @@ class _WriterBase:
             self.committer.settle(self.store, error)
             raise
         self.committer.settle(self.store, name)
+        if not self._still_writing():
+            return  # abandoned while it committed: the writer that took over says what is committed
         self.last_name = name
         self.metrics.committed(pending.metrics_bytes)  # the loggers may send these rows now
+
+    def _commit_fence(self) -> Callable[[], None] | None:
+        """The fence of a commit made now: raises once this writer must not commit (nor delete)
+        any more (the lease's check; None when there is no lease)."""
+        return None if self.lease is None else self.lease.verify
+
+    def _still_writing(self) -> bool:
+        """Whether the calling thread still writes for this writer (see BackgroundWriter)."""
+        return True
 
     def _request(self, pending: PendingCheckpoint) -> CommitRequest:
         return CommitRequest(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), pending.cursor,
@@ -143,19 +156,27 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
     def __init__(self, store: CheckpointStore, lease: WriterLease | None, retention: Retention,
                  also_sync: Callable[[], list[str]], max_in_flight: int, when_behind: str,
                  committer: Committer | None = None, metrics: MetricsLog | None = None,
-                 tier: FastTierCommits | None = None) -> None:
+                 tier: FastTierCommits | None = None, abandon_hung: bool = False) -> None:
         _WriterBase.__init__(self, store, lease, retention, also_sync, committer, metrics, tier)
         BackgroundWorker.__init__(self, threading.Condition(), "splitloop-checkpoint-writer")
         self._free = [SnapshotBuffers() for _ in range(max_in_flight)]
         self._queue: collections.deque[PendingCheckpoint] = collections.deque()
         self._when_behind = when_behind
         self._busy = False
+        # The snapshot the thread writes (None while it is idle), and since when (time.monotonic()).
+        self._current: PendingCheckpoint | None = None
+        self._current_since = 0.0
+        # on_io_error="warn" in a process alone: a wait past the watchdog's deadline abandons the
+        # checkpoint the thread is stuck in and starts a new thread (see _abandon_locked).
+        self._abandons = abandon_hung
         self.skipped = 0
+        self.abandoned = 0
         self._start_thread()
 
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
         """Snapshot and queue; returns False when the checkpoint was skipped."""
         self.check()
+        pending.split = abandon.splits_done()
         with self._condition:
             while not self._free:
                 # A forced one neither replaces a queued snapshot nor is dropped: a distributed
@@ -166,8 +187,8 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
                     if pending.monitor is None:
                         self.skipped += 1
                         return False  # every snapshot is being written or must be: skip this one
-                mark_phase(WRITER, "the checkpoint writer thread")
-                self._condition.wait()
+                if self._wait_locked():
+                    continue  # the stuck one's error is raised at the next check: this one goes on
                 self._raise_pending_locked()
             buffers = self._free.pop()
         encoded = pending.encoded
@@ -211,7 +232,9 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         if not self._queue:
             return None
         self._busy = True  # before the pop: wrote_since (lock-free) never sees neither
-        return self._queue.popleft()
+        self._current = self._queue.popleft()
+        self._current_since = time.monotonic()
+        return self._current
 
     def _run(self, pending: PendingCheckpoint) -> None:
         if pending.buffers is not None:
@@ -223,6 +246,78 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def _idle_locked(self) -> None:
         self._busy = False
+        self._current = None
+
+    # ---- a hung writer thread (on_io_error="warn") -------------------------------------------
+    def _wait_locked(self) -> bool:
+        """Wait (condition held) for the thread to free a snapshot or finish one. With
+        ``abandon_hung`` and a watchdog, the wait ends at the watchdog's deadline for it, and the
+        checkpoint the thread is stuck in is abandoned: True then."""
+        mark_phase(WRITER, "the checkpoint writer thread", abandons=self._abandons)
+        left = abandon.remaining() if self._abandons else None
+        if left is None:
+            self._condition.wait()
+            return False
+        if left > 0:
+            self._condition.wait(left)
+            return False
+        if self._current is None:  # nothing being written (the thread is about to take the next)
+            self._condition.wait(_RECHECK_S)
+            return False
+        self._abandon_locked(self._current)
+        return True
+
+    def _abandon_if_overdue_locked(self) -> None:
+        """``when_behind="skip"`` never waits for the thread: at each check, abandon the
+        checkpoint it has had for a wait's whole timeout (engine.watchdog.abandon.writer_timeout)."""
+        stuck, limit = self._current, abandon.writer_timeout()
+        if stuck is not None and limit is not None and time.monotonic() - self._current_since >= limit:
+            self._abandon_locked(stuck, time.monotonic() - self._current_since)
+
+    def _abandon_locked(self, stuck: PendingCheckpoint, writing_s: float | None = None) -> None:
+        """The thread has not finished ``stuck`` by the deadline (a storage write that does not
+        return: a thread in a system call cannot be stopped). Report it, count the checkpoint as
+        not written (CheckpointWriteError at the next check, which ``on_io_error="warn"`` turns
+        into a warning), give its buffers up to the stuck thread (a new set replaces them) and
+        start a new thread for what is queued. The old thread, should it return, commits, deletes
+        and publishes nothing: its fence fails (:meth:`_commit_fence`) and BackgroundWorker
+        drops whatever it ends with."""
+        thread = self._thread
+        split = "?" if stuck.split is None else stuck.split
+        detail = f"writer thread {thread.name} (tid {thread.native_id}), checkpoint of split {split}"
+        abandon.report("the checkpoint it writes is abandoned (not written; on_io_error='warn'), a new writer thread "
+                       "takes over and training goes on", detail, writing_s=writing_s)
+        self.abandoned += 1
+        if stuck.buffers is not None:  # the stuck thread may still read them
+            stuck.buffers = None
+            self._free.append(SnapshotBuffers())
+        if self._error is None:
+            self._error = CheckpointWriteError(
+                f"the checkpoint of split {split} was abandoned: the writer thread {thread.name} (tid "
+                f"{thread.native_id}) had not finished it within the watchdog's timeout (see hangs.jsonl)")
+        self._replace_thread()
+
+    def _commit_fence(self) -> Callable[[], None] | None:
+        """The lease's fence, and a check that the calling thread was not abandoned."""
+        lease_fence = _WriterBase._commit_fence(self)
+        if not self._abandons:
+            return lease_fence
+        thread = threading.current_thread()
+
+        def still_the_writer() -> None:
+            if thread is not self._thread:
+                raise CheckpointWriteError(f"the writer thread {thread.name} (tid {thread.native_id}) was abandoned "
+                                           "as hung: it commits and deletes nothing")
+
+        def fence() -> None:
+            still_the_writer()
+            if lease_fence is not None:
+                lease_fence()  # (a read of the run dir: it may be what hangs)
+                still_the_writer()
+        return fence
+
+    def _still_writing(self) -> bool:
+        return self._is_current_thread()
 
     def background_work(self) -> BackgroundWork:
         """:meth:`wrote_since`: the writes compete with training."""
@@ -243,7 +338,11 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
             raise CheckpointWriteError(f"background checkpoint write failed: {error}") from error
 
     def check(self) -> None:
-        """Raise, on the training thread, an error the background writer met."""
+        """Raise, on the training thread, an error the background writer met (and, with
+        ``abandon_hung`` and ``when_behind="skip"``, abandon a checkpoint it is stuck in)."""
+        if self._abandons and self._when_behind == "skip" and self._current is not None:
+            with self._condition:
+                self._abandon_if_overdue_locked()
         if self._error is not None:
             with self._condition:
                 self._raise_pending_locked()
@@ -252,8 +351,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         """Wait until every queued snapshot is committed (or failed)."""
         with self._condition:
             while self._queue or self._busy:
-                mark_phase(WRITER, "the checkpoint writer thread")
-                self._condition.wait()
+                self._wait_locked()
 
     def close(self) -> None:
         self.flush()

@@ -23,6 +23,13 @@ a process that holds CUDA, never a ``multiprocessing`` spawn that re-imports the
   written already: a slot is overwritten only by a newer snapshot, and one that must be kept
   holds its slot until committed), and the metrics lines not yet committed. A second death
   fails the checkpoint (CheckpointWriteError, under ``on_io_error``).
+* **The writer process hangs** (stopped, or in a storage write that never returns) with
+  ``on_io_error="warn"`` in a process alone (``abandon_hung``): a wait for it that reaches the
+  watchdog's deadline reports it (engine.watchdog.abandon: its pid and the checkpoint), SIGKILLs
+  it, counts that checkpoint as not written (CheckpointWriteError, a warning under "warn") and
+  starts a new writer process, handed the other snapshots as after a death (not counted as one).
+  A killed process can do nothing late. Without ``abandon_hung`` (``"raise"``), the watchdog ends
+  the training process (a hang exit) as for any other hang.
 
 Local run directories only, for now (the writer process rebuilds the storage from its path).
 """
@@ -55,7 +62,8 @@ from engine.checkpoint.writers.process.messages import CloseMessage, Message, Sn
 from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, WriterConflict
-from engine.watchdog import WRITER, mark as mark_phase
+from engine.watchdog import WRITER, abandon, mark as mark_phase
+from engine.watchdog.report import process_state
 
 # How long the training process waits for the writer process to answer before it checks that
 # the process still lives (a wait itself is unbounded only while the process lives).
@@ -78,6 +86,10 @@ class _Published:
     # The writer process released the slot (its bytes are in the checkpoint's files): a
     # snapshot that must be kept still holds its slot until it is committed.
     read: bool = False
+    # The splits the run had completed when it was handed over (None without a watchdog).
+    split: int | None = None
+    # When it was handed to the current writer process (time.monotonic()).
+    sent_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def keep(self) -> bool:
@@ -90,8 +102,16 @@ class ProcessWriter:
     engine.checkpoint.policy.RunCheckpointer like the in-process writers."""
 
     def __init__(self, launched: "LaunchedWriter", storage: Storage, lease: WriterLease, retention: Retention,
-                 metrics: MetricsLog, max_in_flight: int, when_behind: str) -> None:
+                 metrics: MetricsLog, max_in_flight: int, when_behind: str, abandon_hung: bool = False) -> None:
         self._storage = storage
+        # A wait that reaches the watchdog's deadline kills a hung writer process and starts
+        # another (see the module docstring); the checkpoints abandoned so.
+        self._abandons = abandon_hung
+        self.abandoned = 0
+        # A writer process restarted (after a death or a hang) that has not ended a commit yet:
+        # the waits for it have the watchdog's first allowance (it imports and maps its slots
+        # first, and its first retention verifies checkpoints it did not write, importing torch).
+        self._fresh = False
         self._lease = lease
         self._retention = retention
         self._metrics = metrics
@@ -151,6 +171,7 @@ class ProcessWriter:
                                        f"code {code}); earlier checkpoints are intact")
         self._restarts += 1
         self._configure(LaunchedWriter(self._lease, inherit_faults=False, arena=self._arena))
+        self._fresh = True
         self._hand_over_again()
 
     def _hand_over_again(self) -> None:
@@ -167,6 +188,7 @@ class ProcessWriter:
                 continue
             published.message.metrics, published.message.metrics_base, carried = carried, base, b""
             base += len(published.message.metrics)
+            published.sent_at = time.monotonic()
             self._send(published.message)
         self._carried = carried
 
@@ -192,6 +214,8 @@ class ProcessWriter:
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
+        if kind in ("committed", "failed"):
+            self._fresh = False  # a commit's whole path ran once (its first retention may import torch)
         if kind == "released":
             self._release_slot(event["slot"], event["id"])
             return
@@ -234,11 +258,51 @@ class ProcessWriter:
             self._release_slot(published.slot, identifier)  # no longer in self._published: freed
 
     def _wait_for_events(self) -> None:
-        """Wait a little for events, then apply them; restart a writer process that died."""
-        mark_phase(WRITER, f"writer process {self._process.pid}, {len(self._published)} snapshot(s) in flight")
-        select.select([self._events], [], [], _POLL_SECONDS)
+        """Wait a little for events, then apply them; restart a writer process that died, and
+        (``abandon_hung``) abandon one that hangs past the watchdog's deadline."""
+        mark_phase(WRITER, f"writer process {self._process.pid}, {len(self._published)} snapshot(s) in flight",
+                   abandons=self._abandons, fresh=self._fresh)
+        select.select([self._events], [], [], abandon.remaining(_POLL_SECONDS) if self._abandons else _POLL_SECONDS)
         if not self._drain_events() or not self._alive():
             self._writer_died()
+        elif self._abandons and abandon.past_deadline():
+            self._abandon_process()
+
+    def _abandon_if_overdue(self) -> None:
+        """``when_behind="skip"`` never waits for the writer process: at each check, abandon it
+        when it has had its oldest snapshot for a wait's whole timeout
+        (engine.watchdog.abandon.writer_timeout)."""
+        limit = abandon.writer_timeout()
+        if limit is None or not self._published:
+            return
+        writing_s = time.monotonic() - self._published[min(self._published)].sent_at
+        if writing_s >= limit:
+            self._abandon_process(writing_s)
+
+    def _abandon_process(self, writing_s: float | None = None) -> None:
+        """The writer process has not answered by the watchdog's deadline: report it (its pid,
+        the oldest checkpoint in its hands: the one it writes), SIGKILL it, count that checkpoint
+        as not written, and start a new writer process with the rest (as after a death)."""
+        process = self._process
+        stuck = min(self._published) if self._published else None
+        split = "?" if stuck is None or self._published[stuck].split is None else self._published[stuck].split
+        what = "no checkpoint" if stuck is None else f"checkpoint of split {split}"
+        abandon.report("the writer process is killed (SIGKILL) and a new one started; the checkpoint it was writing "
+                       "is not written (on_io_error='warn') and training goes on",
+                       f"writer process {process.pid}, {what}", process_state(process.pid), writing_s)
+        process.kill()
+        process.wait()
+        self._drain_events()  # what it said before it stopped
+        self._stop_pipes()
+        if stuck is not None and stuck in self._published:  # not committed after all
+            del self._published[stuck]
+            self.abandoned += 1
+            self._errors.append(CheckpointWriteError(
+                f"the checkpoint of split {split} was abandoned: the checkpoint writer process (pid {process.pid}) had "
+                "not finished it within the watchdog's timeout and was killed (see hangs.jsonl)"))
+        self._configure(LaunchedWriter(self._lease, inherit_faults=False, arena=self._arena))
+        self._fresh = True
+        self._hand_over_again()
 
     # ---- what the checkpointer calls -------------------------------------------------------
     def submit(self, pending: PendingCheckpoint, force: bool = False) -> bool:
@@ -313,7 +377,7 @@ class ProcessWriter:
                                   None if pending.cursor is None else pending.cursor.to_dict(), carried + handed, base,
                                   pending.metrics_bytes, keep,
                                   None if monitor is None else [monitor.name, monitor.mode, monitor.value])
-        self._published[self._next_id] = _Published(message, slot)
+        self._published[self._next_id] = _Published(message, slot, split=abandon.splits_done())
         self._next_id += 1
         self._send(message)
 
@@ -352,11 +416,16 @@ class ProcessWriter:
         return False
 
     def _send_everything(self) -> None:
-        """Block until every queued message is in the pipe (or the writer process is gone)."""
+        """Block until every queued message is in the pipe (or the writer process is gone; or,
+        with ``abandon_hung``, it hangs past the watchdog's deadline: then it is replaced)."""
         self._send_queued()
         while (self._unsent or self._outbox) and self._alive():
-            select.select([], [self._input], [], _POLL_SECONDS)
+            mark_phase(WRITER, f"writer process {self._process.pid}, sending it a snapshot", abandons=self._abandons,
+                       fresh=self._fresh)
+            select.select([], [self._input], [], abandon.remaining(_POLL_SECONDS) if self._abandons else _POLL_SECONDS)
             self._send_queued()
+            if self._abandons and (self._unsent or self._outbox) and abandon.past_deadline():
+                self._abandon_process()
 
     def background_work(self) -> BackgroundWork:
         """:meth:`wrote_since`: the writer process's work competes with training."""
@@ -375,6 +444,8 @@ class ProcessWriter:
             return self._raise_reported()
         if not self._drain_events() or not self._alive():
             self._writer_died()
+        elif self._abandons and self._when_behind == "skip":
+            self._abandon_if_overdue()
         self._send_queued()
         self._raise_reported()
 
@@ -392,6 +463,25 @@ class ProcessWriter:
             self._wait_for_events()
         self._raise_reported()
 
+    def _wait_for_exit(self) -> None:
+        """Wait for the writer process to exit once told to; with ``abandon_hung``, kill it
+        past the watchdog's deadline (everything it was given is committed by then)."""
+        if not self._abandons:
+            self._process.wait()
+            return
+        while True:
+            try:
+                self._process.wait(abandon.remaining(_POLL_SECONDS))
+                return
+            except subprocess.TimeoutExpired:
+                mark_phase(WRITER, f"writer process {self._process.pid}, exiting", abandons=True)
+                if abandon.past_deadline():
+                    abandon.report("the writer process, which had nothing left to write, is killed (SIGKILL)",
+                                   f"writer process {self._process.pid}, exiting")
+                    self._process.kill()
+                    self._process.wait()
+                    return
+
     def close(self) -> None:
         """Let the writer process commit what it holds and exit; wait for it."""
         try:
@@ -400,7 +490,7 @@ class ProcessWriter:
                 self._closing = True
                 self._send(CloseMessage())
                 self._send_everything()
-                self._process.wait()
+                self._wait_for_exit()
                 self._drain_events()
                 self._stop_pipes()
         finally:

@@ -20,6 +20,7 @@ snapshot (``time.thread_time`` around each save, writer thread, memory tier) is 
 Reproduce (from the repository root)::
 
     python benchmarks/memory_tier.py              # 25M parameters per rank; minutes on 2 shared cores
+    python benchmarks/memory_tier.py --quick      # one round, 4M parameters
     python benchmarks/memory_tier.py --smoke      # everything once, tiny (the figures mean nothing)
 
 The last four lines are the figures ``memory tier + peer copy every split / no checkpoints: X``,
@@ -191,8 +192,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=5000, help="the model is width x width (+ width): 25M at 5000")
     parser.add_argument("--splits", type=int, default=24, help="splits per rank of each timed job")
+    parser.add_argument("--quick", action="store_true", help="one round, a 4M-parameter model")
     parser.add_argument("--smoke", action="store_true", help="everything once, tiny")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.width = 1, 2000
     if args.smoke:
         args.repeats, args.width, args.splits = 1, 64, 8
     tier = f"/dev/shm/splitloop-bench-{uuid.uuid4().hex[:12]}"

@@ -36,14 +36,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -62,9 +61,9 @@ PARTS = ("capture", "encode", "copy", "ledger")
 FAST_TIER_ROOT = "/dev/shm"
 
 
-class ThreadClock:
-    """Wraps the functions a checkpoint goes through and records each call's thread CPU
-    seconds, by label (only calls on the training thread: the benchmark's own thread)."""
+class ThreadClock(checkpoint_overhead.CheckpointTimers):
+    """checkpoint_overhead's timers around the functions one checkpoint runs on the training
+    thread; their ``<label> cpu`` entries are the training thread's own CPU seconds."""
 
     TARGETS = (
         (FitRun, "_save", "save"),
@@ -73,35 +72,6 @@ class ThreadClock:
         (SnapshotBuffers, "capture", "copy"),
         (Ledger, "commit", "ledger"),
     )
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, list[float]] = collections.defaultdict(list)
-        self._originals: list[tuple[object, str, Callable[..., Any]]] = []
-
-    def install(self) -> None:
-        for owner, name, label in self.TARGETS:
-            original = getattr(owner, name)
-            self._originals.append((owner, name, original))
-            setattr(owner, name, self._timed(original, label))
-
-    def uninstall(self) -> None:
-        for owner, name, original in reversed(self._originals):
-            setattr(owner, name, original)
-        self._originals.clear()
-
-    def take(self) -> dict[str, list[float]]:
-        taken, self.seconds = dict(self.seconds), collections.defaultdict(list)
-        return taken
-
-    def _timed(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.thread_time()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds[label].append(time.thread_time() - started)
-        return timed
 
 
 def checkpoint_config(way: str, local_tier: str | None) -> engine.CheckpointConfig:
@@ -175,7 +145,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     def ms(way: str, label: str) -> float:
-        values = recorded[way].get(label, [])
+        values = recorded[way].get(f"{label} cpu", [])
         return statistics.median(values) * 1e3 if values else 0.0
 
     for way in WAYS:
@@ -183,7 +153,7 @@ def main() -> None:
         rest = ms(way, "save") - sum(parts.values())
         print(f"{way}: training thread CPU per checkpoint (FitRun._save) {ms(way, 'save'):.3f} ms: "
               + ", ".join(f"{label} {value:.3f}" for label, value in parts.items())
-              + f", rest {rest:.3f} (medians of {len(recorded[way].get('save', []))} checkpoints)")
+              + f", rest {rest:.3f} (medians of {len(recorded[way].get('save cpu', []))} checkpoints)")
     print(f"training thread CPU per snapshot: {ms('thread', 'save'):.3f} ms (small model, writer thread, "
           f"every split, median FitRun._save; goal <= 0.25 ms)")
 

@@ -5,10 +5,13 @@ thread writes what follows, and the stuck thread, once it returns, commits and d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import pathlib
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -30,12 +33,24 @@ def pending(value: float) -> PendingCheckpoint:
     return PendingCheckpoint(encode_state({"weights": torch.full((3,), value)}), encode_tree(ProgressTree()), None)
 
 
-def test_a_stuck_writer_thread_is_abandoned_and_can_never_commit_or_delete(tmp_path: pathlib.Path) -> None:
+@dataclasses.dataclass
+class StuckWriter:
+    """A background writer whose first write hangs until ``leave`` is set (``entered``: it did)."""
+
+    storage: Storage
+    store: CheckpointStore
+    writer: BackgroundWriter
+    entered: threading.Event
+    leave: threading.Event
+
+
+@contextlib.contextmanager
+def stuck_writer(tmp_path: pathlib.Path, when_behind: str) -> Iterator[StuckWriter]:
     storage = Storage(str(tmp_path / "run"))
     store = CheckpointStore(storage)
     policy = Watchdog(min_timeout_s=0.3, first_timeout_s=0.3, warmup=1, poll_s=0.05)
     trackers.install(trackers.PhaseTracker(policy, new_buffer(), 0, storage))
-    writer = BackgroundWriter(store, None, Retention(keep_last=1), lambda: [], max_in_flight=1, when_behind="wait",
+    writer = BackgroundWriter(store, None, Retention(keep_last=1), lambda: [], max_in_flight=1, when_behind=when_behind,
                               abandon_hung=True)
     entered, leave = threading.Event(), threading.Event()
     original = store.write
@@ -48,65 +63,43 @@ def test_a_stuck_writer_thread_is_abandoned_and_can_never_commit_or_delete(tmp_p
 
     store.write = write  # type: ignore[method-assign]
     try:
-        writer.submit(pending(1.0))
-        assert entered.wait(30)
-        stuck = writer._thread
-        writer.submit(pending(2.0))  # no free snapshot until the deadline: the stuck one is abandoned
-        writer.flush()
-        assert writer._thread is not stuck and stuck.is_alive()
-        with pytest.raises(CheckpointWriteError, match="was abandoned"):
-            writer.check()
-        committed = sorted(store.committed_names())
-        assert len(committed) == 1 and writer.last_name == committed[0]
-        assert torch.equal(store.load(committed[0]).state["weights"], torch.full((3,), 2.0))
-        rows = [json.loads(line) for line in storage.read(HANGS_FILE).decode().splitlines()]
-        assert len(rows) == 1 and rows[0]["phase"] == "waiting for the writer" and rows[0]["exit_code"] is None
-        assert rows[0]["detail"].startswith("writer thread splitloop-checkpoint-writer (tid ")
-        leave.set()  # the stuck write returns: its commit is fenced off, retention never runs
-        stuck.join(30)
-        assert not stuck.is_alive()
-        assert sorted(store.committed_names()) == committed and writer.last_name == committed[0]
-        assert sorted(name for name in storage.list_names("checkpoints")) == committed  # its staging removed
-        writer.check()  # its failure is not reported: it was abandoned
+        yield StuckWriter(storage, store, writer, entered, leave)
     finally:
         leave.set()
         writer.close()
         trackers.install(None)
 
 
+def test_a_stuck_writer_thread_is_abandoned_and_can_never_commit_or_delete(tmp_path: pathlib.Path) -> None:
+    with stuck_writer(tmp_path, "wait") as stuck:
+        writer, store = stuck.writer, stuck.store
+        writer.submit(pending(1.0))
+        assert stuck.entered.wait(30)
+        thread = writer._thread
+        writer.submit(pending(2.0))  # no free snapshot until the deadline: the stuck one is abandoned
+        writer.flush()
+        assert writer._thread is not thread and thread.is_alive()
+        with pytest.raises(CheckpointWriteError, match="was abandoned"):
+            writer.check()
+        committed = sorted(store.committed_names())
+        assert len(committed) == 1 and writer.last_name == committed[0]
+        writer.check()  # its failure is not reported: it was abandoned
+
+
 def test_with_when_behind_skip_a_stuck_writer_thread_is_abandoned_at_a_check(tmp_path: pathlib.Path) -> None:
     # "skip" never waits for the thread: the split boundary's check looks at how long it has had its checkpoint.
-    storage = Storage(str(tmp_path / "run"))
-    store = CheckpointStore(storage)
-    policy = Watchdog(min_timeout_s=0.3, first_timeout_s=0.3, warmup=1, poll_s=0.05)
-    trackers.install(trackers.PhaseTracker(policy, new_buffer(), 0, storage))
-    writer = BackgroundWriter(store, None, Retention(keep_last=1), lambda: [], max_in_flight=1, when_behind="skip",
-                              abandon_hung=True)
-    entered, leave = threading.Event(), threading.Event()
-    original = store.write
-
-    def write(request, callbacks):  # type: ignore[no-untyped-def]
-        if not entered.is_set():
-            entered.set()
-            assert leave.wait(60)
-        return original(request, callbacks)
-
-    store.write = write  # type: ignore[method-assign]
-    try:
+    with stuck_writer(tmp_path, "skip") as stuck:
+        writer, store = stuck.writer, stuck.store
         writer.submit(pending(1.0))
-        assert entered.wait(30)
+        assert stuck.entered.wait(30)
         writer.check()  # within the timeout: nothing
         assert not writer.submit(pending(1.5))  # skipped: the one buffer is being written
         time.sleep(0.4)
         with pytest.raises(CheckpointWriteError, match="was abandoned"):
             writer.check()
-        rows = [json.loads(line) for line in storage.read(HANGS_FILE).decode().splitlines()]
+        rows = [json.loads(line) for line in stuck.storage.read(HANGS_FILE).decode().splitlines()]
         assert len(rows) == 1 and rows[0]["phase"] == "waiting for the writer" and rows[0]["stalled_s"] >= 0.3, rows
         assert writer.submit(pending(2.0))
         writer.flush()
         committed = sorted(store.committed_names())
         assert len(committed) == 1 and torch.equal(store.load(committed[0]).state["weights"], torch.full((3,), 2.0))
-    finally:
-        leave.set()
-        writer.close()
-        trackers.install(None)

@@ -68,13 +68,10 @@ def test_the_rank_another_node_waits_for_is_named_across_nodes(tmp_path, store, 
     assert "rank 3 (pid" in capsys.readouterr().err
 
 
-def test_a_rank_waiting_in_ddps_all_reduce_inside_backward_names_the_remote_rank_it_waits_for(
-        tmp_path, store) -> None:
-    # Rank 0 is alone on its node, stalled in backward: DDP's gradient all-reduce waits there for
-    # rank 1, stopped whole in its step on the other node (its word published before it stopped).
-    board_b, _ = node(tmp_path, "b", {1: phases.STEP})
-    RemoteBoard(lambda: store, 1, 2, host="node-b").publish(board_b.words(), time.monotonic_ns())
-    board_a, ranks_a = node(tmp_path, "a", {0: phases.BACKWARD})
+def verdict_of_rank_0_alone_on_node_a(tmp_path, store, phase: str) -> dict:
+    """The hangs.jsonl row rank 0's monitor writes, rank 0 alone on node a in ``phase``, with
+    node b's words already in the store (two ranks in all)."""
+    board_a, ranks_a = node(tmp_path, "a", {0: phase})
     storage, ended = Appended(), threading.Event()
     monitor = Monitor(POLICY, ranks_a[0], board_a, storage, on_hang=ended.set,
                       remote=RemoteBoard(lambda: store, 0, 2, host="node-a"))
@@ -83,7 +80,16 @@ def test_a_rank_waiting_in_ddps_all_reduce_inside_backward_names_the_remote_rank
     while not monitor.check(time.monotonic_ns()):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    row = json.loads(storage.files["hangs.jsonl"])
+    return json.loads(storage.files["hangs.jsonl"])
+
+
+def test_a_rank_waiting_in_ddps_all_reduce_inside_backward_names_the_remote_rank_it_waits_for(
+        tmp_path, store) -> None:
+    # Rank 0 is alone on its node, stalled in backward: DDP's gradient all-reduce waits there for
+    # rank 1, stopped whole in its step on the other node (its word published before it stopped).
+    board_b, _ = node(tmp_path, "b", {1: phases.STEP})
+    RemoteBoard(lambda: store, 1, 2, host="node-b").publish(board_b.words(), time.monotonic_ns())
+    row = verdict_of_rank_0_alone_on_node_a(tmp_path, store, phases.BACKWARD)
     assert (row["rank"], row["phase"], row["reported_by"]) == (1, "step", 0), row
     assert row["waiting_ranks"] == [0] and "node-b" in row["process_state"], row
 
@@ -94,16 +100,7 @@ def test_a_remote_rank_stopped_inside_the_collective_is_named_once_its_node_stop
     # last publication, 5 s old, says "collective"; a node that no longer publishes is stopped.
     board_b, _ = node(tmp_path, "b", {1: phases.COLLECTIVE})
     store.set(f"{KEY_PREFIX}1", encode(board_b.words(), "node-b", time.monotonic_ns(), time.time() - 5.0))
-    board_a, ranks_a = node(tmp_path, "a", {0: phases.COLLECTIVE})
-    storage, ended = Appended(), threading.Event()
-    monitor = Monitor(POLICY, ranks_a[0], board_a, storage, on_hang=ended.set,
-                      remote=RemoteBoard(lambda: store, 0, 2, host="node-a"))
-    time.sleep(0.6)
-    deadline = time.monotonic() + 10
-    while not monitor.check(time.monotonic_ns()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    row = json.loads(storage.files["hangs.jsonl"])
+    row = verdict_of_rank_0_alone_on_node_a(tmp_path, store, phases.COLLECTIVE)
     assert (row["rank"], row["phase"], row["reported_by"]) == (1, "collective", 0), row
     assert "stopped publishing" in row["process_state"], row
 

@@ -15,7 +15,7 @@ from engine.watchdog.settings import Watchdog
 from engine.watchdog.phases import FIRST_ALLOWANCE
 
 WINDOW = 512  # recent durations kept per phase
-_REFRESH_EVERY = 16  # samples between two recomputations of a phase's percentiles
+_REFRESH_EVERY = 128  # samples between two recomputations of a phase's percentiles (a sort of the window: about 30 us)
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:

@@ -51,6 +51,7 @@ class PhaseTracker:
         self.busy_s = 0.0
         self._busy = 0.0
         self.started_ns = time.monotonic_ns()
+        self._encoded_for, self._encoded_detail = "", b""  # the detail, encoded once per change
         self._publish()
 
     def mark(self, phase: str, detail: str = "", abandons: bool = False, fresh: bool = False) -> None:
@@ -113,9 +114,10 @@ class PhaseTracker:
         self.sequence += 1
         quantiles = self.statistics.quantiles(self.phase) or (0.0, 0.0)
         timeout = self.timeout() + (self.grace_s if self.abandons else 0.0)
-        words.write(self.buffer, words.Word(self.sequence, self.splits, self.started_ns, timeout, quantiles[0],
-                                            quantiles[1], self.busy_s, self.pid, self.rank, CODE_OF[self.phase],
-                                            self.flags, self.detail))
+        if self.detail != self._encoded_for:
+            self._encoded_for, self._encoded_detail = self.detail, words.encode_detail(self.detail)
+        words.write_fields(self.buffer, self.sequence, self.splits, self.started_ns, timeout, quantiles[0], quantiles[1],
+                           self.busy_s, self.pid, self.rank, CODE_OF[self.phase], self.flags, self._encoded_detail)
 
 
 _tracker: PhaseTracker | None = None

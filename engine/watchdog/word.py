@@ -59,9 +59,20 @@ def new_buffer() -> mmap.mmap:
 
 def write(buffer: mmap.mmap, word: Word) -> None:
     """Publish ``word`` in ``buffer`` (one copy: a concurrent reader sees a torn record as such)."""
-    detail = word.detail.encode("utf-8", "replace")[:DETAIL_BYTES]
-    LAYOUT.pack_into(buffer, 0, word.sequence, word.splits, word.started_ns, word.timeout_s, word.p50_s, word.p99_s,
-                     word.busy_s, word.pid, word.rank, word.phase_code, word.flags, detail, word.sequence)
+    write_fields(buffer, word.sequence, word.splits, word.started_ns, word.timeout_s, word.p50_s, word.p99_s,
+                 word.busy_s, word.pid, word.rank, word.phase_code, word.flags, encode_detail(word.detail))
+
+
+def encode_detail(detail: str) -> bytes:
+    return detail.encode("utf-8", "replace")[:DETAIL_BYTES]
+
+
+def write_fields(buffer: mmap.mmap, sequence: int, splits: int, started_ns: int, timeout_s: float, p50_s: float,
+                 p99_s: float, busy_s: float, pid: int, rank: int, phase_code: int, flags: int, detail: bytes) -> None:
+    """:func:`write` without a :class:`Word` (the tracker publishes at every phase change: no
+    object built each time); ``detail`` as :func:`encode_detail` gives it."""
+    LAYOUT.pack_into(buffer, 0, sequence, splits, started_ns, timeout_s, p50_s, p99_s, busy_s, pid, rank, phase_code,
+                     flags, detail, sequence)
 
 
 def read(buffer: mmap.mmap | bytes, attempts: int = 100) -> Word | None:

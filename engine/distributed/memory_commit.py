@@ -174,9 +174,9 @@ class MemoryFirstCommit(GroupCommit):
         rank, sequence = self.context.rank, request.sequence
         assert sequence is not None
         error: str | None = None
+        files = CheckpointFiles.of_state(pending.encoded, pending.progress_bytes)
         try:
-            self._node.own.write(CheckpointFiles.of_state(pending.encoded, pending.progress_bytes), sequence,
-                                 self._generation, request)
+            self._node.own.write(files, sequence, self._generation, request)
         except (OSError, CheckpointError) as failure:
             error = f"rank {rank}: its part in the memory tier {self._node.own.url}: {type(failure).__name__}: {failure}"
         if self._ring is None:
@@ -184,8 +184,7 @@ class MemoryFirstCommit(GroupCommit):
         outgoing: byte_transfer.OutgoingPart | None = None
         if error is None:
             # The bytes just written, from the snapshot's buffers; the receiver verifies them.
-            files = CheckpointFiles.of_state(pending.encoded, pending.progress_bytes).contents
-            outgoing = (self._node.own.manifest_of(sequence), list(files.items()))
+            outgoing = (self._node.own.manifest_of(sequence), list(files.contents.items()))
         faults.reach("memory_tier_peer_copy")
         received = byte_transfer.exchange_part(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
                                                self.context.writer_group)

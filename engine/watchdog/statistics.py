@@ -4,6 +4,14 @@ A rank times its own phases when it marks the next one (no clock is read by anyo
 timeout it publishes with each phase is ``max(min_timeout_s, factor x p99)`` of that phase's
 recent durations, or the first allowance while fewer than ``warmup`` were seen. Percentiles are
 recomputed every few samples, not per split: the hot path stays an append.
+
+A wait for the checkpoint writer is timed by what it waits for: the writer's writes. Its timeout
+is learned from every write's duration (:data:`WRITE`, recorded by the writer as each ends, whether
+or not anyone waited for it), and the wait counts from when the write it waits for began
+(engine.watchdog.tracker.PhaseTracker.mark's ``since``): a write is hung when it has lasted
+``factor x p99`` of the writes, however long the rank took to start waiting for it. The waits' own
+durations (mostly zero: a writer faster than the splits is never waited for) would leave the
+timeout at its first allowance for the whole run.
 """
 
 from __future__ import annotations
@@ -12,10 +20,13 @@ import collections
 import math
 
 from engine.watchdog.settings import Watchdog
-from engine.watchdog.phases import FIRST_ALLOWANCE
+from engine.watchdog.phases import FIRST_ALLOWANCE, WRITER
 
 WINDOW = 512  # recent durations kept per phase
 _REFRESH_EVERY = 128  # samples between two recomputations of a phase's percentiles (a sort of the window: about 30 us)
+WRITE = "write"  # the checkpoint writer's writes: not a phase a rank is in, what its writer waits are timed by
+# Phases whose timeout and percentiles are those of other durations (see the module docstring).
+_TIMED_BY: dict[str, str] = {WRITER: WRITE}
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
@@ -37,7 +48,10 @@ class PhaseStatistics:
         self._timeouts: dict[str, float] = {}
 
     def add(self, phase: str, seconds: float) -> None:
-        """One duration of ``phase``."""
+        """One duration of ``phase`` (or of :data:`WRITE`). A phase timed by other durations
+        records nothing."""
+        if phase in _TIMED_BY:
+            return
         durations = self._durations.get(phase)
         if durations is None:
             durations = self._durations[phase] = collections.deque(maxlen=WINDOW)
@@ -57,7 +71,7 @@ class PhaseStatistics:
         splits into the run: the phase's learned timeout; before that, the first allowance for
         the phases that are slow the first times (a start, a validation pass, the end) and in
         the first ``warmup`` splits (compilation, cold caches); else ``min_timeout_s``."""
-        learned = self._timeouts.get(phase)
+        learned = self._timeouts.get(_TIMED_BY.get(phase, phase))
         if learned is not None:
             return learned
         if phase in FIRST_ALLOWANCE or splits_done < self._policy.warmup:
@@ -66,7 +80,7 @@ class PhaseStatistics:
 
     def quantiles(self, phase: str) -> tuple[float, float] | None:
         """(p50, p99) of ``phase`` once learned; None before the warm-up ends."""
-        return self._quantiles.get(phase)
+        return self._quantiles.get(_TIMED_BY.get(phase, phase))
 
     def count(self, phase: str) -> int:
-        return self._counts.get(phase, 0)
+        return self._counts.get(_TIMED_BY.get(phase, phase), 0)

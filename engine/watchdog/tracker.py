@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engine.watchdog.settings import Watchdog
 from engine.watchdog import word as words
 from engine.watchdog.phases import CODE_OF, STARTING, WAITS
-from engine.watchdog.statistics import PhaseStatistics
+from engine.watchdog.statistics import WRITE, PhaseStatistics
 
 if TYPE_CHECKING:
     from engine.watchdog.report import AppendOnly
@@ -54,16 +54,28 @@ class PhaseTracker:
         self._encoded_for, self._encoded_detail = "", b""  # the detail, encoded once per change
         self._publish()
 
-    def mark(self, phase: str, detail: str = "", abandons: bool = False, fresh: bool = False) -> None:
+    def mark(self, phase: str, detail: str = "", abandons: bool = False, fresh: bool = False,
+             since: float | None = None) -> None:
         """Enter ``phase`` (no change when already in it with the same detail). ``abandons``:
         the caller's wait gives up by itself at :meth:`deadline` (engine.watchdog.abandon), so the
         monitor waits :attr:`grace_s` longer before it calls the process hung. ``fresh``: the
-        phase has its first allowance (what it waits for has just started)."""
-        if phase == self.phase and detail == self.detail and abandons == self.abandons and fresh == self.fresh:
+        phase has its first allowance (what it waits for has just started). ``since``: when
+        (``time.monotonic()``) what the phase waits for began, if earlier (the write a wait for
+        the writer waits for): the phase's time counts from then."""
+        since_ns = self.started_ns if since is None else min(int(since * 1e9), time.monotonic_ns())
+        if (phase == self.phase and detail == self.detail and abandons == self.abandons and fresh == self.fresh
+                and (since is None or since_ns == self.started_ns)):
             return
         self._end_phase(record=not self.fresh)  # a fresh start's wait is not a usual duration
+        if since is not None:
+            self.started_ns = since_ns
         self.phase, self.detail, self.abandons, self.fresh = phase, detail, abandons, fresh
         self._publish()
+
+    def write_took(self, seconds: float) -> None:
+        """A checkpoint write ended after ``seconds``: what the waits for the writer are timed by
+        (engine.watchdog.statistics). Called from the writer's thread."""
+        self.statistics.add(WRITE, seconds)
 
     def restart_phase(self, detail: str) -> None:
         """Start the current phase over with ``detail``, not counting the time spent in it so far
@@ -123,11 +135,18 @@ class PhaseTracker:
 _tracker: PhaseTracker | None = None
 
 
-def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = False) -> None:
-    """This process enters ``phase`` (nothing when no watchdog runs); ``abandons`` and
-    ``fresh``: see :meth:`PhaseTracker.mark`."""
+def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = False, since: float | None = None) -> None:
+    """This process enters ``phase`` (nothing when no watchdog runs); ``abandons``, ``fresh``
+    and ``since``: see :meth:`PhaseTracker.mark`."""
     if _tracker is not None:
-        _tracker.mark(phase, detail, abandons, fresh)
+        _tracker.mark(phase, detail, abandons, fresh, since)
+
+
+def write_took(seconds: float) -> None:
+    """A checkpoint write of this process ended after ``seconds`` (nothing when no watchdog runs)."""
+    tracker = _tracker
+    if tracker is not None:
+        tracker.write_took(seconds)
 
 
 def split_done(phase: str) -> None:

@@ -24,7 +24,7 @@ from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.writer import BackgroundWriter
 from engine.errors import CheckpointWriteError
-from engine.watchdog import HANGS_FILE, tracker as trackers
+from engine.watchdog import HANGS_FILE, WRITER, tracker as trackers
 from engine.watchdog.word import new_buffer
 from progress import ProgressTree, encode_tree
 
@@ -45,18 +45,21 @@ class StuckWriter:
 
 
 @contextlib.contextmanager
-def stuck_writer(tmp_path: pathlib.Path, when_behind: str) -> Iterator[StuckWriter]:
+def stuck_writer(tmp_path: pathlib.Path, when_behind: str, policy: Watchdog | None = None,
+                 hang_at: int = 1) -> Iterator[StuckWriter]:
+    """The writer's ``hang_at``-th write hangs until ``leave`` is set."""
     storage = Storage(str(tmp_path / "run"))
     store = CheckpointStore(storage)
-    policy = Watchdog(min_timeout_s=0.3, first_timeout_s=0.3, warmup=1, poll_s=0.05)
+    policy = policy or Watchdog(min_timeout_s=0.3, first_timeout_s=0.3, warmup=1, poll_s=0.05)
     trackers.install(trackers.PhaseTracker(policy, new_buffer(), 0, storage))
     writer = BackgroundWriter(store, None, Retention(keep_last=1), lambda: [], max_in_flight=1, when_behind=when_behind,
                               abandon_hung=True)
     entered, leave = threading.Event(), threading.Event()
     original = store.write
+    writes = iter(range(1, 1 << 30))
 
     def write(request, callbacks):  # type: ignore[no-untyped-def]
-        if not entered.is_set():  # the first write hangs until the test lets it go
+        if next(writes) == hang_at:  # hangs until the test lets it go
             entered.set()
             assert leave.wait(60)
         return original(request, callbacks)
@@ -103,3 +106,36 @@ def test_with_when_behind_skip_a_stuck_writer_thread_is_abandoned_at_a_check(tmp
         writer.flush()
         committed = sorted(store.committed_names())
         assert len(committed) == 1 and torch.equal(store.load(committed[0]).state["weights"], torch.full((3,), 2.0))
+
+
+def test_a_wait_for_the_writer_is_timed_by_its_writes_from_when_the_hung_write_began(tmp_path: pathlib.Path) -> None:
+    # Writes fast enough that training never waits for them: the waits teach nothing, the writes
+    # do. The fourth write hangs; training runs on for a while before it needs the writer again.
+    # The wait is then already past the writes' learned timeout, counted from when the hung write
+    # began: it is abandoned at once, not after the first allowance (60 s) from the wait's start.
+    policy = Watchdog(min_timeout_s=0.3, factor=5.0, first_timeout_s=60.0, warmup=3, poll_s=0.05)
+    with stuck_writer(tmp_path, "wait", policy, hang_at=4) as stuck:
+        writer = stuck.writer
+        for value in range(3):
+            writer.submit(pending(float(value)))
+            writer.flush()
+        statistics = trackers.current().statistics  # type: ignore[union-attr]
+        assert statistics.quantiles(WRITER) is not None  # learned from the three writes
+        learned = statistics.timeout(WRITER, splits_done=3)
+        assert learned < 60.0
+        writer.submit(pending(3.0))
+        assert stuck.entered.wait(30)
+        time.sleep(learned + 0.2)  # the rank's own work, while the write hangs
+        waited_from = time.monotonic()
+        writer.submit(pending(4.0))  # waits for the one snapshot buffer: the hung write is abandoned
+        waited = time.monotonic() - waited_from
+        with pytest.raises(CheckpointWriteError, match="was abandoned"):
+            writer.check()
+        rows = [json.loads(line) for line in stuck.storage.read(HANGS_FILE).decode().splitlines()]
+        assert len(rows) == 1 and rows[0]["phase"] == "waiting for the writer", rows
+        # Counted from the write's start (it had lasted the sleep), against the learned timeout.
+        assert rows[0]["stalled_s"] >= learned + 0.2 > rows[0]["timeout_s"] == pytest.approx(learned), rows
+        assert waited < 30.0  # not the first allowance
+        writer.flush()
+        committed = sorted(stuck.store.committed_names())
+        assert torch.equal(stuck.store.load(committed[-1]).state["weights"], torch.full((3,), 4.0))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import engine
 from engine.errors import ConfigError
 from engine.watchdog import phases, word as words
-from engine.watchdog.statistics import PhaseStatistics, percentile
+from engine.watchdog.statistics import WRITE, PhaseStatistics, percentile
+from engine.watchdog.tracker import PhaseTracker
 
 
 def test_the_watchdog_is_on_by_default_with_timeouts_of_minutes() -> None:
@@ -49,6 +52,33 @@ def test_a_phase_gets_the_first_allowance_until_its_warm_up_then_factor_times_it
     for _ in range(4):
         quick.add(phases.DATA, 0.001)
     assert quick.timeout(phases.DATA, splits_done=0) == 2.0  # never below min_timeout_s
+
+
+def test_the_waits_for_the_writer_are_timed_by_its_writes() -> None:
+    policy = engine.Watchdog(min_timeout_s=2.0, factor=5.0, first_timeout_s=100.0, warmup=3)
+    statistics = PhaseStatistics(policy)
+    for _ in range(5):
+        statistics.add(phases.WRITER, 0.0)  # waits that never waited teach nothing
+    assert statistics.timeout(phases.WRITER, splits_done=400) == 100.0 and statistics.quantiles(phases.WRITER) is None
+    for seconds in (1.0, 1.0, 4.0):
+        statistics.add(WRITE, seconds)
+    assert statistics.timeout(phases.WRITER, splits_done=400) == 20.0  # 5 x the p99 of the writes
+    assert statistics.quantiles(phases.WRITER) == (1.0, 4.0)
+
+
+def test_a_phase_marked_since_an_earlier_moment_counts_from_it() -> None:
+    policy = engine.Watchdog(min_timeout_s=2.0, first_timeout_s=100.0, warmup=3)
+    tracker = PhaseTracker(policy, words.new_buffer(), 0)
+    began = time.monotonic() - 5.0
+    tracker.mark(phases.WRITER, "the checkpoint writer thread", since=began)
+    word = words.read(tracker.buffer)
+    assert word is not None and word.phase == phases.WRITER
+    assert word.started_ns == int(began * 1e9) and word.stalled_s(time.monotonic_ns()) >= 5.0
+    tracker.mark(phases.WRITER, "the checkpoint writer thread", since=began)  # a polling wait: no change
+    assert words.read(tracker.buffer) == word
+    later = began + 4.0  # the write it waited for ended, the next one began
+    tracker.mark(phases.WRITER, "the checkpoint writer thread", since=later)
+    assert words.read(tracker.buffer).started_ns == int(later * 1e9)  # type: ignore[union-attr]
 
 
 def test_percentile_is_the_nearest_rank() -> None:

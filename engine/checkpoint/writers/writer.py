@@ -32,7 +32,7 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.protocol import FastTierCommits
 from engine.checkpoint.writers.worker import BackgroundWork, BackgroundWorker
 from engine.errors import CheckpointError, CheckpointWriteError
-from engine.watchdog import WRITER, abandon, mark as mark_phase
+from engine.watchdog import WRITER, abandon, mark as mark_phase, write_took
 
 # How long a wait whose deadline passed with no job to abandon waits before it looks again.
 _RECHECK_S = 0.05
@@ -243,6 +243,7 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
 
     def _after(self, pending: PendingCheckpoint) -> None:
         self.release(pending)
+        write_took(time.monotonic() - self._current_since)  # what a wait for this thread is timed by
 
     def _idle_locked(self) -> None:
         self._busy = False
@@ -253,7 +254,9 @@ class BackgroundWriter(_WriterBase, BackgroundWorker[PendingCheckpoint]):
         """Wait (condition held) for the thread to free a snapshot or finish one. With
         ``abandon_hung`` and a watchdog, the wait ends at the watchdog's deadline for it, and the
         checkpoint the thread is stuck in is abandoned: True then."""
-        mark_phase(WRITER, "the checkpoint writer thread", abandons=self._abandons)
+        # Timed from when the write it waits for began: that write is what may hang.
+        mark_phase(WRITER, "the checkpoint writer thread", abandons=self._abandons,
+                   since=self._current_since if self._current is not None else None)
         left = abandon.remaining() if self._abandons else None
         if left is None:
             self._condition.wait()

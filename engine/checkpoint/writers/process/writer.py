@@ -62,7 +62,7 @@ from engine.checkpoint.writers.process.messages import CloseMessage, Message, Sn
 from engine.checkpoint.writers.worker import BackgroundWork
 from engine.data.workers import preemption_signals_blocked
 from engine.errors import CheckpointWriteError, WriterConflict
-from engine.watchdog import WRITER, abandon, mark as mark_phase
+from engine.watchdog import WRITER, abandon, mark as mark_phase, write_took
 from engine.watchdog.report import process_state
 
 # How long the training process waits for the writer process to answer before it checks that
@@ -220,6 +220,8 @@ class ProcessWriter:
             self._release_slot(event["slot"], event["id"])
             return
         published = self._published.pop(event["id"], None)
+        if published is not None and kind in ("committed", "failed"):
+            write_took(time.monotonic() - max(published.sent_at, self.last_end))
         self.last_end = time.monotonic()
         if kind == "superseded":
             self.skipped += 1
@@ -261,12 +263,20 @@ class ProcessWriter:
         """Wait a little for events, then apply them; restart a writer process that died, and
         (``abandon_hung``) abandon one that hangs past the watchdog's deadline."""
         mark_phase(WRITER, f"writer process {self._process.pid}, {len(self._published)} snapshot(s) in flight",
-                   abandons=self._abandons, fresh=self._fresh)
+                   abandons=self._abandons, fresh=self._fresh, since=self._writing_since())
         select.select([self._events], [], [], abandon.remaining(_POLL_SECONDS) if self._abandons else _POLL_SECONDS)
         if not self._drain_events() or not self._alive():
             self._writer_died()
         elif self._abandons and abandon.past_deadline():
             self._abandon_process()
+
+    def _writing_since(self) -> float | None:
+        """When the writer process began the write it is in (it writes its snapshots in order:
+        the oldest in flight, from when it was sent or the one before it ended, whichever came
+        later); None when it has none."""
+        if not self._published:
+            return None
+        return max(self._published[min(self._published)].sent_at, self.last_end)
 
     def _abandon_if_overdue(self) -> None:
         """``when_behind="skip"`` never waits for the writer process: at each check, abandon it
@@ -275,7 +285,9 @@ class ProcessWriter:
         limit = abandon.writer_timeout()
         if limit is None or not self._published:
             return
-        writing_s = time.monotonic() - self._published[min(self._published)].sent_at
+        since = self._writing_since()
+        assert since is not None
+        writing_s = time.monotonic() - since
         if writing_s >= limit:
             self._abandon_process(writing_s)
 
@@ -421,7 +433,7 @@ class ProcessWriter:
         self._send_queued()
         while (self._unsent or self._outbox) and self._alive():
             mark_phase(WRITER, f"writer process {self._process.pid}, sending it a snapshot", abandons=self._abandons,
-                       fresh=self._fresh)
+                       fresh=self._fresh, since=self._writing_since())
             select.select([], [self._input], [], abandon.remaining(_POLL_SECONDS) if self._abandons else _POLL_SECONDS)
             self._send_queued()
             if self._abandons and (self._unsent or self._outbox) and abandon.past_deadline():

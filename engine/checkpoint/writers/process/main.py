@@ -26,6 +26,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -189,16 +190,22 @@ class WriterProcess:
         pending = self._take_up(message)
         if pending is None:
             return True
+        # How long the write took and when it ended (time.monotonic(): one clock for every process
+        # of the machine), what the training process's watchdog times its waits for this writer by.
+        began = time.monotonic()
         try:
             self._writer.commit_one(pending)
         except WriterConflict as error:
             self._events.send(kind="failed", id=message.id, error="WriterConflict", message=str(error))
             return False
         except Exception as error:  # reported to the training process, which applies on_io_error
-            self._events.send(kind="failed", id=message.id, error=type(error).__name__, message=str(error))
+            ended = time.monotonic()
+            self._events.send(kind="failed", id=message.id, error=type(error).__name__, message=str(error),
+                              took=ended - began, ended=ended)
         else:
+            ended = time.monotonic()
             self._events.send(kind="committed", id=message.id, name=self._writer.last_name,
-                              metrics_bytes=message.metrics_bytes)
+                              metrics_bytes=message.metrics_bytes, took=ended - began, ended=ended)
         finally:
             self._writer.release(pending)
         return True

@@ -128,6 +128,7 @@ class ProcessWriter:
         self._handed = bytearray()  # metrics bytes handed over since then (a new writer needs them)
         self.last_name: str | None = None
         self.last_end = -math.inf
+        self._write_ended = -math.inf  # when the writer process ended its last write (its own reading)
         self.skipped = 0
         self._carried = b""  # metrics bytes for the next message (after a restart)
         self._restarts = 0
@@ -220,8 +221,9 @@ class ProcessWriter:
             self._release_slot(event["slot"], event["id"])
             return
         published = self._published.pop(event["id"], None)
-        if published is not None and kind in ("committed", "failed"):
-            write_took(time.monotonic() - max(published.sent_at, self.last_end))
+        if "took" in event:  # a write ended, timed by the writer process (what its waits are timed by)
+            write_took(event["took"])
+            self._write_ended = event["ended"]
         self.last_end = time.monotonic()
         if kind == "superseded":
             self.skipped += 1
@@ -276,7 +278,7 @@ class ProcessWriter:
         later); None when it has none."""
         if not self._published:
             return None
-        return max(self._published[min(self._published)].sent_at, self.last_end)
+        return max(self._published[min(self._published)].sent_at, self._write_ended)
 
     def _abandon_if_overdue(self) -> None:
         """``when_behind="skip"`` never waits for the writer process: at each check, abandon it

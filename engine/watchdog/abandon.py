@@ -3,7 +3,8 @@ process (``CheckpointConfig(on_io_error="warn")``, docs/faults.md "A hung writer
 
 The training thread waits for its writer (a free snapshot slot, a flush) in engine code, so it can
 wait with a deadline: the timeout the watchdog publishes for the wait (``max(min_timeout_s, factor
-x p99)`` of the waits for the writer, the first allowance until learned). It marks the wait with
+x p99)`` of the writer's writes, the first allowance until learned), counted from when the write it
+waits for began (engine.watchdog.statistics). It marks the wait with
 ``abandons=True`` (the monitor then waits a grace longer before it ends the process: the wait acts
 first); past :func:`deadline` the writer abandons the checkpoint it is stuck in, :func:`report`
 writes the usual hang report (stderr, ``hangs.jsonl``) with what was done instead of ending the
@@ -54,8 +55,8 @@ def remaining(poll_s: float | None = None) -> float | None:
 
 
 def writer_timeout() -> float | None:
-    """The timeout of a wait for the writer now (``max(min_timeout_s, factor x p99)`` of those
-    waits, the first allowance until learned); None without a watchdog. What a writer that the
+    """The timeout of a wait for the writer now (``max(min_timeout_s, factor x p99)`` of the
+    writer's writes, the first allowance until learned); None without a watchdog. What a writer that the
     training process never waits for (``when_behind="skip"``) is given per checkpoint."""
     tracker = trackers.current()
     return None if tracker is None else tracker.statistics.timeout(WRITER, tracker.splits)

@@ -104,6 +104,25 @@ def kill_node(agent: subprocess.Popen) -> None:
     agent.wait(timeout=TIMEOUT)
 
 
+def wait_for_nodes_releasing_a_stopped_rank(agents: list[subprocess.Popen], out_dir: pathlib.Path,
+                                            rank: int) -> list[int]:
+    """The agents' exit statuses; whatever happened, no agent left running and ``rank``'s worker
+    (stopped by a test) never left behind stopped."""
+    try:
+        return [agent.wait(timeout=TIMEOUT) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                kill_node(agent)
+        stopped = worker_pid(out_dir, rank)
+        if stopped is not None:
+            for number in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, number)
+                except ProcessLookupError:
+                    pass
+
+
 def node_logs(job: pathlib.Path) -> str:
     return "".join(path.read_text()[-3000:] for path in sorted(job.glob("node-*.log")))
 

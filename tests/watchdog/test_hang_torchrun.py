@@ -6,7 +6,6 @@ to an uninterrupted one (parameters, RNG, hidden state of every rank, metrics.js
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
 import re
@@ -122,18 +121,8 @@ def test_a_whole_stopped_node_is_named_by_the_other_node_and_the_job_restarts_ex
     try:
         helpers.wait_for(lambda: helpers.splits_done(job / "out", 1) >= split, f"rank 1's split {split}", agents[1])
         helpers.signal_worker(job / "out", 1, signal.SIGSTOP)
-        statuses = [agent.wait(timeout=helpers.TIMEOUT) for agent in agents]
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                helpers.kill_node(agent)
-        stopped = helpers.worker_pid(job / "out", 1)
-        if stopped is not None:  # never left behind stopped, whatever happened
-            for number in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(stopped, number)
-                except ProcessLookupError:
-                    pass
+    finally:  # the agents waited for, and the stopped worker released, whatever happened
+        statuses = helpers.wait_for_nodes_releasing_a_stopped_rank(agents, job / "out", 1)
     assert statuses == [0, 0], helpers.node_logs(job)
     rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
     assert rows and {row["rank"] for row in rows} == {1}, (rows, helpers.node_logs(job))

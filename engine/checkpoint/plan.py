@@ -141,9 +141,10 @@ class CheckpointPlan:
         if not distributed and self.tiers.peer_copies:
             raise ConfigError(f"{OWNER}.peer_copies={self.tiers.peer_copies} copies each rank's memory parts to "
                               "another node of a torchrun job; this run is one process: set peer_copies=0")
-        if self.writer.kind == "process" and distributed:
-            raise ConfigError(f"{OWNER}.writer='process' is not supported with several processes (torchrun) "
-                              "yet; use writer='thread' there")
+        if self.writer.kind == "process" and self.tiers.local_tier is not None and not distributed:
+            raise ConfigError(f"{OWNER}.writer='process' is not supported with local_tier in a process alone yet "
+                              f"(got local_tier={self.tiers.local_tier!r}); use writer='thread' with a fast tier "
+                              "(under torchrun, a writer process writes each rank's memory tier)")
         if self.writer.kind == "process" and not run_dir_is_local:
             raise ConfigError(f"{OWNER}.writer='process' needs a local run dir for now, got {run_dir_url!r}; "
                               "use writer='thread' there")
@@ -175,9 +176,6 @@ def _refuse_what_would_be_ignored(config: CheckpointSettings) -> None:
 def _refuse_an_unknown_writer(config: CheckpointSettings) -> None:
     if config.writer not in WRITER_KINDS:
         raise ConfigError(f"{OWNER}.writer: expected one of {list(WRITER_KINDS)}, got {config.writer!r}")
-    if config.writer == "process" and config.local_tier is not None:
-        raise ConfigError(f"{OWNER}.writer='process' is not supported with local_tier yet "
-                          f"(got local_tier={config.local_tier!r}); use writer='thread' with a fast tier")
 
 
 def _refuse_a_tier_without_its_cadence(config: CheckpointSettings) -> None:

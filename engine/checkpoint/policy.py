@@ -84,6 +84,7 @@ class RunCheckpointer:
             self._metrics.fence_with(self._lease.verify)
             self.store.remove_temporaries()
             self._tiering.claim(self._lease)
+        if self._side.is_writer or self._group is not None:  # under torchrun, every rank has its writer process
             self._writer_kind.launch(self._storage, self._lease)
         self._side.after_acquire(self.store)
 
@@ -152,7 +153,8 @@ class RunCheckpointer:
         abandon_hung = writer.on_io_error == "warn" and self._group is None
         self._writer = self._writer_kind.build(WriterParts(self.store, self._storage, self._lease, retention, also_sync,
                                                            self._metrics, self._group, tier, writer.max_in_flight,
-                                                           writer.when_behind, abandon_hung))
+                                                           writer.when_behind, abandon_hung,
+                                                           None if self._group is None else self._group.writer_process_spec))
         self._cadence.start(optimizer_steps, units, self._background_work())
 
     def _background_work(self) -> BackgroundWork | None:
@@ -346,6 +348,11 @@ class RankGroup(Committer, TakesPart, Protocol):
     def node_tier(self) -> NodeTier | None:
         """This rank's memory tier when its committer writes into node memory first
         (engine.distributed.memory_commit); None: the run dir only."""
+        ...
+
+    def writer_process_spec(self) -> dict[str, Any]:
+        """What this rank's writer process (``writer="process"``) joins the other ranks' writer
+        processes with and takes over its commits from, once the start is agreed: plain data."""
         ...
 
 

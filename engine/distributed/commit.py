@@ -38,7 +38,8 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.tiers.node import NodeTier
 from engine.checkpoint.store.checkpoint_store import CHECKPOINT_DIR, CheckpointStore, LoadedCheckpoint, StateValidator, checkpoint_name
 from engine.distributed import state_parts
-from engine.distributed.environment import DistributedContext
+from engine.distributed.environment import WRITER_GROUP_TIMEOUT, DistributedContext
+from engine.distributed.writer_group_spec import NAMESPACE, WriterGroupSpec, store_address
 from engine.errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError, ReplicaDivergence
 
 
@@ -89,6 +90,24 @@ class GroupCommit:
         first = [store.next_sequence() if self.is_writer else 0]
         dist.broadcast_object_list(first, src=0, group=self.context.writer_group)
         self._next_sequence = int(first[0])
+
+    def handover(self) -> dict[str, Any]:
+        """What this rank agreed at the start (after :meth:`after_acquire`), for the committer
+        that takes over its commits in a writer process (:meth:`take_over`; engine.distributed.
+        writer_processes): plain data."""
+        return {"next_sequence": self._next_sequence, "local_tier": None}
+
+    def writer_process_spec(self) -> dict[str, Any]:
+        """What this rank's writer process joins the other ranks' with and commits from
+        (engine.distributed.writer_processes), once the start is agreed: plain data."""
+        host, port = store_address()
+        context = self.context
+        return WriterGroupSpec(context.rank, context.world_size, host, port, f"{NAMESPACE}/{context.attempt}",
+                               WRITER_GROUP_TIMEOUT.total_seconds(), context.attempt, self.handover()).to_dict()
+
+    def take_over(self, handed: dict[str, Any]) -> None:
+        """Commit from where the committer that wrote ``handed`` (:meth:`handover`) agreed to start."""
+        self._next_sequence = int(handed["next_sequence"])
 
     def select(self, choose: Callable[[], LoadedCheckpoint | None], store: CheckpointStore,
                validate: StateValidator, newest_wanted: bool = False) -> LoadedCheckpoint | None:

@@ -146,6 +146,19 @@ class MemoryFirstCommit(GroupCommit):
         dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=self.context.writer_group)
         self._next_sequence = int(highest.item())
 
+    def handover(self) -> dict[str, Any]:
+        """What a writer process needs to commit into this rank's memory tier (see GroupCommit)."""
+        node = self._node
+        return {**super().handover(), "local_tier": node.root, "keep": node.keep,
+                "peer_copies": 0 if self._ring is None else 1, "generation": self._generation}
+
+    def take_over(self, handed: dict[str, Any]) -> None:
+        """Commit from where ``handed`` says, into the tier directories the training process
+        claimed for this writer generation (claimed again here: kept, as their marker names it)."""
+        super().take_over(handed)
+        self._generation = int(handed["generation"])
+        self._node.claim(self._generation, self._generation)
+
     # ---- saving -------------------------------------------------------------------------
     def write(self, store: CheckpointStore, pending: PendingCheckpoint, request: CommitRequest,
               callbacks: CommitCallbacks) -> str:

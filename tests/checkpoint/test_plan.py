@@ -62,7 +62,8 @@ def test_asynchronous_false_with_a_background_writer_is_a_contradiction():
 @pytest.mark.parametrize("config, where, message", [
     (dict(local_tier="/dev/shm/plan-test", durable_every_n_splits=2, peer_copies=1), dict(),
      "peer_copies=1 copies each rank's memory parts to another node of a torchrun job; this run is one process"),
-    (dict(writer="process"), dict(distributed=True), "writer='process' is not supported with several processes"),
+    (dict(writer="process", local_tier="/dev/shm/plan-test", durable_every_n_splits=2), dict(),
+     "writer='process' is not supported with local_tier in a process alone"),
     (dict(writer="process"), dict(run_dir_url="s3://bucket/run", run_dir_is_local=False),
      "writer='process' needs a local run dir for now, got 's3://bucket/run'"),
 ])
@@ -71,8 +72,14 @@ def test_what_cannot_work_where_the_run_writes_is_refused(config, where, message
     arguments = dict(distributed=False, run_dir_url="/tmp/run", run_dir_is_local=True) | where
     with pytest.raises(engine.ConfigError, match=message):
         plan.refuse_where(**arguments)
-    if "peer_copies" not in config:
+    if "local_tier" not in config:
         plan.refuse_where(distributed=False, run_dir_url="/tmp/run", run_dir_is_local=True)  # one local process: fine
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_memory_tier_under_torchrun_is_accepted_with_either_background_writer(writer):
+    engine.CheckpointConfig(local_tier="/dev/shm/plan-test", durable_every_n_splits=2, peer_copies=1,
+                            writer=writer).plan().refuse_where(distributed=True, run_dir_url="/tmp/run", run_dir_is_local=True)
 
 
 def test_a_memory_tier_under_torchrun_is_accepted_and_peer_copies_need_one():

@@ -198,6 +198,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--async", dest="asynchronous", action="store_true")
+    parser.add_argument("--writer", choices=("sync", "thread", "process"), default=None,
+                        help="CheckpointConfig.writer (default: 'thread' with --async, else 'sync'; "
+                             "SPLITLOOP_TEST_WRITER=process makes it 'process')")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad (over splits)")
     parser.add_argument("--slow", type=float, default=0.0, help="sleep per split (seconds), to be killed or signalled")
     parser.add_argument("--validate-every", type=int, default=None, help="validate every N optimizer steps")
@@ -275,7 +278,7 @@ def main() -> int:
                                              retry_seconds=0.2))
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
-        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer="thread" if args.asynchronous else "sync",
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer=checkpoint_writer(args),
                                            at_epoch_end=args.epoch_checkpoint, on_io_error=args.on_io_error,
                                            **memory_tier(args)),
         val_every_n_steps=args.validate_every,
@@ -316,6 +319,20 @@ def main() -> int:
     if args.interpreter_exit:
         sys.exit(0)
     return 0
+
+
+# Set (tests/distributed/test_kill_tests_with_a_memory_tier.py, tests/writer_switch.py): every
+# job's checkpoints are written by writer processes.
+WRITER_SWITCH = "SPLITLOOP_TEST_WRITER"
+
+
+def checkpoint_writer(args: argparse.Namespace) -> str:
+    """The writer of ``--writer``, else of the switch, else 'thread' with ``--async``, else 'sync'."""
+    if args.writer is not None:
+        return args.writer
+    if os.environ.get(WRITER_SWITCH) == "process":
+        return "process"
+    return "thread" if args.asynchronous else "sync"
 
 
 # Set (tests/distributed/test_kill_tests_with_a_memory_tier.py): every job without --memory-tier

@@ -13,7 +13,7 @@ kind), and one line in :data:`WRITER_KINDS`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:  # the writers themselves are imported when one is built: the configuration
     # checks a writer's name against WRITER_KINDS without importing torch
@@ -48,6 +48,9 @@ class WriterParts:
     # stuck in and replaces the writer (on_io_error="warn" in a process alone), instead of the
     # watchdog's hang exit (docs/faults.md, "A hung writer").
     abandon_hung: bool = False
+    # A torchrun rank: what its writer process joins the other ranks' with (RankGroup.
+    # writer_process_spec; called once the start is agreed). None in a process alone.
+    group_spec: Callable[[], dict[str, Any]] | None = None
 
 
 class WriterKind(Protocol):
@@ -100,9 +103,10 @@ class _WriterProcess:
     def build(self, parts: WriterParts) -> Writer:
         from engine.checkpoint.writers.process.writer import ProcessWriter
         assert self._launched is not None, "launch() before build()"
+        group = None if parts.group_spec is None else parts.group_spec()  # (refused: abandon() lets it go)
         launched, self._launched = self._launched, None
         return ProcessWriter(launched, parts.storage, parts.lease, parts.retention, parts.metrics,
-                             parts.max_in_flight, parts.when_behind, parts.abandon_hung)
+                             parts.max_in_flight, parts.when_behind, parts.abandon_hung, group)
 
     def abandon(self) -> None:
         launched, self._launched = self._launched, None

@@ -12,9 +12,10 @@ from engine.checkpoint.writers.process.messages import (MESSAGE_VERSION, CloseMe
 from engine.errors import CheckpointWriteError
 
 SNAPSHOT = SnapshotMessage(7, 1, "/dev/shm/arena/slot-1", 4096, b"header", b"progress", {"epoch": 0, "batch": 2},
-                           b'{"step": 3}\n', 128, 140, True, ["val_loss", "min", 0.25])
+                           b'{"step": 3}\n', 128, 140, True, ["val_loss", "min", 0.25], True, False,
+                           {"model.weight": 123456789, "progress": 42})
 CONFIG = WriterConfig("/runs/a", {"token": "t", "generation": 2}, "/dev/shm/arena", 12, 3, 1, "val_loss",
-                      ["ckpt-0000000009"], "skip")
+                      ["ckpt-0000000009"], "skip", {"rank": 1, "world_size": 2, "committer": {"next_sequence": 7}})
 
 
 def through_the_pipe(data):

@@ -178,7 +178,6 @@ def test_a_writer_process_killed_after_the_final_snapshots_data_leaves_it_to_the
 
 @pytest.mark.parametrize("checkpoint, field", [
     (dict(writer="process", asynchronous=False), "asynchronous"),
-    (dict(writer="process", local_tier="/dev/shm/x", durable_every_n_splits=2), "local_tier"),
     (dict(writer="processes"), "writer"),
 ])
 def test_writer_process_settings_are_checked(checkpoint, field):

@@ -21,6 +21,7 @@ newest complete snapshot it received, releases the lease and exits.
 from __future__ import annotations
 
 import collections
+import importlib
 import os
 import select
 import signal
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from engine import faults
 from engine.checkpoint.format.encoded_state import EncodedState
@@ -42,8 +43,9 @@ from engine.checkpoint.writers.pending import PendingCheckpoint
 from engine.checkpoint.writers.process.arena import SlotFile, remove_arena_directory
 from engine.checkpoint.writers.process.channel import WRITER_IGNORED_SIGNALS, FrameReader, encode_message, write_all
 from engine.checkpoint.writers.process.messages import CloseMessage, SnapshotMessage, WriterConfig, kind_of
+from engine.checkpoint.writers.committer import Committer
 from engine.checkpoint.writers.writer import SyncWriter
-from engine.errors import WriterConflict
+from engine.errors import CheckpointWriteError, WriterConflict
 from progress import Cursor
 
 _PARENT_POLL_SECONDS = 0.5
@@ -148,11 +150,14 @@ class Inbox:
             self._condition.notify_all()
             return True
 
-    def take(self) -> SnapshotMessage | None:
-        """The next snapshot to commit; None once there is none and none will come."""
+    def take(self, orphan_commits: bool = True) -> SnapshotMessage | None:
+        """The next snapshot to commit; None once there is none and none will come (nor, when
+        the training process is gone and not ``orphan_commits``, any more)."""
         with self._condition:
             while not self._queue and not (self.closing or self.orphaned):
                 self._condition.wait()
+            if self.orphaned and not orphan_commits:
+                return None
             return self._queue.popleft() if self._queue else None
 
 
@@ -164,26 +169,36 @@ class WriterProcess:
         storage = Storage(config.run_dir)
         self._lease = WriterLease.adopt(storage, config.lease)
         self._arena = config.arena
-        metrics = MetricsLog(storage)
+        # One rank of a torchrun job: it commits with the other ranks' writer processes.
+        committer: Committer | None = None
+        self._leave_group: Callable[[], None] | None = None
+        if config.group is not None:
+            committer, self._leave_group = join_group(config.group, storage)
+        self._in_group = committer is not None
+        metrics = MetricsLog(storage if committer is None or committer.commits else None)
         metrics.committed_bytes = config.metrics_bytes
         metrics.fence_with(self._lease.verify)
         retention = Retention(config.keep_last, config.keep_best, config.monitor, frozenset(config.abandoned))
         also_sync = [METRICS_FILE] if storage.is_local else []
         self._store = CheckpointStore(storage)
-        self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, None, metrics)
+        self._writer = SlotWriter(self._events, self._store, self._lease, retention, lambda: also_sync, committer, metrics)
         self._metrics = metrics
         self._slot_files: dict[int, SlotFile] = {}
         self._inbox = Inbox(input_descriptor, reader, self._events, metrics, latest_wins=config.when_behind == "skip")
 
     def run(self, received: list[dict[str, Any]]) -> None:
         self._inbox.start(received)
-        while (message := self._inbox.take()) is not None:
+        # A rank's writer process whose training process is gone commits nothing more: the other
+        # ranks' hold other snapshots by then, and each commit needs all of them.
+        while (message := self._inbox.take(orphan_commits=not self._in_group)) is not None:
             if not self._commit(message):
                 break
         self._store.close()
         if self._inbox.orphaned:  # nobody else will: the slot files and the lease are ours to clean up
             remove_arena_directory(self._arena)
             self._lease.release()
+        if self._leave_group is not None:
+            self._leave_group()
 
     def _commit(self, message: SnapshotMessage) -> bool:
         """Commit one snapshot and report it; False when this writer must stop (lease lost)."""
@@ -227,7 +242,8 @@ class WriterProcess:
         cursor = None if message.cursor is None else Cursor.from_dict(message.cursor)
         monitor = None if message.monitor is None else MonitorRecord(*message.monitor)
         pending = PendingCheckpoint(encoded, message.progress, cursor, metrics_bytes=message.metrics_bytes,
-                                    durable=True, monitor=monitor)
+                                    durable=message.durable, monitor=monitor, anchor=message.anchor,
+                                    digest=message.digest)
         self._writer.hold(pending, slot_file, message.slot, message.id)
         return pending
 
@@ -239,6 +255,20 @@ class WriterProcess:
                 known.close()
             known = self._slot_files[slot] = SlotFile(path, size, create=False)
         return known
+
+
+def join_group(spec: dict[str, Any], storage: Storage) -> tuple[Committer, Callable[[], None]]:
+    """Join the writer processes of the other ranks of a torchrun job: the committer that takes
+    over this rank's commits, and what leaves the group at the end. ``spec["module"]``
+    (engine.distributed.writer_processes, named by the training process: this package imports
+    nothing of the layers above it) does both, and imports torch (the writer process of a
+    process alone never does)."""
+    name = spec.get("module")
+    if not isinstance(name, str) or not name.startswith("engine."):
+        raise CheckpointWriteError(f"writer process: a group spec names the module {name!r}, not one of the engine's")
+    module = importlib.import_module(name)
+    committer: Committer = module.join_writer_group(spec, storage)
+    return committer, module.leave_writer_group
 
 
 def read_configuration(input_descriptor: int, reader: FrameReader) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from engine.errors import CheckpointWriteError
 
 # Bumped when a message's fields change (a training process and its writer process always run
 # the same engine, so a mismatch is a bug, refused by name).
-MESSAGE_VERSION = 1
+MESSAGE_VERSION = 2
 KIND = "kind"
 VERSION = "version"
 
@@ -68,6 +68,10 @@ class WriterConfig(Message):
     monitor: str | None
     abandoned: list[str]
     when_behind: str
+    # One rank of a torchrun job: how its writer process joins the other ranks' writer processes
+    # and takes up their commits (engine.distributed.writer_processes.WriterGroupSpec.to_dict());
+    # None in a process alone.
+    group: dict[str, Any] | None
 
 
 @dataclasses.dataclass
@@ -94,6 +98,12 @@ class SnapshotMessage(Message):
     keep: bool
     # [name, mode, value] of the monitored metric it records, or None
     monitor: list[Any] | None
+    # Resumable on another world size (the manifest's ``anchor``).
+    anchor: bool
+    # A torchrun job's memory tier: whether it also reaches the run dir (always True alone).
+    durable: bool
+    # A torchrun rank's digest of its replicated state (compared across ranks), or None.
+    digest: dict[str, int] | None
 
 
 @dataclasses.dataclass

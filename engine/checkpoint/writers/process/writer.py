@@ -102,8 +102,12 @@ class ProcessWriter:
     engine.checkpoint.policy.RunCheckpointer like the in-process writers."""
 
     def __init__(self, launched: "LaunchedWriter", storage: Storage, lease: WriterLease, retention: Retention,
-                 metrics: MetricsLog, max_in_flight: int, when_behind: str, abandon_hung: bool = False) -> None:
+                 metrics: MetricsLog, max_in_flight: int, when_behind: str, abandon_hung: bool = False,
+                 group: dict[str, Any] | None = None) -> None:
         self._storage = storage
+        # A torchrun rank: how its writer process joins the others' (engine.distributed.writer_processes).
+        # Such a writer process is never restarted: its group cannot take a newcomer in.
+        self._group = group
         # A wait that reaches the watchdog's deadline kills a hung writer process and starts
         # another (see the module docstring); the checkpoints abandoned so.
         self._abandons = abandon_hung
@@ -148,7 +152,7 @@ class ProcessWriter:
         retention = self._retention
         self._send(WriterConfig(self._storage.root, self._lease.handover(), self._arena.path, self._committed_metrics,
                                 retention.keep_last, retention.keep_best, retention.monitor, sorted(retention.abandoned),
-                                self._when_behind))
+                                self._when_behind, self._group))
 
     def _stop_pipes(self) -> None:
         self._launched.close_pipes()
@@ -163,11 +167,17 @@ class ProcessWriter:
         if self._lease_lost is not None:
             self._closing = True  # it stopped on purpose: another job owns the run dir; a new one would too
             raise self._lease_lost
+        restarts = 0 if self._group is not None else _MAX_RESTARTS
         print(f"splitloop: the checkpoint writer process (pid {self._process.pid}) exited with code {code}; "
-              + ("restarting it" if self._restarts < _MAX_RESTARTS else "no checkpoint is written from now on"),
+              + ("restarting it" if self._restarts < restarts else "no checkpoint is written from now on"),
               file=sys.stderr, flush=True)
-        if self._restarts >= _MAX_RESTARTS:
+        if self._restarts >= restarts:
             self._closing = True
+            if self._group is not None:
+                raise CheckpointWriteError(
+                    f"the checkpoint writer process of rank {self._group['rank']} died (exit code {code}); under torchrun "
+                    "it is not restarted (the ranks' writer processes commit together): earlier checkpoints are intact, "
+                    "and a restart of the group resumes from them")
             raise CheckpointWriteError(f"the checkpoint writer process died {self._restarts + 1} times (last exit "
                                        f"code {code}); earlier checkpoints are intact")
         self._restarts += 1
@@ -390,7 +400,8 @@ class ProcessWriter:
         message = SnapshotMessage(self._next_id, slot, path, encoded.tensor_bytes, encoded.header, pending.progress_bytes,
                                   None if pending.cursor is None else pending.cursor.to_dict(), carried + handed, base,
                                   pending.metrics_bytes, keep,
-                                  None if monitor is None else [monitor.name, monitor.mode, monitor.value])
+                                  None if monitor is None else [monitor.name, monitor.mode, monitor.value],
+                                  pending.anchor, pending.durable, pending.digest)
         self._published[self._next_id] = _Published(message, slot, split=abandon.splits_done())
         self._next_id += 1
         self._send(message)

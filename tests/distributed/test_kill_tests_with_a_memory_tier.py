@@ -1,8 +1,10 @@
 """Every torchrun kill test of dist_train.py jobs run again with a memory tier
 (SPLITLOOP_TEST_MEMORY_TIER=1: each job checkpoints every split into /dev/shm, durably every 50
-splits, with peer copies when it spans two nodes), one pytest process per file. Exhaustive:
-minutes per file. The same by hand:
-``SPLITLOOP_TEST_MEMORY_TIER=1 .venv/bin/python -m pytest -n 0 FILE``."""
+splits, with peer copies when it spans two nodes), one pytest process per file; and again with
+the memory tier and every job's checkpoints written by writer processes
+(SPLITLOOP_TEST_WRITER=process, CheckpointConfig(writer="process")). Exhaustive: minutes per
+file. The same by hand:
+``SPLITLOOP_TEST_MEMORY_TIER=1 SPLITLOOP_TEST_WRITER=process .venv/bin/python -m pytest -n 0 FILE``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from dist_train import MEMORY_TIER_SWITCH, SWITCHED_TIERS  # noqa: E402
+from dist_train import MEMORY_TIER_SWITCH, SWITCHED_TIERS, WRITER_SWITCH  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -34,12 +36,14 @@ KILL_TEST_FILES = {
 
 @pytest.mark.exhaustive
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("writer", ["as-the-test-says", "process"])
 @pytest.mark.parametrize("path", sorted(KILL_TEST_FILES))
-def test_the_torchrun_kill_tests_pass_with_a_memory_tier(path: str) -> None:
+def test_the_torchrun_kill_tests_pass_with_a_memory_tier(path: str, writer: str) -> None:
     deselected = [argument for name in KILL_TEST_FILES[path] for argument in ("--deselect", f"{path}::{name}")]
     command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", path, *deselected]
+    switches = {MEMORY_TIER_SWITCH: "1", **({WRITER_SWITCH: "process"} if writer == "process" else {})}
     try:
-        result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, **{MEMORY_TIER_SWITCH: "1"}),
+        result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, **switches),
                                 capture_output=True, text=True, timeout=1500)
     finally:
         for leftover in pathlib.Path("/dev/shm").glob(pathlib.Path(SWITCHED_TIERS).name + "*"):

@@ -161,15 +161,19 @@ def test_a_kill_while_a_node_is_refilled_from_its_peer_resumes_exactly(reference
     helpers.assert_same_result(reference, job, 2)
 
 
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("trial", range(3))
-def test_a_rank_killed_at_random_instants_with_a_writer_thread_resumes_exactly(
-        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, trial: int) -> None:
+@pytest.mark.parametrize("writer, trial", [
+    ("process", 0),
+    pytest.param("process", 1, marks=pytest.mark.exhaustive),
+    pytest.param("process", 2, marks=pytest.mark.exhaustive),
+    *(pytest.param("thread", trial, marks=pytest.mark.exhaustive) for trial in range(3)),
+])
+def test_a_rank_killed_at_random_instants_with_a_background_writer_resumes_exactly(
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, writer: str, trial: int) -> None:
     rng = random.Random()
     rank, delay = rng.randrange(2), rng.uniform(0.0, 1.0)
     run_dir, out_dir = tmp_path / "job" / "run", tmp_path / "job" / "out"
     out_dir.mkdir(parents=True)
-    command = helpers.torchrun_command(2, run_dir, out_dir, "--async", "--slow", "0.1", "--memory-tier", tiers,
+    command = helpers.torchrun_command(2, run_dir, out_dir, "--writer", writer, "--slow", "0.1", "--memory-tier", tiers,
                                        "--durable-every", DURABLE_EVERY, max_restarts=2, forked_ranks=True)
     helpers.sigkill_a_rank_while_training(command, run_dir, out_dir, rank, delay, popen=forkserver.popen)
     helpers.assert_same_result(reference, tmp_path / "job", 2)
@@ -245,4 +249,41 @@ def test_a_replaced_node_joins_the_surviving_agent_and_comes_back_from_its_peer_
                 helpers.kill_node(process)
     resumed = restored_units(job / "run", 1)[-1]
     assert resumed is not None and done - resumed <= 1, (done, restored_units(job / "run", 1))
+    helpers.assert_same_result(reference, job, 2)
+
+
+def test_writer_processes_fill_every_ranks_memory_tier_and_peer_copies_and_a_lost_node_comes_back_exactly(
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str) -> None:
+    """Each rank's checkpoints written by its writer process (CheckpointConfig(writer="process")):
+    every part in its node's tier with a verified copy on the other node, and a node lost whole
+    comes back from those copies, replaying at most one split."""
+    job = tmp_path / "job"
+    options = (*peer_options(tiers), "--writer", "process")
+    done = lose_node_one(job, tiers, options)
+    lease = json.loads((job / "run" / "writer.lease").read_text())
+    assert lease["writer_process"] is True
+    restarted = helpers.start_nodes(job, *options, forked_ranks=True)
+    assert [agent.wait(timeout=helpers.TIMEOUT) for agent in restarted] == [0, 0], helpers.node_logs(job)
+    resumed = restored_units(job / "run", 1)[1]
+    assert resumed is not None and min(done) - resumed <= 1, (done, resumed)
+    helpers.assert_same_result(reference, job, 2)
+    parts = describe_parts(tiers + "-1")
+    assert {(part["rank"], part["kind"]) for part in parts} == {(1, "own"), (0, "copy")}
+    assert all(part["valid"] for part in parts)
+
+
+@pytest.mark.parametrize("fault", ["checkpoint_after_file:{n}:sigkill", "memory_tier_peer_copy:{n}:sigkill"])
+def test_a_writer_process_that_dies_under_torchrun_is_not_restarted_and_the_group_resumes_exactly(
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, fault: str) -> None:
+    """Rank 1's writer process is SIGKILLed inside a commit (its fault points fire in the writer
+    process): the rank reports it and exits (on_io_error="raise"), torchrun restarts the group,
+    and the run resumes exactly from the newest complete checkpoint."""
+    kills = "0/1/" + fault.format(n=random.Random().randint(2, 10))
+    job = tmp_path / "job"
+    agents = helpers.start_nodes(job, *peer_options(tiers, "3"), "--writer", "process", max_restarts=1,
+                                 forked_ranks=True, KILLS=kills)
+    assert [agent.wait(timeout=helpers.TIMEOUT) for agent in agents] == [0, 0], kills + helpers.node_logs(job)
+    logs = helpers.node_logs(job)
+    assert "the checkpoint writer process of rank 1 died" in logs and "it is not restarted" in logs, logs[-4000:]
+    assert restored_units(job / "run", 0)[1:], f"{kills}: the group was not restarted"
     helpers.assert_same_result(reference, job, 2)

@@ -13,6 +13,10 @@ It imports neither torch nor NumPy (tests/checkpoint/writers/test_torch_free_wri
 are one ``memoryview`` written as they are, and the process starts in a fraction of a second
 of CPU instead of torch's import, which a short run would wait for at its end.
 
+One rank of a torchrun job: it first joins the other ranks' writer processes (the module its
+configuration names: engine.distributed.writer_processes, which imports torch), and commits as
+the rank's writer thread would; orphaned, it commits nothing more (see that module).
+
 It ends when the training process says ``close`` (after committing every snapshot received),
 or when the training process is gone (stdin at EOF, or a new parent): then it commits the
 newest complete snapshot it received, releases the lease and exits.

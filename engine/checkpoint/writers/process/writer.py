@@ -31,6 +31,11 @@ a process that holds CUDA, never a ``multiprocessing`` spawn that re-imports the
   A killed process can do nothing late. Without ``abandon_hung`` (``"raise"``), the watchdog ends
   the training process (a hang exit) as for any other hang.
 
+* **Under torchrun** every rank has a writer process; they commit together in a group of their
+  own (engine.distributed.writer_processes, named to the writer process in its configuration).
+  One that dies is not restarted (its group cannot take a newcomer in): the rank's next
+  checkpoint fails, and a restart of the group resumes.
+
 Local run directories only, for now (the writer process rebuilds the storage from its path).
 """
 

@@ -7,6 +7,7 @@ rounds, each rank 0 timing its ``fit``:
 
 * ``memory``: a checkpoint every split into node memory with a peer copy on the other node,
   durable copies every 1,000 splits (and the last one);
+* ``memory-process``: the same, written by writer processes (``writer="process"``);
 * ``local``: the same without peer copies (what the copy itself costs);
 * ``durable``: a checkpoint every split into the run dir (the commit across ranks, fsynced);
 * ``none``: no checkpoint.
@@ -14,8 +15,8 @@ rounds, each rank 0 timing its ``fit``:
 Then one more ``memory`` job is SIGKILLed whole after some splits, node 1's tier deleted, and
 started again: the splits replayed are the splits done before the kill minus those the restart
 resumed at (the ledger's ``restored`` row). Last, a small model's training-thread CPU per
-snapshot (``time.thread_time`` around each save, writer thread, memory tier) is measured in a
-2-rank job on one node.
+snapshot (``time.thread_time`` around each save, memory tier) is measured in a 2-rank job on
+one node, with a writer thread and with writer processes.
 
 Reproduce (from the repository root)::
 
@@ -77,18 +78,19 @@ def worker(mode: str, run_dir: str, tier: str, width: int, splits: int, report: 
     x = torch.randn(splits * 4, width, generator=generator)
     loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=2, shuffle=True)
     node = os.environ.get("GROUP_RANK", "0")
+    writer = "process" if mode.endswith("-process") else "thread"
     if mode == "none":
         policy = None
     elif mode == "durable":
         policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer="thread")
     else:
-        policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer="thread",
+        policy = engine.CheckpointConfig(every_n_splits=1, at_epoch_end=False, keep_last=2, writer=writer,
                                          local_tier=f"{tier}-{node}", durable_every_n_splits=1000,
-                                         peer_copies=0 if mode in ("snapshot", "local") else 1)
+                                         peer_copies=0 if mode.startswith(("snapshot", "local")) else 1)
     config = engine.TrainerConfig(max_epochs=1, run_dir=run_dir, checkpoint=policy, progress_bar="off", device="cpu")
     trainer = engine.Trainer(config)
     cpu: list[float] = []
-    if mode == "snapshot":
+    if mode.startswith("snapshot"):
         from engine.checkpoint.policy import RunCheckpointer
         save = RunCheckpointer.save
 
@@ -200,7 +202,7 @@ def main() -> None:
     if args.smoke:
         args.repeats, args.width, args.splits = 1, 64, 8
     tier = f"/dev/shm/splitloop-bench-{uuid.uuid4().hex[:12]}"
-    times: dict[str, list[float]] = {"memory": [], "local": [], "durable": [], "none": []}
+    times: dict[str, list[float]] = {"memory": [], "memory-process": [], "local": [], "durable": [], "none": []}
     try:
         with tempfile.TemporaryDirectory(dir=".") as temporary:
             directory = pathlib.Path(temporary)
@@ -214,18 +216,24 @@ def main() -> None:
             replayed = splits_replayed_after_a_node_loss(directory, f"{tier}-loss", min(args.width, 256),
                                                          max(args.splits, 16))
             cpu_ms = one_node_job(directory, "snapshot", "snapshot", f"{tier}-snapshot", 64, 64)["cpu_ms"]
+            cpu_process_ms = one_node_job(directory, "snapshot-process", "snapshot-process", f"{tier}-snapshot-process",
+                                          64, 64)["cpu_ms"]
     finally:
         for leftover in pathlib.Path("/dev/shm").glob(pathlib.Path(tier).name + "*"):
             shutil.rmtree(leftover, ignore_errors=True)
-    memory, local, durable, none = (statistics.median(times[mode]) for mode in ("memory", "local", "durable", "none"))
+    memory, memory_process, local, durable, none = (
+        statistics.median(times[mode]) for mode in ("memory", "memory-process", "local", "durable", "none"))
     parameters = args.width * args.width + 2 * args.width + 1
     print(f"(2 nodes x 1 rank, gloo on CPU, {parameters / 1e6:.1f}M parameters, {args.splits} splits per rank, "
-          f"median of {args.repeats}: memory {memory:.2f} s, memory without peer copies {local:.2f} s, "
+          f"median of {args.repeats}: memory {memory:.2f} s, memory with writer processes {memory_process:.2f} s, "
+          f"memory without peer copies {local:.2f} s, "
           f"durable {durable:.2f} s, none {none:.2f} s)")
     print(f"memory tier without peer copies every split / no checkpoints: {local / none:.3f}")
+    print(f"memory tier + peer copy every split, writer processes / no checkpoints: {memory_process / none:.3f}")
     print(f"memory tier + peer copy every split / no checkpoints: {memory / none:.3f}")
     print(f"durable every split / no checkpoints: {durable / none:.3f}")
     print(f"splits replayed after a node loss: {replayed:.0f} ")
+    print(f"training thread CPU per snapshot, writer process: {cpu_process_ms:.3f} ms (64x64 model, memory tier)")
     print(f"training thread CPU per snapshot: {cpu_ms:.3f} ms (64x64 model, writer thread, memory tier)")
 
 

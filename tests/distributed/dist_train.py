@@ -276,11 +276,12 @@ def main() -> int:
         os.environ.pop("WANDB_SERVICE", None)  # its own wandb-core, not the test process's
         trackers.append(engine.loggers.WandB(project=args.wandb[1], mode="offline", dir=args.wandb[0],
                                              retry_seconds=0.2))
+    tier = memory_tier(args)
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate, device="cpu",
-        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer=checkpoint_writer(args),
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer=checkpoint_writer(args, tier),
                                            at_epoch_end=args.epoch_checkpoint, on_io_error=args.on_io_error,
-                                           **memory_tier(args)),
+                                           **tier),
         val_every_n_steps=args.validate_every,
         val_at_epoch_end=args.validate_every is not None or args.val_epoch_slow is not None,
         requeue_command=os.environ.get("REQUEUE_COMMAND"),  # as docs/preemption.md's train.py
@@ -326,11 +327,12 @@ def main() -> int:
 WRITER_SWITCH = "SPLITLOOP_TEST_WRITER"
 
 
-def checkpoint_writer(args: argparse.Namespace) -> str:
-    """The writer of ``--writer``, else of the switch, else 'thread' with ``--async``, else 'sync'."""
+def checkpoint_writer(args: argparse.Namespace, tier: dict[str, Any]) -> str:
+    """The writer of ``--writer``, else of the switch (where the engine takes a writer process:
+    not with a memory tier in a process alone), else 'thread' with ``--async``, else 'sync'."""
     if args.writer is not None:
         return args.writer
-    if os.environ.get(WRITER_SWITCH) == "process":
+    if os.environ.get(WRITER_SWITCH) == "process" and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or not tier):
         return "process"
     return "thread" if args.asynchronous else "sync"
 

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine import faults
+from engine import faults, watchdog
 from engine.checkpoint.format.codec import decode_state
 from engine.checkpoint.format.names import checkpoint_name
 from engine.checkpoint.format.rank_parts import saved_world_size
@@ -199,8 +199,9 @@ class MemoryFirstCommit(GroupCommit):
             # The bytes just written, from the snapshot's buffers; the receiver verifies them.
             outgoing = (self._node.own.manifest_of(sequence), list(files.contents.items()))
         faults.reach("memory_tier_peer_copy")
-        received = byte_transfer.exchange_part(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
-                                               self.context.writer_group)
+        with watchdog.waiting_for_peers():  # a peer that never answers is the one named
+            received = byte_transfer.exchange_part(outgoing, self._ring.keeper_of(rank), self._ring.kept_by_me(rank),
+                                                   self.context.writer_group)
         owner = self._ring.kept_by_me(rank)
         if received is None:
             return error or f"rank {rank}: rank {owner} sent no copy of its part"

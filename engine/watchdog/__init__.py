@@ -29,10 +29,10 @@ from engine.watchdog.phases import (
 )
 from engine.watchdog.report import HANGS_FILE
 from engine.watchdog.session import watch
-from engine.watchdog.tracker import mark, resumed_at, split_done, write_took
+from engine.watchdog.tracker import mark, resumed_at, split_done, waiting_for_peers, write_took
 
 __all__ = [
     "BACKWARD", "BOUNDARY", "CHECKPOINT", "COLLECTIVE", "CRASH_LOOP_EXIT_CODE", "DATA", "FINISHING", "HANGS_FILE",
-    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done", "watch",
-    "write_took",
+    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done",
+    "waiting_for_peers", "watch", "write_took",
 ]

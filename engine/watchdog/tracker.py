@@ -7,14 +7,16 @@ already in changes nothing, so a wait that polls may mark on every turn.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog import word as words
-from engine.watchdog.phases import CODE_OF, STARTING, WAITS
+from engine.watchdog.phases import CODE_OF, COLLECTIVE, STARTING, WAITS
 from engine.watchdog.statistics import WRITE, PhaseStatistics
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ class PhaseTracker:
         self.buffer = buffer
         self.rank = rank
         self.pid = os.getpid()
+        self.thread = threading.get_ident()  # the thread whose phases the word shows: the fit's
         self.phase = STARTING
         self.detail = ""
         self.splits = 0
@@ -140,6 +143,25 @@ def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = Fal
     and ``since``: see :meth:`PhaseTracker.mark`."""
     if _tracker is not None:
         _tracker.mark(phase, detail, abandons, fresh, since)
+
+
+@contextlib.contextmanager
+def waiting_for_peers() -> Iterator[None]:
+    """The body waits for other ranks that all take part at once (a ring of point-to-point
+    transfers, as the memory tier's peer copies): the phase is :data:`COLLECTIVE` during it, so
+    that a rank that never answers is blamed, not the ranks that wait for it
+    (engine.watchdog.verdict), then the phase the rank was in again. Only on the thread the word
+    follows (the fit's): the same wait on a writer thread leaves the training thread's phase alone."""
+    tracker = _tracker
+    if tracker is None or threading.get_ident() != tracker.thread:
+        yield
+        return
+    phase, detail = tracker.phase, tracker.detail
+    tracker.mark(COLLECTIVE)
+    try:
+        yield
+    finally:
+        tracker.mark(phase, detail)
 
 
 def write_took(seconds: float) -> None:

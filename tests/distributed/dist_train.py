@@ -37,7 +37,8 @@ rank leaves through the interpreter's teardown (not ``rank_exit.leave``) and wri
 ``engine.Rollback()``: both ranks roll back together.
 
 Environment knobs: ``KILLS="RESTART/RANK/FAULTS;..."`` arms engine fault points (SPLITLOOP_FAULTS
-syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT); ``DIVERGE_RANK`` +
+syntax) on that rank in that try of the group (TORCHELASTIC_RESTART_COUNT), in its first process
+only (``OUT_DIR/faults-armed-*`` says it was armed); ``DIVERGE_RANK`` +
 ``DIVERGE_AT`` (first try only) add a tiny offset to one parameter of that rank after that many
 splits (a replica that drifted). ``VALIDATION_PAUSE="RANK/BATCH"`` (first try only): that rank
 writes ``OUT_DIR/validating-<rank>`` in its BATCH-th validation batch and waits for ``OUT_DIR/go``
@@ -248,7 +249,7 @@ def main() -> int:
     torch.manual_seed(1000 + rank)  # dropout differs per rank
     for kill in filter(None, os.environ.get("KILLS", "").split(";")):
         kill_restart, kill_rank, faults = kill.split("/")
-        if (int(kill_restart), int(kill_rank)) == (restart, rank):
+        if (int(kill_restart), int(kill_rank)) == (restart, rank) and first_process_of_the_try(out, rank, restart):
             os.environ["SPLITLOOP_FAULTS"] = faults
     if restart == 0 and os.environ.get("DIVERGE_RANK") == str(rank):
         callbacks.append(Diverge(model, int(os.environ["DIVERGE_AT"])))
@@ -354,6 +355,19 @@ def memory_tier(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     return {"local_tier": args.memory_tier.replace("{node}", os.environ.get("GROUP_RANK", "0")),
             "peer_copies": args.peer_copies, "durable_every_n_splits": args.durable_every or 50}
+
+
+def first_process_of_the_try(out: pathlib.Path, rank: int, restart: int) -> bool:
+    """Whether no process of ``rank`` started before this one in try ``restart`` of this job (its
+    torchrun run id). On several nodes an agent whose own workers did not fail restarts them when
+    another node's worker failed, without counting a restart (its TORCHELASTIC_RESTART_COUNT
+    stays): KILLS armed for that try would fire again in the new process (a peer stopped for good)."""
+    marker = out / f"faults-armed-{os.environ.get('TORCHELASTIC_RUN_ID', 'alone')}-{restart}-{rank}"
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def record_group_at_exit(path: pathlib.Path) -> None:

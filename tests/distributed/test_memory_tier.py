@@ -18,6 +18,7 @@ import forkserver
 import torchrun_helpers as helpers
 from engine.checkpoint.tiers.node import describe_parts
 from engine.cli.main import main
+from engine.watchdog import HANGS_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -144,6 +145,32 @@ def test_kills_while_replicating_or_making_a_checkpoint_durable_resume_exactly(
     agents = helpers.start_nodes(job, *peer_options(tiers, durable_every), max_restarts=1, forked_ranks=True, KILLS=kills)
     assert [agent.wait(timeout=helpers.TIMEOUT) for agent in agents] == [0, 0], kills + helpers.node_logs(job)
     assert restored_units(job / "run", 0)[1:], f"{kills}: the group was not restarted"
+    helpers.assert_same_result(reference, job, 2)
+
+
+@pytest.mark.exhaustive
+def test_a_peer_that_never_answers_is_named_by_the_watchdog_and_the_job_restarts_exactly(
+        reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str) -> None:
+    # Rank 1 (the second node) stops (SIGSTOP) just before its part and rank 0's cross in the peer
+    # copy: it never answers rank 0's copy, and its monitor stops with it. Rank 0 waits in the copy
+    # (a collective for the watchdog); its monitor reads that rank 1's node stopped publishing,
+    # names rank 1 and exits 86 (a hang under torchrun ends the group whatever on_io_error says).
+    # Node 0's agent restarts its worker; node 1's agent, whose worker did not fail, stops it
+    # (SIGTERM stays pending in a stopped process: SIGKILLed after torchrun's 30 s) and starts a
+    # new one for the new round. Both resume from memory and end as an uninterrupted run.
+    copy = random.Random().randint(4, 20)
+    job = tmp_path / "job"
+    agents = helpers.start_nodes(job, *peer_options(tiers), "--watchdog", "3", max_restarts=1, forked_ranks=True,
+                                 KILLS=f"0/1/memory_tier_peer_copy:{copy}:sigstop")
+    statuses = helpers.wait_for_nodes_releasing_a_stopped_rank(agents, job / "out", 1)
+    assert statuses == [0, 0], helpers.node_logs(job)
+    rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
+    assert rows and {row["rank"] for row in rows} == {1}, (rows, helpers.node_logs(job))
+    assert all(row["reported_by"] == 0 and "stopped publishing" in row["process_state"] for row in rows), rows
+    assert "splitloop watchdog: on " in (job / "node-0.log").read_text() and "rank 1 (pid" in helpers.node_logs(job)
+    resumed = restored_units(job / "run", 0)
+    assert resumed == restored_units(job / "run", 1) and len(resumed) == 2 and resumed[0] is None, resumed
+    assert resumed[1], f"restarted once, from a checkpoint (copy {copy} never came): {resumed}"
     helpers.assert_same_result(reference, job, 2)
 
 

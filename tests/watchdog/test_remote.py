@@ -105,6 +105,17 @@ def test_a_remote_rank_stopped_inside_the_collective_is_named_once_its_node_stop
     assert "stopped publishing" in row["process_state"], row
 
 
+def test_a_peer_that_never_answers_its_peer_copy_is_named_not_the_rank_waiting_for_it(tmp_path, store) -> None:
+    # The memory tier's peer copy (engine.distributed.memory_commit): rank 0 waits in it
+    # (trackers.waiting_for_peers: a collective) for rank 1, stopped whole in its checkpoint on
+    # node b before it sent or received anything; node b stopped publishing 5 s ago.
+    board_b, _ = node(tmp_path, "b", {1: phases.CHECKPOINT})
+    store.set(f"{KEY_PREFIX}1", encode(board_b.words(), "node-b", time.monotonic_ns(), time.time() - 5.0))
+    row = verdict_of_rank_0_alone_on_node_a(tmp_path, store, phases.COLLECTIVE)
+    assert (row["rank"], row["phase"], row["reported_by"]) == (1, "checkpoint", 0), row
+    assert "stopped publishing" in row["process_state"], row
+
+
 def test_a_remote_rank_that_reported_itself_ends_this_node_at_once(tmp_path, store) -> None:
     board_b, ranks_b = node(tmp_path, "b", {2: phases.COLLECTIVE, 3: phases.STEP})
     ranks_b[3].set_flag(REPORTED)

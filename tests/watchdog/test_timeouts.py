@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import engine
 from engine.errors import ConfigError
 from engine.watchdog import phases, word as words
 from engine.watchdog.statistics import WRITE, PhaseStatistics, percentile
+from engine.watchdog import tracker as trackers
 from engine.watchdog.tracker import PhaseTracker
 
 
@@ -79,6 +81,34 @@ def test_a_phase_marked_since_an_earlier_moment_counts_from_it() -> None:
     later = began + 4.0  # the write it waited for ended, the next one began
     tracker.mark(phases.WRITER, "the checkpoint writer thread", since=later)
     assert words.read(tracker.buffer).started_ns == int(later * 1e9)  # type: ignore[union-attr]
+
+
+def test_a_wait_for_peers_is_a_collective_on_the_fit_thread_only() -> None:
+    # The memory tier's peer copy: in it the rank waits in a collective (a peer that never answers
+    # is blamed, engine.watchdog.verdict), then is back in its checkpoint. The same wait on a
+    # writer thread leaves the phase of the thread the word follows alone.
+    tracker = PhaseTracker(engine.Watchdog(min_timeout_s=2.0), words.new_buffer(), 0)
+    tracker.mark(phases.CHECKPOINT, "a detail")
+    trackers.install(tracker)
+    try:
+        with trackers.waiting_for_peers():
+            assert words.read(tracker.buffer).phase == phases.COLLECTIVE  # type: ignore[union-attr]
+        word = words.read(tracker.buffer)
+        assert word is not None and (word.phase, word.detail) == (phases.CHECKPOINT, "a detail")
+        seen: list[str] = []
+
+        def writer() -> None:
+            with trackers.waiting_for_peers():
+                seen.append(words.read(tracker.buffer).phase)  # type: ignore[union-attr]
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+        assert seen == [phases.CHECKPOINT] and words.read(tracker.buffer) == word
+    finally:
+        trackers.install(None)
+    with trackers.waiting_for_peers():  # no watchdog: nothing to mark
+        pass
 
 
 def test_percentile_is_the_nearest_rank() -> None:

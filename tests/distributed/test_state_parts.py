@@ -37,6 +37,23 @@ def test_digests_differ_only_where_the_replicated_state_differs() -> None:
     assert state_parts.differences([same, moved]) == ["progress (rank(s) [1] differ from rank 0)"]
 
 
+def test_a_digest_covers_each_tensors_dtype_and_shape_beside_its_bytes() -> None:
+    """Tensors of the same bytes (16 zero bytes) but another dtype or shape digest differently,
+    however often each was digested before (a tensor's dtype and shape are encoded once)."""
+    def digest(tensor: torch.Tensor) -> dict:
+        state = _state()
+        state["module"]["w"] = tensor
+        return state_parts.replicated_digest(state, b"progress")
+
+    tensors = [torch.zeros(4), torch.zeros(2, 2), torch.zeros(4, dtype=torch.int32), torch.zeros(1, 4),
+               torch.zeros(8, dtype=torch.float16)]
+    for _ in range(2):
+        digests = [digest(tensor)["module.w"] for tensor in tensors]
+        assert len(set(digests)) == len(tensors)
+        assert digest(torch.zeros(2, 2))["module.w"] == digests[1]
+        assert digest(torch.zeros(4).reshape(2, 2).t())["module.w"] == digests[1]  # not contiguous: its values
+
+
 def test_a_different_world_size_is_refused_naming_both() -> None:
     state_parts.check_world_size("ckpt-0000000003", {"world_size": 2}, 2)
     with pytest.raises(CheckpointIncompatible, match="written with world size 2 and this run has world size 3"):

@@ -61,7 +61,7 @@ def check_world_size(name: str, signature: Mapping[str, Any], world_size: int) -
 
 
 def replicated_digest(state: Mapping[str, Any], progress_bytes: bytes) -> dict[str, int]:
-    """One CRC-32 per replicated entry (each module tensor, each optimizer and scheduler state,
+    """One CRC-32C per replicated entry (each module tensor, each optimizer and scheduler state,
     the progress counters): equal on every rank of a healthy job."""
     digest: dict[str, int] = {"progress": _crc(progress_bytes)}
     for key, tensor in state[MODULE].items():
@@ -73,22 +73,45 @@ def replicated_digest(state: Mapping[str, Any], progress_bytes: bytes) -> dict[s
 
 
 def _crc_of(value: Any, crc: int = 0) -> int:
+    """The digest of ``value`` continued from ``crc``: a tensor's dtype, shape and bytes (a
+    DTensor's layout), a dict's entries in the order of their keys' text, each key's text then
+    its value, a list's or tuple's items, anything else's text (``repr``)."""
+    kind = type(value)
+    if kind in _TEXT_LEAVES:
+        return _crc(repr(value).encode(), crc)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return _tensor_crc(value, crc)
     if is_dtensor(value):
         # Each rank holds other shards: only the layout must agree (never gather the values).
         return _crc(str((value.dtype, tuple(value.shape), tuple(value.placements))).encode(), crc)
     if isinstance(value, torch.Tensor):
-        plain = value.detach().to("cpu").contiguous().reshape(-1)
-        crc = _crc(_tensor_header(plain.dtype, tuple(value.shape)), crc)
-        return _crc(tensor_bytes_view(plain), crc)
+        return _tensor_crc(value, crc)
     if isinstance(value, dict):
         for key in sorted(value, key=repr):
-            crc = _crc_of(value[key], _crc(repr(key).encode(), crc))
+            item = value[key]
+            crc = _crc(repr(key).encode(), crc)
+            # A plain leaf's text here, without a call (an optimizer's param_groups are many).
+            crc = _crc(repr(item).encode(), crc) if type(item) in _TEXT_LEAVES else _crc_of(item, crc)
         return crc
     if isinstance(value, (list, tuple)):
         for item in value:
-            crc = _crc_of(item, crc)
+            crc = _crc(repr(item).encode(), crc) if type(item) in _TEXT_LEAVES else _crc_of(item, crc)
         return crc
     return _crc(repr(value).encode(), crc)
+
+
+# Values digested as their text: exactly these types (a subclass, an IntEnum say, takes the
+# checks above in order, as every value did).
+_TEXT_LEAVES = frozenset((type(None), bool, int, float, str, bytes))
+
+
+def _tensor_crc(value: torch.Tensor, crc: int) -> int:
+    plain = value.detach()
+    if not plain.is_cpu:
+        plain = plain.to("cpu")
+    plain = plain.contiguous().reshape(-1)
+    crc = _crc(_tensor_header(plain.dtype, tuple(value.shape)), crc)
+    return _crc(tensor_bytes_view(plain), crc)
 
 
 @functools.lru_cache(maxsize=1024)

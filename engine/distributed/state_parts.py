@@ -26,7 +26,6 @@ from typing import Any, Mapping
 import torch
 
 from engine.checkpoint.format.checksum import ALGORITHMS, CRC32C
-
 from engine.checkpoint.format.tensor_bytes import tensor_bytes_view
 from engine.checkpoint.format.rank_files import is_rank_file, rank_files  # noqa: F401 (re-exported)
 # Declared in the checkpoint package, which checks every part when a checkpoint is chosen.

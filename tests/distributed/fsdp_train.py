@@ -174,7 +174,7 @@ def main() -> int:
     config = engine.TrainerConfig(
         max_epochs=args.epochs, run_dir=args.run_dir, progress_bar="off", accumulate_grad=args.accumulate,
         device="cpu", gradient_clip_val=args.clip,
-        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer="thread" if args.asynchronous else "sync"),
+        checkpoint=engine.CheckpointConfig(every_n_splits=args.every, keep_last=3, writer=checkpoint_writer(args.asynchronous)),
         val_at_epoch_end=args.validate, start_timeout=args.start_timeout,
     )
     (out / f"pid-{rank}-{restart}").write_text(str(os.getpid()))
@@ -187,6 +187,14 @@ def main() -> int:
     print(f"rank {rank} done: {result.stop_reason} steps={result.optimizer_steps}", flush=True)
     return 0
 
+
+
+def checkpoint_writer(asynchronous: bool) -> str:
+    """'process' under SPLITLOOP_TEST_WRITER=process (tests/writer_switch.py), else 'thread' with
+    ``--async``, else 'sync'."""
+    if os.environ.get("SPLITLOOP_TEST_WRITER") == "process":
+        return "process"
+    return "thread" if asynchronous else "sync"
 
 if __name__ == "__main__":
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, after the real packages

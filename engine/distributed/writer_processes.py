@@ -15,8 +15,9 @@ the boundary and none is skipped). The training processes do what comes before t
   rank's next checkpoint fails (CheckpointWriteError, under ``on_io_error``); with "raise" the
   rank exits and torchrun restarts the group, which resumes exactly.
 * **A training process killed**: its writer process commits nothing more (the ranks' writer
-  processes hold different snapshots by then, and a commit needs all of them); it exits. Every
-  checkpoint committed before stays whole: the group commit's protocol holds as with threads.
+  processes hold different snapshots by then, and a commit needs all of them); it exits at once,
+  even from inside a collective (engine.checkpoint.writers.process.main.exit_when_orphaned).
+  Every checkpoint committed before stays whole: the group commit's protocol holds as with threads.
 """
 
 from __future__ import annotations

@@ -299,7 +299,8 @@ def test_writer_processes_fill_every_ranks_memory_tier_and_peer_copies_and_a_los
     assert all(part["valid"] for part in parts)
 
 
-@pytest.mark.parametrize("fault", ["checkpoint_after_file:{n}:sigkill", "memory_tier_peer_copy:{n}:sigkill"])
+@pytest.mark.parametrize("fault", ["checkpoint_after_file:{n}:sigkill",
+                                   pytest.param("memory_tier_peer_copy:{n}:sigkill", marks=pytest.mark.exhaustive)])
 def test_a_writer_process_that_dies_under_torchrun_is_not_restarted_and_the_group_resumes_exactly(
         reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, fault: str) -> None:
     """Rank 1's writer process is SIGKILLed inside a commit (its fault points fire in the writer

@@ -177,6 +177,7 @@ class WriterProcess:
         committer: Committer | None = None
         self._leave_group: Callable[[], None] | None = None
         if config.group is not None:
+            exit_when_orphaned(config.arena)  # before the join, which waits for every rank's
             committer, self._leave_group = join_group(config.group, storage)
         self._in_group = committer is not None
         metrics = MetricsLog(storage if committer is None or committer.commits else None)
@@ -259,6 +260,26 @@ class WriterProcess:
                 known.close()
             known = self._slot_files[slot] = SlotFile(path, size, create=False)
         return known
+
+
+def exit_when_orphaned(arena: str) -> None:
+    """A rank's writer process (torchrun) ends as soon as its training process is gone (a new
+    parent), whatever its main thread is in: its group's join, or a collective that waits for a
+    writer process that will never answer (stopped, or waiting for its own training process).
+    It commits nothing after that anyway (engine.distributed.writer_processes), and a kill at
+    any moment leaves each checkpoint whole or absent; the lease's lock goes with the process,
+    as after a SIGKILL. Without this, such a wait would last the group's timeout (30 minutes)
+    and keep the lease's lock from the restarted group that long."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        remove_arena_directory(arena)
+        sys.stderr.flush()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="splitloop-writer-orphaned", daemon=True).start()
 
 
 def join_group(spec: dict[str, Any], storage: Storage) -> tuple[Committer, Callable[[], None]]:

@@ -189,7 +189,7 @@ def test_a_kill_while_a_node_is_refilled_from_its_peer_resumes_exactly(reference
 
 
 @pytest.mark.parametrize("writer, trial", [
-    ("process", 0),
+    pytest.param("process", 0, marks=pytest.mark.exhaustive),
     pytest.param("process", 1, marks=pytest.mark.exhaustive),
     pytest.param("process", 2, marks=pytest.mark.exhaustive),
     *(pytest.param("thread", trial, marks=pytest.mark.exhaustive) for trial in range(3)),
@@ -299,8 +299,8 @@ def test_writer_processes_fill_every_ranks_memory_tier_and_peer_copies_and_a_los
     assert all(part["valid"] for part in parts)
 
 
-@pytest.mark.parametrize("fault", ["checkpoint_after_file:{n}:sigkill",
-                                   pytest.param("memory_tier_peer_copy:{n}:sigkill", marks=pytest.mark.exhaustive)])
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("fault", ["checkpoint_after_file:{n}:sigkill", "memory_tier_peer_copy:{n}:sigkill"])
 def test_a_writer_process_that_dies_under_torchrun_is_not_restarted_and_the_group_resumes_exactly(
         reference: pathlib.Path, tmp_path: pathlib.Path, tiers: str, fault: str) -> None:
     """Rank 1's writer process is SIGKILLed inside a commit (its fault points fire in the writer

@@ -12,23 +12,7 @@ import subprocess
 import time
 
 import torchrun_helpers as helpers
-
-def writer_processes_of(parent: int) -> list[int]:
-    """The pids of ``parent``'s children that run the writer process."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == parent and b"engine.checkpoint.writers.process.main" in command:
-            found.append(int(entry))
-    return found
+from process_table import writer_processes_of
 
 
 def alive(pid: int) -> bool:

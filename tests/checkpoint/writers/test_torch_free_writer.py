@@ -10,9 +10,9 @@ import time
 import engine
 from engine.checkpoint.store.storage import Storage
 from engine.checkpoint.store.checkpoint_store import CheckpointStore
+from process_table import WRITER_MODULE, writer_processes_of
 from scenarios import train_with_checkpoints
 
-WRITER_MODULE = "engine.checkpoint.writers.process.main"
 # A process that imported torch or NumPy maps their native libraries.
 HEAVY_LIBRARIES = ("libtorch", "torch/_C", "numpy/")
 WAIT_SECONDS = 120
@@ -24,24 +24,6 @@ def test_importing_the_writer_process_module_imports_neither_torch_nor_numpy():
               "assert not loaded, loaded\n")
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT_SECONDS)
     assert completed.returncode == 0, completed.stderr
-
-
-def writer_processes_of(parent: int) -> list[int]:
-    """The pids of the writer processes whose parent is ``parent`` (read from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                # The parent's pid follows the command's name, which is in parentheses.
-                parent_of_entry = int(stat.read().rpartition(")")[2].split()[1])
-                arguments = cmdline.read().split(b"\0")
-        except (OSError, ValueError, IndexError):  # it ended meanwhile
-            continue
-        if parent_of_entry == parent and WRITER_MODULE.encode() in arguments:
-            found.append(int(entry))
-    return found
 
 
 def heavy_libraries_mapped_by(pid: int) -> list[str]:

@@ -26,6 +26,7 @@ from engine.errors import ConfigError
 from progress import Cursor
 import forkserver
 from kill_helpers import SCRIPT, TIMEOUT, environment, run_scenario
+from process_table import writer_processes_of
 from resume_helpers import assert_same_run
 from scenarios import build, train_with_checkpoints
 
@@ -194,7 +195,7 @@ class StopTheWriter(engine.Callback):
     def on_split_end(self, view):
         self.splits += 1
         if self.splits in (1, 6):
-            (pid,) = children_running_the_writer(os.getpid())
+            (pid,) = writer_processes_of(os.getpid())
             os.kill(pid, signal.SIGSTOP if self.splits == 1 else signal.SIGCONT)
 
 
@@ -217,24 +218,6 @@ def test_latest_wins_replaces_snapshots_the_stopped_writer_has_not_taken_up(tmp_
     assert_same_run(reference, process)
 
 
-def children_running_the_writer(parent):
-    """The pids of ``parent``'s children that run writer_main."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                ppid = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == parent and b"engine.checkpoint.writers.process.main" in command:
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.exhaustive  # CI time: the default run keeps the representative cases above
 def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path, tbptt_reference):
     """The training process is SIGKILLed while its writer process is stopped (as if a long
@@ -245,7 +228,7 @@ def test_a_restart_waits_for_the_writer_process_of_the_killed_run(tmp_path, tbpt
     with tempfile.TemporaryFile(mode="w+") as first_errors, tempfile.TemporaryFile(mode="w+") as errors:
         first = forkserver.popen(command, env=environment(None), stdout=subprocess.PIPE, stderr=first_errors, text=True)
         assert first.stdout.readline().startswith("training")
-        writers = wait_for(lambda: children_running_the_writer(first.pid))
+        writers = wait_for(lambda: writer_processes_of(first.pid))
         os.kill(writers[0], signal.SIGSTOP)
         first.kill()
         first.wait(TIMEOUT)
@@ -322,7 +305,7 @@ def test_a_new_run_removes_the_arena_of_a_killed_trainer_and_writer_and_keeps_a_
                                   stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         try:
             assert killed.stdout.readline().startswith("training")
-            writer = wait_for(lambda: children_running_the_writer(killed.pid))[0]
+            writer = wait_for(lambda: writer_processes_of(killed.pid))[0]
             orphan = wait_for(lambda: glob.glob(os.path.join(arena_root(), f"{ARENA_PREFIX}{killed.pid}-*")))[0]
             os.killpg(killed.pid, signal.SIGKILL)
             killed.wait(TIMEOUT)

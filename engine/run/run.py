@@ -159,6 +159,7 @@ class FitRun:
                                   self.tree.units_completed())
                 self.attempts.ended()
             except BaseException as error:
+                watchdog.end_if_a_peer_hung(error)  # a peer's hang broke this rank's collective: no failure of its own
                 self.attempts.ended_by(error, None if self.cursor is None else str(self.cursor))
                 self._save_before_raising(error)
                 raise

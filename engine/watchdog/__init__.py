@@ -28,11 +28,11 @@ from engine.watchdog.phases import (
     WRITER,
 )
 from engine.watchdog.report import HANGS_FILE
-from engine.watchdog.session import watch
+from engine.watchdog.session import end_if_a_peer_hung, watch
 from engine.watchdog.tracker import mark, resumed_at, split_done, waiting_for_peers, write_took
 
 __all__ = [
     "BACKWARD", "BOUNDARY", "CHECKPOINT", "COLLECTIVE", "CRASH_LOOP_EXIT_CODE", "DATA", "FINISHING", "HANGS_FILE",
-    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "mark", "resumed_at", "split_done",
+    "HANG_EXIT_CODE", "JOINING", "OPTIMIZER", "PHASES", "STARTING", "STEP", "VALIDATION", "WRITER", "end_if_a_peer_hung", "mark", "resumed_at", "split_done",
     "waiting_for_peers", "watch", "write_took",
 ]

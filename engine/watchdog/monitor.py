@@ -129,6 +129,8 @@ class Monitor:
         if culprit is not None and culprit.rank == own:
             self._report(hang, stacks=own_stacks())
             self._tracker.set_flag(REPORTED)
+            if self._remote is not None:  # the other nodes read the flag, should this exit break their collectives
+                self._remote.publish(self._board.words(), now_ns)
         elif culprit is None:
             if own == min(word.rank for word in hang.waiting):
                 self._report(hang)
@@ -144,6 +146,30 @@ class Monitor:
         record_outcome(HANG_EXIT_CODE, self._said or f"rank {own} ends: {hang.describe()}")
         self._on_hang()
         return True
+
+    def end_if_a_peer_hung(self, error: BaseException) -> None:
+        """Called by the main thread with the exception ending its fit: when another rank hung and
+        reported it, that rank's exit is what broke this rank's collective ("connection closed by
+        peer"), so this rank ends as its monitor would have a moment later (the hang's line, the
+        hang exit code), not with the collective's error (exit 1, which torchrun may name as the
+        job's first failure, hiding the hang). Returns when no peer reported a hang (the error is
+        the run's own) and for an interrupt (KeyboardInterrupt, SystemExit)."""
+        if not isinstance(error, Exception):
+            return
+        own = self._tracker.rank
+        local = self._board.words()
+        peers = [word for word in local if word.rank != own and word.flags & REPORTED]
+        if not peers and self._remote is not None:
+            peers = [item.word for item in self._remote.read(local, time.monotonic_ns()) if item.word.flags & REPORTED]
+        if not peers:
+            return
+        culprit = min(peers, key=lambda word: word.rank)
+        where = f" on {self._remote.hosts[culprit.rank]}" if self._remote is not None and culprit.rank in self._remote.hosts else ""
+        self._say(f"rank {culprit.rank}{where} hung and reported it; rank {own} ends too "
+                  f"(its own wait ended with {type(error).__name__}: {str(error)[:200]})")
+        record_outcome(HANG_EXIT_CODE, self._said)
+        self._stop.set()
+        self._on_hang()
 
     def _act_on_another_node(self, hang: Hang, culprit: Word, own: int, local_ranks: set[int], now_ns: int) -> bool:
         """The rank this node waits for is on another node: that node's monitors report it (with

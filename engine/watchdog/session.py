@@ -16,10 +16,22 @@ from engine.watchdog.report import AppendOnly
 from engine.watchdog.word import FINISHED, REPORTED
 
 
+_monitor: Monitor | None = None  # the monitor of the fit being watched
+
+
+def end_if_a_peer_hung(error: BaseException) -> None:
+    """The fit is ending with ``error``: when another rank hung and reported it, end this process
+    now with the hang exit code (engine.watchdog.monitor.Monitor.end_if_a_peer_hung); else return
+    (no watchdog: return too)."""
+    if _monitor is not None:
+        _monitor.end_if_a_peer_hung(error)
+
+
 @contextlib.contextmanager
 def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]:
     """Run the body under ``policy`` (None: no watchdog); hang reports go to ``storage``'s
     ``hangs.jsonl`` (None: stderr only)."""
+    global _monitor
     if policy is None or trackers.current() is not None:  # a fit inside a fit (a callback's) is watched already
         yield
         return
@@ -33,10 +45,15 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
         remote = RemoteBoard(group_store, rank, int(os.environ["WORLD_SIZE"]))
     monitor = Monitor(policy, tracker, board, storage, on_hang=lambda: _end_process(board, tracker), remote=remote)
     trackers.install(tracker)
+    _monitor = monitor
     monitor.start()
     try:
         yield
+    except BaseException as error:
+        monitor.end_if_a_peer_hung(error)
+        raise
     finally:
+        _monitor = None
         tracker.set_flag(FINISHED)
         monitor.stop()
         trackers.install(None)

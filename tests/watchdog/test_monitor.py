@@ -12,7 +12,7 @@ import pytest
 import engine
 import scenarios
 from engine.watchdog import phases, tracker as trackers
-from engine.watchdog.board import AloneBoard
+from engine.watchdog.board import AloneBoard, NodeBoard
 from engine.watchdog.monitor import Monitor
 from engine.watchdog.word import REPORTED
 
@@ -95,3 +95,37 @@ def test_a_resumed_run_counts_the_runs_splits(tmp_path) -> None:
     second = WordSeen()
     scenarios.train_with_checkpoints("tbptt", str(tmp_path), epochs=2, callbacks=(second,))
     assert second.splits[0] == first.splits[-1] + 1  # the run's split count, not this fit's
+
+
+def two_ranks_of_a_node(tmp_path, flags_of_rank_1: int) -> tuple[Monitor, threading.Event]:
+    """Rank 0's monitor (not started) on a node board where rank 1 has ``flags_of_rank_1``."""
+    policy = engine.Watchdog(min_timeout_s=5.0, first_timeout_s=5.0, poll_s=0.01)
+    ranks = {rank: trackers.PhaseTracker(policy, NodeBoard(str(tmp_path), rank).buffer, rank) for rank in (0, 1)}
+    ranks[0].split_done(phases.BACKWARD)
+    ranks[1].split_done(phases.STEP)
+    if flags_of_rank_1:
+        ranks[1].set_flag(flags_of_rank_1)
+    ended = threading.Event()
+    return Monitor(policy, ranks[0], NodeBoard(str(tmp_path), 0), None, on_hang=ended.set), ended
+
+
+def test_an_error_after_a_peer_reported_its_hang_ends_the_rank_with_the_hang_code(tmp_path, capsys) -> None:
+    # The peer's exit closes its connections: this rank's collective raises; torchrun must see the
+    # hang exit code from every rank, not exit 1 from the ranks that waited for it.
+    monitor, ended = two_ranks_of_a_node(tmp_path, REPORTED)
+    monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer [127.0.0.1]:20108"))
+    assert ended.is_set()
+    err = capsys.readouterr().err
+    assert "rank 1 hung and reported it; rank 0 ends too" in err and "Connection closed by peer" in err
+
+
+def test_an_error_of_the_rank_itself_is_left_to_raise(tmp_path, capsys) -> None:
+    monitor, ended = two_ranks_of_a_node(tmp_path, 0)
+    monitor.end_if_a_peer_hung(RuntimeError("the model's own error"))
+    assert not ended.is_set() and "ends too" not in capsys.readouterr().err
+
+
+def test_an_interrupt_is_left_to_raise_even_after_a_peer_reported_its_hang(tmp_path) -> None:
+    monitor, ended = two_ranks_of_a_node(tmp_path, REPORTED)
+    monitor.end_if_a_peer_hung(KeyboardInterrupt())
+    assert not ended.is_set()

@@ -162,3 +162,17 @@ def test_only_a_job_on_several_nodes_publishes(store) -> None:
     assert not several_nodes({"WORLD_SIZE": "4"})
     RemoteBoard(lambda: store, 1, 4).publish([], time.monotonic_ns())  # no word: nothing to publish
     assert not store.check([f"{KEY_PREFIX}1"])
+
+
+def test_a_collective_broken_by_a_remote_rank_that_reported_its_hang_ends_with_the_hang_code(tmp_path, store,
+                                                                                            capsys) -> None:
+    board_b, ranks_b = node(tmp_path, "b", {2: phases.STEP, 3: phases.COLLECTIVE})
+    ranks_b[2].set_flag(REPORTED)
+    RemoteBoard(lambda: store, 2, 4, host="node-b").publish(board_b.words(), time.monotonic_ns())
+    board_a, ranks_a = node(tmp_path, "a", {0: phases.BACKWARD, 1: phases.BACKWARD})
+    ended = threading.Event()
+    monitor = Monitor(POLICY, ranks_a[0], board_a, None, on_hang=ended.set,
+                      remote=RemoteBoard(lambda: store, 0, 4, host="node-a"))
+    monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer"))
+    assert ended.is_set()
+    assert "rank 2 on node-b hung and reported it; rank 0 ends too" in capsys.readouterr().err

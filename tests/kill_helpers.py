@@ -32,6 +32,11 @@ WRITER_PROCESS_KILLED = re.compile(r"checkpoint writer process \(pid \d+\) exite
 # with a writer process (the ``test_writer`` fixture of tests/conftest.py).
 WITH_A_WRITER_PROCESS = pytest.mark.parametrize("test_writer", [None, "process"], indirect=True,
                                                 ids=["writer-as-set", "writer-process"])
+# The same, the writer-process run in the exhaustive suite only (a long test whose writer-process
+# kills test_kill_tests_with_a_writer_process.py repeats there anyway).
+WITH_A_WRITER_PROCESS_EXHAUSTIVE = pytest.mark.parametrize(
+    "test_writer", [None, pytest.param("process", marks=pytest.mark.exhaustive)], indirect=True,
+    ids=["writer-as-set", "writer-process"])
 
 
 def killed_at_the_fault(returncode: int, stderr: str) -> bool:

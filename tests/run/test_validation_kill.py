@@ -16,7 +16,7 @@ import forkserver
 import pytest
 import torch
 
-from kill_helpers import WITH_A_WRITER_PROCESS, killed_at_the_fault
+from kill_helpers import WITH_A_WRITER_PROCESS_EXHAUSTIVE, killed_at_the_fault
 from resume_helpers import assert_same_run
 from validation_scenarios import best_policy, kept_best, train_validated
 import engine
@@ -51,7 +51,7 @@ def assert_same_best(reference, run_dir):
         assert all(torch.equal(a[key], b[key]) for key in a)
 
 
-@WITH_A_WRITER_PROCESS
+@WITH_A_WRITER_PROCESS_EXHAUSTIVE
 def test_sigkill_at_fault_points_inside_validation_and_after_its_checkpoint(test_writer, reference, tmp_path):
     run_dir = str(tmp_path / "run")
     kills = 0

@@ -116,14 +116,23 @@ def test_a_peer_that_never_answers_its_peer_copy_is_named_not_the_rank_waiting_f
     assert "stopped publishing" in row["process_state"], row
 
 
-def test_a_remote_rank_that_reported_itself_ends_this_node_at_once(tmp_path, store) -> None:
-    board_b, ranks_b = node(tmp_path, "b", {2: phases.COLLECTIVE, 3: phases.STEP})
-    ranks_b[3].set_flag(REPORTED)
-    RemoteBoard(lambda: store, 2, 4, host="node-b").publish(board_b.words(), time.monotonic_ns())
-    board_a, ranks_a = node(tmp_path, "a", {0: phases.COLLECTIVE, 1: phases.COLLECTIVE})
+def node_a_after_a_rank_of_node_b_reported_itself(tmp_path, store, b: dict[int, str], reported: int,
+                                                  a: dict[int, str], own: int) -> tuple[Monitor, threading.Event]:
+    """Node b (ranks ``b``, rank ``reported`` flagged REPORTED) publishes; the monitor of node a's
+    rank ``own`` (ranks ``a``), not started, and the event its hang action sets."""
+    board_b, ranks_b = node(tmp_path, "b", b)
+    ranks_b[reported].set_flag(REPORTED)
+    RemoteBoard(lambda: store, min(b), 4, host="node-b").publish(board_b.words(), time.monotonic_ns())
+    board_a, ranks_a = node(tmp_path, "a", a)
     ended = threading.Event()
-    monitor = Monitor(POLICY, ranks_a[1], board_a, None, on_hang=ended.set,
-                      remote=RemoteBoard(lambda: store, 1, 4, host="node-a"))
+    monitor = Monitor(POLICY, ranks_a[own], board_a, None, on_hang=ended.set,
+                      remote=RemoteBoard(lambda: store, own, 4, host="node-a"))
+    return monitor, ended
+
+
+def test_a_remote_rank_that_reported_itself_ends_this_node_at_once(tmp_path, store) -> None:
+    monitor, ended = node_a_after_a_rank_of_node_b_reported_itself(
+        tmp_path, store, {2: phases.COLLECTIVE, 3: phases.STEP}, 3, {0: phases.COLLECTIVE, 1: phases.COLLECTIVE}, 1)
     time.sleep(0.6)
     assert monitor.check(time.monotonic_ns()) and ended.is_set()
 
@@ -166,13 +175,8 @@ def test_only_a_job_on_several_nodes_publishes(store) -> None:
 
 def test_a_collective_broken_by_a_remote_rank_that_reported_its_hang_ends_with_the_hang_code(tmp_path, store,
                                                                                             capsys) -> None:
-    board_b, ranks_b = node(tmp_path, "b", {2: phases.STEP, 3: phases.COLLECTIVE})
-    ranks_b[2].set_flag(REPORTED)
-    RemoteBoard(lambda: store, 2, 4, host="node-b").publish(board_b.words(), time.monotonic_ns())
-    board_a, ranks_a = node(tmp_path, "a", {0: phases.BACKWARD, 1: phases.BACKWARD})
-    ended = threading.Event()
-    monitor = Monitor(POLICY, ranks_a[0], board_a, None, on_hang=ended.set,
-                      remote=RemoteBoard(lambda: store, 0, 4, host="node-a"))
+    monitor, ended = node_a_after_a_rank_of_node_b_reported_itself(
+        tmp_path, store, {2: phases.STEP, 3: phases.COLLECTIVE}, 2, {0: phases.BACKWARD, 1: phases.BACKWARD}, 0)
     monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer"))
     assert ended.is_set()
     assert "rank 2 on node-b hung and reported it; rank 0 ends too" in capsys.readouterr().err

@@ -68,6 +68,7 @@ class Monitor:
         self._host = socket.gethostname()
         self._said = ""  # the last line this monitor said: the launcher's outcome repeats it
         self._first_seen: dict[int, int] = {}
+        self._looked_at: BaseException | None = None  # the last error end_if_a_peer_hung looked at
         self._stragglers = (None if policy.straggler_factor is None
                             else StragglerWatch(policy.straggler_factor, policy.straggler_window, policy.warmup))
         self._stop = threading.Event()
@@ -154,8 +155,9 @@ class Monitor:
         hang exit code), not with the collective's error (exit 1, which torchrun may name as the
         job's first failure, hiding the hang). Returns when no peer reported a hang (the error is
         the run's own) and for an interrupt (KeyboardInterrupt, SystemExit)."""
-        if not isinstance(error, Exception):
+        if not isinstance(error, Exception) or error is self._looked_at:
             return
+        self._looked_at = error  # the run's exception path and the watch's both ask: one store read
         own = self._tracker.rank
         local = self._board.words()
         peers = [word for word in local if word.rank != own and word.flags & REPORTED]

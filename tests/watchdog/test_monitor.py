@@ -129,3 +129,16 @@ def test_an_interrupt_is_left_to_raise_even_after_a_peer_reported_its_hang(tmp_p
     monitor, ended = two_ranks_of_a_node(tmp_path, REPORTED)
     monitor.end_if_a_peer_hung(KeyboardInterrupt())
     assert not ended.is_set()
+
+
+def test_the_same_error_is_looked_at_once(tmp_path) -> None:
+    # The run's exception path and the watch both pass the fit's error: the second look would
+    # only repeat the first (a store read that can wait 5 s when the store is gone).
+    monitor, ended = two_ranks_of_a_node(tmp_path, 0)
+    error = RuntimeError("the model's own error")
+    monitor.end_if_a_peer_hung(error)
+    trackers.PhaseTracker(engine.Watchdog(min_timeout_s=5.0), NodeBoard(str(tmp_path), 1).buffer, 1).set_flag(REPORTED)
+    monitor.end_if_a_peer_hung(error)
+    assert not ended.is_set()
+    monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer"))
+    assert ended.is_set()

@@ -51,6 +51,14 @@ def stopped(pid: int) -> bool:
     return state is not None and state.startswith("stopped")
 
 
+def _runs(word: Word) -> bool:
+    return alive(word.pid)
+
+
+def _is_stopped(word: Word) -> bool:
+    return stopped(word.pid)
+
+
 class Monitor:
     """Watches ``board`` every ``policy.poll_seconds`` on a daemon thread; on a hang, publishes
     the report (this rank's if it is the culprit, or the node's lowest waiting rank's for a rank
@@ -97,7 +105,7 @@ class Monitor:
                 report_straggler(straggler, self._host, self._storage)
         if self._remote is not None:
             self._remote.publish(local, now_ns)
-        hang = judge(local, now_ns, alive, stopped)
+        hang = judge(local, now_ns, _runs, _is_stopped)
         if hang is not None and self._remote is not None and (hang.culprit is None or
                                                                hang.culprit.phase in _MAY_WAIT_FOR_OTHERS):
             hang = self._across_nodes(local, now_ns)
@@ -113,13 +121,15 @@ class Monitor:
         assert self._remote is not None
         remote = self._remote.read(local, now_ns)
         if not remote:
-            return judge(local, now_ns, alive, stopped)  # the store does not answer: culprit unknown
-        elsewhere = {item.word.pid for item in remote}
+            return judge(local, now_ns, _runs, _is_stopped)  # the store does not answer: culprit unknown
+        # Told apart by rank: another node's pids are not this node's (and may equal them).
+        elsewhere = {item.word.rank for item in remote}
         # A node that no longer publishes (its lowest rank's monitor thread publishes every poll,
         # whatever its main thread does) is stopped whole, or cut off: its ranks count as stopped.
-        silent = {item.word.pid for item in remote if item.age_s > self._silence_s}
-        return judge([*local, *(item.word for item in remote)], now_ns, lambda pid: pid in elsewhere or alive(pid),
-                     lambda pid: pid in silent if pid in elsewhere else stopped(pid))
+        silent = {item.word.rank for item in remote if item.age_s > self._silence_s}
+        return judge([*local, *(item.word for item in remote)], now_ns,
+                     lambda word: word.rank in elsewhere or alive(word.pid),
+                     lambda word: word.rank in silent if word.rank in elsewhere else stopped(word.pid))
 
     def _act(self, hang: Hang, now_ns: int) -> bool:
         culprit, own = hang.culprit, self._tracker.rank

@@ -4,9 +4,10 @@ A rank is *stalled* when its word has not moved for longer than the timeout it p
 phase. Ranks wait for each other in collectives (the engine's, and DDP's all-reduce inside
 backward), so the stalled rank to blame is the one *furthest behind* — fewest splits completed,
 then earliest in the split's order of phases: it has not arrived where the others wait. A rank
-waiting in a collective is blamed only when every rank on the node waits in one: one that is
-stopped (SIGSTOP, or on a node that stopped publishing) was stopped inside it and is the culprit;
-else the culprit is on another node, or the ranks disagree on the collective. A rank that finished its fit, or
+waiting in a collective is blamed only when every rank on the node waits in one; else the culprit
+is on another node, or the ranks disagree on the collective. A stalled rank whose process is
+stopped (SIGSTOP, a debugger, a node that stopped publishing) is the culprit before any of
+that, wherever its word says it is: it waits for nobody. A rank that finished its fit, or
 whose process is gone (torchrun handles deaths), is never blamed; a rank that reported itself
 hung is the culprit, whether or not its process has ended yet.
 """
@@ -50,31 +51,35 @@ def position(word: Word) -> tuple[int, int]:
     return word.splits, _ORDER.get(word.phase, 0)
 
 
-def judge(local: Sequence[Word], now_ns: int, alive: Callable[[int], bool],
-          stopped: Callable[[int], bool] = lambda pid: False) -> Hang | None:
+def judge(local: Sequence[Word], now_ns: int, alive: Callable[[Word], bool],
+          stopped: Callable[[Word], bool] = lambda word: False) -> Hang | None:
     """The hang among ``local`` words at ``now_ns``, if any (see the module docstring).
-    ``alive(pid)``: whether the process still runs; ``stopped(pid)``: whether it is stopped by a
-    signal (blamed first among equals)."""
+    ``alive(word)``: whether the word's process still runs; ``stopped(word)``: whether it is
+    stopped by a signal (a stalled one is blamed before any other). Both take the word, not its
+    pid: ranks on two nodes can share a pid (a container's processes are numbered alike)."""
     reported = [word for word in local if word.flags & REPORTED]
     if reported:  # a rank of the node reported itself hung (and ended, or is ending)
         return Hang(reported[0], reported[0].stalled_s(now_ns),
                     tuple(word for word in local if word is not reported[0]))
-    watched = [word for word in local if not word.flags & FINISHED and alive(word.pid)]
+    watched = [word for word in local if not word.flags & FINISHED and alive(word)]
     stalled = [word for word in watched if word.stalled_s(now_ns) > word.timeout_s]
     if not stalled:
         return None
+    frozen = [word for word in stalled if stopped(word)]
+    if frozen:
+        # A stopped process (SIGSTOP, a debugger, its node stopped whole) waits for nobody, whatever
+        # its word says and however far it got: with a writer thread a rank can stop in its
+        # checkpoint's phase while the others already wait in the next split's backward.
+        culprit = min(frozen, key=lambda word: (position(word), word.started_ns))
+        return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))
     arrived = [word for word in watched if word.phase != phases.COLLECTIVE]
     if not arrived:
-        frozen = [word for word in stalled if stopped(word.pid)]
-        if frozen:  # stopped inside the collective (by SIGSTOP, or its node stopped whole): it waits for nobody
-            culprit = min(frozen, key=lambda word: (position(word), word.started_ns))
-            return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))
         longest = max(word.stalled_s(now_ns) for word in stalled)
         return Hang(None, longest, tuple(watched))
     culprits = [word for word in stalled if word.phase != phases.COLLECTIVE]
     if not culprits:
         return None  # the collective waits for a rank that is slow but within its own timeout
-    culprit = min(culprits, key=lambda word: (position(word), not stopped(word.pid), word.started_ns))
+    culprit = min(culprits, key=lambda word: (position(word), word.started_ns))
     behind = min(arrived, key=position)
     if position(behind) < position(culprit) and behind not in stalled:
         return None  # a rank further behind still moves: the stalled one may be waiting for it

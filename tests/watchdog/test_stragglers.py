@@ -26,7 +26,7 @@ def test_a_rank_slowed_one_and_a_half_times_is_reported_once_within_twenty_split
             reported_at.append(split)
             assert straggler.word.rank == 1 and straggler.fastest.rank == 0 and 1.49 < straggler.factor < 1.51
             assert "straggler: rank 1" in straggler.line("node7") and straggler.row("node7")["phase"] == "step"
-        assert judge(words, time.monotonic_ns(), alive=lambda pid: True) is None  # slow, never hung
+        assert judge(words, time.monotonic_ns(), alive=lambda w: True) is None  # slow, never hung
     assert reported_at == [15]  # from its 5th split (warm-up) on, a window of 10 splits
 
 
@@ -64,7 +64,7 @@ def test_a_rank_alone_slowed_one_and_a_half_times_is_reported_against_its_own_hi
             assert straggler.fastest is None and 1.4 < straggler.factor < 1.51 and 0.0099 < straggler.baseline_s < 0.0106
             assert "as it did before" in straggler.line("node7")
             assert straggler.row("node7")["against"] == "own history"
-        assert judge(words, time.monotonic_ns(), alive=lambda pid: True) is None  # slow, never hung
+        assert judge(words, time.monotonic_ns(), alive=lambda w: True) is None  # slow, never hung
     assert len(reported_at) == 1 and 101 < reported_at[0] <= 120, reported_at
 
 

@@ -16,7 +16,7 @@ def word(rank: int, phase: str, stalled_s: float, splits: int = 10, timeout_s: f
                 phases.CODE_OF[phase], flags, "")
 
 
-def everyone_alive(pid: int) -> bool:
+def everyone_alive(word: Word) -> bool:
     return True
 
 
@@ -47,8 +47,20 @@ def test_among_stalled_ranks_the_one_furthest_behind_is_blamed() -> None:
 
 def test_a_stopped_process_is_blamed_among_equals() -> None:
     first, second = word(0, phases.STEP, 7.0), word(1, phases.STEP, 6.0)
-    hang = judge([first, second], NOW, everyone_alive, stopped=lambda pid: pid == second.pid)
+    hang = judge([first, second], NOW, everyone_alive, stopped=lambda w: w == second)
     assert hang is not None and hang.culprit == second
+
+
+def test_a_stopped_process_is_blamed_even_when_its_word_is_ahead() -> None:
+    # With a writer thread, rank 0 waits in the next split's backward (DDP's all-reduce) for rank
+    # 1, stopped in its checkpoint's handover: same split count, a later phase, and the culprit.
+    waiting, frozen = word(0, phases.BACKWARD, 9.0), word(1, phases.CHECKPOINT, 8.0)
+    assert judge([waiting, frozen], NOW, everyone_alive).culprit == waiting  # type: ignore[union-attr]
+    hang = judge([waiting, frozen], NOW, everyone_alive, stopped=lambda w: w == frozen)
+    assert hang is not None and hang.culprit == frozen and hang.waiting == (waiting,)
+    # A stopped process within its timeout is not a hang yet: the one furthest behind is blamed.
+    hang = judge([waiting, word(1, phases.CHECKPOINT, 1.0)], NOW, everyone_alive, stopped=lambda w: w.rank == 1)
+    assert hang is not None and hang.culprit == waiting
 
 
 def test_every_rank_in_a_collective_blames_another_node() -> None:
@@ -60,7 +72,7 @@ def test_a_rank_stopped_inside_the_collective_the_others_wait_in_is_blamed() -> 
     # SIGSTOP landed while rank 1 was in the all-reduce: every word says "collective", but a
     # stopped process waits for nobody.
     waiting, frozen = word(0, phases.COLLECTIVE, 9.0), word(1, phases.COLLECTIVE, 8.0)
-    hang = judge([waiting, frozen], NOW, everyone_alive, stopped=lambda pid: pid == frozen.pid)
+    hang = judge([waiting, frozen], NOW, everyone_alive, stopped=lambda w: w == frozen)
     assert hang is not None and hang.culprit == frozen and hang.waiting == (waiting,)
 
 
@@ -68,10 +80,10 @@ def test_finished_and_dead_ranks_are_never_blamed() -> None:
     finished = word(1, phases.FINISHING, 50.0, flags=FINISHED)
     assert judge([finished], NOW, everyone_alive) is None
     dead = word(1, phases.STEP, 50.0)
-    assert judge([dead, word(0, phases.BOUNDARY, 1.0)], NOW, alive=lambda pid: pid != dead.pid) is None
+    assert judge([dead, word(0, phases.BOUNDARY, 1.0)], NOW, alive=lambda w: w != dead) is None
 
 
 def test_a_rank_that_reported_itself_stays_the_culprit() -> None:
     reported = word(1, phases.STEP, 9.0, flags=REPORTED)
-    hang = judge([word(0, phases.COLLECTIVE, 2.0), reported], NOW, alive=lambda pid: False)
+    hang = judge([word(0, phases.COLLECTIVE, 2.0), reported], NOW, alive=lambda w: False)
     assert hang is not None and hang.culprit == reported

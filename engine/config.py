@@ -240,7 +240,7 @@ class CheckpointConfig:
                                             or "://" in self.local_tier or "::" in self.local_tier):
             raise ConfigError(f"{owner}.local_tier: expected a local directory path such as '/dev/shm/my-run', "
                               f"got {self.local_tier!r}")
-        if isinstance(self.peer_copies, bool) or self.peer_copies not in (0, 1):
+        if type(self.peer_copies) is not int or self.peer_copies not in (0, 1):
             raise ConfigError(f"{owner}.peer_copies: expected 0 or 1 (copies of each rank's memory part on "
                               f"other nodes), got {self.peer_copies!r}")
         if not isinstance(self.writer, str):

@@ -87,7 +87,7 @@ def test_a_memory_tier_under_torchrun_is_accepted_and_peer_copies_need_one():
         distributed=True, run_dir_url="/tmp/run", run_dir_is_local=True)
     with pytest.raises(engine.ConfigError, match="peer_copies=1 copies the memory tier's parts to a peer node; set local_tier"):
         engine.CheckpointConfig(peer_copies=1)
-    for bad in (2, -1, True, "1"):
+    for bad in (2, -1, True, "1", 1.0):
         with pytest.raises(engine.ConfigError, match="peer_copies: expected 0 or 1"):
             engine.CheckpointConfig(local_tier="/dev/shm/x", durable_every_n_splits=2, peer_copies=bad)
 

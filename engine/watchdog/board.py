@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import shutil
 import tempfile
 from typing import Mapping
@@ -33,9 +34,10 @@ def launcher_board(environment: Mapping[str, str]) -> str | None:
     return root if os.path.isabs(root) and os.path.isdir(root) else None
 
 
-def shared_directory(environment: Mapping[str, str]) -> str | None:
+def shared_directory(environment: Mapping[str, str], agent: int | None = None) -> str | None:
     """The node's directory of this torchrun job's words (this restart's); None outside torchrun
-    or in a job of one process that no launcher watches."""
+    or in a job of one process that no launcher watches. ``agent``: the pid of the torchrun agent
+    that started the ranks (:func:`torchrun_agent`), part of the name outside a launcher."""
     world_size = environment.get("WORLD_SIZE", "1")
     launcher = launcher_board(environment)
     if not environment.get("RANK", "").isdigit() or not world_size.isdigit() or \
@@ -44,9 +46,43 @@ def shared_directory(environment: Mapping[str, str]) -> str | None:
     root = launcher or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     # The agent's group rank too: two agents of one job on one machine (a test's two "nodes")
     # are two nodes, each with its own words.
-    job = "-".join(environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "GROUP_RANK",
-                                                          "TORCHELASTIC_RESTART_COUNT"))
+    names = [environment.get(name, "0") for name in ("TORCHELASTIC_RUN_ID", "MASTER_PORT", "GROUP_RANK")]
+    if launcher is None and agent is not None:
+        # The launcher's directory is its own; /dev/shm outlives a job killed whole, and a job
+        # requeued under the same rendezvous id and port would read the words its killed
+        # predecessor left (a rank flagged as hung ends the new job at once): one directory per
+        # agent, i.e. per launch.
+        names.append(f"a{agent}")
+    job = "-".join([*names, environment.get("TORCHELASTIC_RESTART_COUNT", "0")])
     return os.path.join(root, PREFIX + "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job))
+
+
+def torchrun_agent() -> int:
+    """The pid of the torchrun agent that started this rank: the nearest ancestor that did not
+    start with ``LOCAL_RANK`` in its environment (a wrapper script between the agent and Python
+    did); the parent when /proc cannot tell."""
+    parent = os.getppid()
+    candidate = parent
+    for _ in range(_ANCESTORS_LOOKED_AT):
+        try:
+            with open(f"/proc/{candidate}/environ", "rb") as handle:
+                environment = b"\0" + handle.read(_ENVIRONMENT_BYTES)
+            with open(f"/proc/{candidate}/stat", "rb") as handle:
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+                above = int(handle.read().rpartition(b")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return parent
+        if b"\0LOCAL_RANK=" not in environment:
+            return candidate
+        if above <= 1:
+            return parent
+        candidate = above
+    return parent
+
+
+_ANCESTORS_LOOKED_AT = 8
+_ENVIRONMENT_BYTES = 1 << 20
+_LAUNCH = re.compile(r"(?P<job>.*)-a(?P<agent>[0-9]+)-(?P<restart>[0-9]+)", re.ASCII)
 
 
 def rank_file(directory: str, rank: int) -> str:
@@ -77,6 +113,7 @@ class NodeBoard:
     def __init__(self, directory: str, rank: int, keep: bool = False) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         remove_earlier_restarts(directory)
+        remove_dead_launches(directory)
         self.directory = directory
         self.keep = keep  # leave the word (flagged finished) for the launcher, which removes it
         self.path = rank_file(directory, rank)
@@ -136,6 +173,25 @@ def remove_earlier_restarts(directory: str) -> None:
     for sibling in siblings:
         earlier = sibling.rpartition("-")
         if earlier[0] == job and earlier[2].isdigit() and int(earlier[2]) < int(restart):
+            shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
+
+
+def remove_dead_launches(directory: str) -> None:
+    """Remove the words that earlier launches of this job on this node left (same rendezvous id,
+    port and node, another agent that is no longer alive: killed whole, its ranks could not
+    remove their own). An agent pid in use again keeps its directory (the safe side)."""
+    parent, name = os.path.split(directory)
+    own = _LAUNCH.fullmatch(name)
+    if own is None:
+        return
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        return
+    for sibling in siblings:
+        earlier = _LAUNCH.fullmatch(sibling)
+        if earlier is not None and earlier["job"] == own["job"] and earlier["agent"] != own["agent"] \
+                and not os.path.exists(f"/proc/{earlier['agent']}"):
             shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
 
 

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from engine.watchdog.settings import Watchdog
 from engine.watchdog import tracker as trackers
-from engine.watchdog.board import AloneBoard, NodeBoard, launcher_board, shared_directory
+from engine.watchdog.board import AloneBoard, NodeBoard, launcher_board, shared_directory, torchrun_agent
 from engine.watchdog.monitor import Monitor, end_process
 from engine.watchdog.remote import RemoteBoard, group_store, several_nodes
 from engine.watchdog.report import AppendOnly
@@ -35,7 +35,8 @@ def watch(policy: Watchdog | None, storage: AppendOnly | None) -> Iterator[None]
     if policy is None or trackers.current() is not None:  # a fit inside a fit (a callback's) is watched already
         yield
         return
-    directory = shared_directory(os.environ)
+    under_torchrun = os.environ.get("RANK", "").isdigit()
+    directory = shared_directory(os.environ, agent=torchrun_agent() if under_torchrun else None)
     rank = int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0
     board: AloneBoard | NodeBoard = (AloneBoard() if directory is None
                                      else NodeBoard(directory, rank, keep=launcher_board(os.environ) is not None))

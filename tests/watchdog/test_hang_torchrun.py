@@ -6,6 +6,7 @@ to an uninterrupted one (parameters, RNG, hidden state of every rank, metrics.js
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import random
 import re
@@ -130,3 +131,28 @@ def test_a_whole_stopped_node_is_named_by_the_other_node_and_the_job_restarts_ex
     assert "stopped publishing its words" in rows[0]["process_state"], rows
     assert abs(rows[0]["last_split"] - split) <= 2, (split, rows)
     helpers.assert_same_result(reference, job, 2)
+
+
+@pytest.mark.exhaustive
+def test_a_job_requeued_under_its_rendezvous_id_after_a_hang_trains_on_exactly(reference: pathlib.Path,
+                                                                                tmp_path: pathlib.Path) -> None:
+    # As a scheduler requeues a job: no restarts by torchrun, a fixed rendezvous id and port, and
+    # ranks started by the agent itself (not forked: their agent is their parent). Rank 1 hangs in
+    # its step and reports itself; both ranks share the node's words, so the row names rank 0 as
+    # waiting. The same command again resumes and ends exact, reading nothing the first launch
+    # left in /dev/shm (one directory per agent) and removing it.
+    split = random.randint(5, SPLITS - 3)
+    port = helpers.free_port()
+    job = tmp_path / "job"
+    (job / "out").mkdir(parents=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
+               "--monitor-interval=0.2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=requeued", helpers.SCRIPT, str(job / "run"), str(job / "out"), *OPTIONS]
+    first = helpers.run(command, helpers.environment(KILLS=f"0/1/step_start:{split}:hang"))
+    assert re.search(rf"exitcode\s*:\s*{HANG_EXIT_CODE}\b", first.stderr), first.stderr[-4000:]
+    rows = [json.loads(line) for line in (job / "run" / HANGS_FILE).read_text().splitlines()]
+    assert rows[0]["rank"] == 1 and rows[0]["reported_by"] == 1 and rows[0]["waiting_ranks"] == [0], rows
+    second = helpers.run(command, helpers.environment())
+    assert second.returncode == 0, second.stderr[-4000:]
+    helpers.assert_same_result(reference, job, 2)
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"splitloop-watchdog-requeued-{port}-")]

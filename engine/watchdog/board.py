@@ -112,8 +112,7 @@ class NodeBoard:
 
     def __init__(self, directory: str, rank: int, keep: bool = False) -> None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        remove_earlier_restarts(directory)
-        remove_dead_launches(directory)
+        remove_left_behind(directory)
         self.directory = directory
         self.keep = keep  # leave the word (flagged finished) for the launcher, which removes it
         self.path = rank_file(directory, rank)
@@ -158,41 +157,32 @@ class NodeBoard:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def remove_earlier_restarts(directory: str) -> None:
-    """Remove the words the earlier restarts of this job left on this node (``directory``'s
-    name ends with the restart count): torchrun ends every local worker of a try before it starts
-    the next, so the ranks that wrote them are gone, killed before they could remove their own."""
+def remove_left_behind(directory: str) -> None:
+    """Remove the words that ranks killed before they could remove their own left on this node
+    for this job (``directory``'s job): those of its earlier restarts (torchrun ends every local
+    worker of a try before it starts the next), and those of its earlier launches (same
+    rendezvous id, port and node) whose agent is no longer alive: a job killed whole. An agent
+    pid in use again keeps its directory (the safe side)."""
     parent, name = os.path.split(directory)
+    try:
+        siblings = os.listdir(parent)
+    except OSError:
+        return
+    for sibling in siblings:
+        if _earlier_restart(sibling, name) or _dead_launch(sibling, name):
+            shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
+
+
+def _earlier_restart(sibling: str, name: str) -> bool:
     job, _, restart = name.rpartition("-")
-    if not restart.isdigit():
-        return
-    try:
-        siblings = os.listdir(parent)
-    except OSError:
-        return
-    for sibling in siblings:
-        earlier = sibling.rpartition("-")
-        if earlier[0] == job and earlier[2].isdigit() and int(earlier[2]) < int(restart):
-            shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
+    earlier, _, count = sibling.rpartition("-")
+    return restart.isdigit() and earlier == job and count.isdigit() and int(count) < int(restart)
 
 
-def remove_dead_launches(directory: str) -> None:
-    """Remove the words that earlier launches of this job on this node left (same rendezvous id,
-    port and node, another agent that is no longer alive: killed whole, its ranks could not
-    remove their own). An agent pid in use again keeps its directory (the safe side)."""
-    parent, name = os.path.split(directory)
-    own = _LAUNCH.fullmatch(name)
-    if own is None:
-        return
-    try:
-        siblings = os.listdir(parent)
-    except OSError:
-        return
-    for sibling in siblings:
-        earlier = _LAUNCH.fullmatch(sibling)
-        if earlier is not None and earlier["job"] == own["job"] and earlier["agent"] != own["agent"] \
-                and not os.path.exists(f"/proc/{earlier['agent']}"):
-            shutil.rmtree(os.path.join(parent, sibling), ignore_errors=True)
+def _dead_launch(sibling: str, name: str) -> bool:
+    own, other = _LAUNCH.fullmatch(name), _LAUNCH.fullmatch(sibling)
+    return own is not None and other is not None and other["job"] == own["job"] and \
+        other["agent"] != own["agent"] and not os.path.exists(f"/proc/{other['agent']}")
 
 
 def remove_words(directory: str, path: str) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from engine import watchdog
 from engine.checkpoint.format.codec import EncodedState, encode_state
 from engine.checkpoint.store.request import CommitCallbacks, CommitRequest
 from engine.checkpoint.format.manifest import FileRecord
@@ -253,7 +254,8 @@ class GroupCommit:
     def _gather(self, report: _PartReport) -> list[_PartReport]:
         as_plain = (report.records, report.digest, report.error, report.memory_error)
         received: list[Any] | None = [None] * self.context.world_size if self.is_writer else None
-        dist.gather_object(as_plain, received, dst=0, group=self.context.writer_group)
+        with watchdog.waiting_for_peers():  # a rank that never sends its report is the one named
+            dist.gather_object(as_plain, received, dst=0, group=self.context.writer_group)
         if received is None:
             return []
         return [_PartReport(dict(records), dict(digest), error, memory_error)
@@ -261,7 +263,8 @@ class GroupCommit:
 
     def _announce(self, outcome: str | None) -> str:
         message = [outcome]
-        dist.broadcast_object_list(message, src=0, group=self.context.writer_group)
+        with watchdog.waiting_for_peers():
+            dist.broadcast_object_list(message, src=0, group=self.context.writer_group)
         return str(message[0])
 
 

@@ -55,6 +55,10 @@ class PhaseTracker:
         self._busy = 0.0
         self.started_ns = time.monotonic_ns()
         self._encoded_for, self._encoded_detail = "", b""  # the detail, encoded once per change
+        # The word is published from the fit's thread, and a flag from the monitor's or the
+        # writer's: one publication at a time, each of a consistent set of fields.
+        self._lock = threading.Lock()
+        self._peer_waits = 0  # writer threads waiting for peers now (an abandoned one may still be)
         self._publish()
 
     def mark(self, phase: str, detail: str = "", abandons: bool = False, fresh: bool = False,
@@ -69,11 +73,12 @@ class PhaseTracker:
         if (phase == self.phase and detail == self.detail and abandons == self.abandons and fresh == self.fresh
                 and (since is None or since_ns == self.started_ns)):
             return
-        self._end_phase(record=not self.fresh)  # a fresh start's wait is not a usual duration
-        if since is not None:
-            self.started_ns = since_ns
-        self.phase, self.detail, self.abandons, self.fresh = phase, detail, abandons, fresh
-        self._publish()
+        with self._lock:
+            self._end_phase(record=not self.fresh)  # a fresh start's wait is not a usual duration
+            if since is not None:
+                self.started_ns = since_ns
+            self.phase, self.detail, self.abandons, self.fresh = phase, detail, abandons, fresh
+            self._publish()
 
     def write_took(self, seconds: float) -> None:
         """A checkpoint write ended after ``seconds``: what the waits for the writer are timed by
@@ -84,9 +89,10 @@ class PhaseTracker:
         """Start the current phase over with ``detail``, not counting the time spent in it so far
         (a wait that was abandoned: its length says nothing of the phase's usual durations), with
         its first allowance (what it waits for next starts anew)."""
-        self.started_ns = time.monotonic_ns()
-        self.detail, self.abandons, self.fresh = detail, False, True
-        self._publish()
+        with self._lock:
+            self.started_ns = time.monotonic_ns()
+            self.detail, self.abandons, self.fresh = detail, False, True
+            self._publish()
 
     def timeout(self) -> float:
         """The current phase's timeout (engine.watchdog.statistics; its first allowance when fresh)."""
@@ -108,24 +114,39 @@ class PhaseTracker:
 
     def split_done(self, phase: str) -> None:
         """A split completed: count it, and enter ``phase`` (the boundary's work)."""
-        self.splits += 1
-        self._end_phase()
-        self.busy_s = self._busy if self.busy_s == 0.0 else (1 - _SMOOTHING) * self.busy_s + _SMOOTHING * self._busy
-        self._busy = 0.0
-        self.phase, self.detail, self.abandons, self.fresh = phase, "", False, False
-        self._publish()
+        with self._lock:
+            self.splits += 1
+            self._end_phase()
+            self.busy_s = self._busy if self.busy_s == 0.0 else (1 - _SMOOTHING) * self.busy_s + _SMOOTHING * self._busy
+            self._busy = 0.0
+            self.phase, self.detail, self.abandons, self.fresh = phase, "", False, False
+            self._publish()
 
     def resumed_at(self, splits: int) -> None:
         """The run resumed with ``splits`` units of step work completed: the word counts the run's
         splits, not this process's (the report's last split is the run's; ranks compare equal)."""
-        self.splits = splits
-        self._publish()
+        with self._lock:
+            self.splits = splits
+            self._publish()
 
     def set_flag(self, flag: int) -> None:
-        self.flags |= flag
-        self._publish()
+        with self._lock:
+            self.flags |= flag
+            self._publish()
+
+    def writer_waits_for_peers(self, waits: bool) -> None:
+        """A writer thread of this process starts (True) or ends (False) waiting for other ranks
+        in a collective: flagged :data:`~engine.watchdog.word.WRITER_WAITS_FOR_PEERS` while one does."""
+        with self._lock:
+            self._peer_waits += 1 if waits else -1
+            flags = self.flags | words.WRITER_WAITS_FOR_PEERS if self._peer_waits > 0 else \
+                self.flags & ~words.WRITER_WAITS_FOR_PEERS
+            if flags != self.flags:
+                self.flags = flags
+                self._publish()
 
     def _publish(self) -> None:
+        """Write the word (with :attr:`_lock` held, but at construction)."""
         self.sequence += 1
         quantiles = self.statistics.quantiles(self.phase) or (0.0, 0.0)
         timeout = self.timeout() + (self.grace_s if self.abandons else 0.0)
@@ -147,14 +168,22 @@ def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = Fal
 
 @contextlib.contextmanager
 def waiting_for_peers() -> Iterator[None]:
-    """The body waits for other ranks that all take part at once (a ring of point-to-point
-    transfers, as the memory tier's peer copies): the phase is :data:`COLLECTIVE` during it, so
-    that a rank that never answers is blamed, not the ranks that wait for it
-    (engine.watchdog.verdict), then the phase the rank was in again. Only on the thread the word
-    follows (the fit's): the same wait on a writer thread leaves the training thread's phase alone."""
+    """The body waits for other ranks that all take part at once (a checkpoint's gather and
+    announcement, a ring of point-to-point transfers as the memory tier's peer copies): on the
+    fit's thread the phase is :data:`COLLECTIVE` during it, then the phase the rank was in again;
+    on a writer thread the word is flagged ``WRITER_WAITS_FOR_PEERS`` during it (the training
+    thread's phase is left alone; while it waits for that writer it waits for the peers too). So
+    a rank that never answers is blamed, not the ranks that wait for it (engine.watchdog.verdict)."""
     tracker = _tracker
-    if tracker is None or threading.get_ident() != tracker.thread:
+    if tracker is None:
         yield
+        return
+    if threading.get_ident() != tracker.thread:
+        tracker.writer_waits_for_peers(True)
+        try:
+            yield
+        finally:
+            tracker.writer_waits_for_peers(False)
         return
     phase, detail = tracker.phase, tracker.detail
     tracker.mark(COLLECTIVE)

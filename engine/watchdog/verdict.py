@@ -4,7 +4,8 @@ A rank is *stalled* when its word has not moved for longer than the timeout it p
 phase. Ranks wait for each other in collectives (the engine's, and DDP's all-reduce inside
 backward), so the stalled rank to blame is the one *furthest behind* — fewest splits completed,
 then earliest in the split's order of phases: it has not arrived where the others wait. A rank
-waiting in a collective is blamed only when every rank on the node waits in one; else the culprit
+waiting in a collective (its own, or its checkpoint writer thread's, which it waits for) is
+blamed only when every rank on the node waits in one; else the culprit
 is on another node, or the ranks disagree on the collective. A stalled rank whose process is
 stopped (SIGSTOP, a debugger, a node that stopped publishing) is the culprit before any of
 that, wherever its word says it is: it waits for nobody. A rank that finished its fit, or
@@ -18,7 +19,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from engine.watchdog import phases
-from engine.watchdog.word import FINISHED, REPORTED, Word
+from engine.watchdog.word import FINISHED, REPORTED, WRITER_WAITS_FOR_PEERS, Word
 
 # Where in a split each phase comes: a rank earlier in this order has not reached the others.
 _ORDER: dict[str, int] = {phases.STARTING: 0, phases.DATA: 1, phases.STEP: 2, phases.BACKWARD: 3,
@@ -44,6 +45,12 @@ class Hang:
         detail = f" ({word.detail})" if word.detail else ""
         return (f"rank {word.rank} (pid {word.pid}) hung in phase {word.phase!r}{detail} for {self.stalled_s:.1f} s, "
                 f"timeout {word.timeout_s:.1f} s; last split completed: {word.splits}")
+
+
+def waits_for_others(word: Word) -> bool:
+    """Whether the rank waits in a collective: its own (an engine collective), or its writer
+    thread's, which its training thread waits for (a checkpoint's gather, a peer copy)."""
+    return word.phase == phases.COLLECTIVE or (word.phase == phases.WRITER and bool(word.flags & WRITER_WAITS_FOR_PEERS))
 
 
 def position(word: Word) -> tuple[int, int]:
@@ -72,11 +79,11 @@ def judge(local: Sequence[Word], now_ns: int, alive: Callable[[Word], bool],
         # checkpoint's phase while the others already wait in the next split's backward.
         culprit = min(frozen, key=lambda word: (position(word), word.started_ns))
         return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))
-    arrived = [word for word in watched if word.phase != phases.COLLECTIVE]
+    arrived = [word for word in watched if not waits_for_others(word)]
     if not arrived:
         longest = max(word.stalled_s(now_ns) for word in stalled)
         return Hang(None, longest, tuple(watched))
-    culprits = [word for word in stalled if word.phase != phases.COLLECTIVE]
+    culprits = [word for word in stalled if not waits_for_others(word)]
     if not culprits:
         return None  # the collective waits for a rank that is slow but within its own timeout
     culprit = min(culprits, key=lambda word: (position(word), word.started_ns))

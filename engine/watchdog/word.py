@@ -24,6 +24,9 @@ DETAIL_BYTES = 96
 
 REPORTED = 1  # the rank's own monitor reported it hung (its stacks are in the report)
 FINISHED = 2  # the rank's fit ended: its word no longer moves, and that is no hang
+# The rank's checkpoint writer thread waits for other ranks in a collective (a commit's gather or
+# announcement, the memory tier's peer copy): a rank waiting for that writer waits for others too.
+WRITER_WAITS_FOR_PEERS = 4
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import scenarios
 from engine.watchdog import phases, tracker as trackers
 from engine.watchdog.board import AloneBoard, NodeBoard
 from engine.watchdog.monitor import Monitor
-from engine.watchdog.word import REPORTED
+from engine.watchdog import word as words
+from engine.watchdog.word import REPORTED, WRITER_WAITS_FOR_PEERS
 
 
 class WordSeen(engine.Callback):
@@ -142,3 +143,37 @@ def test_the_same_error_is_looked_at_once(tmp_path) -> None:
     assert not ended.is_set()
     monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer"))
     assert ended.is_set()
+
+
+def test_a_writer_thread_waiting_for_peers_flags_the_word_and_the_fits_thread_marks_a_collective() -> None:
+    board = AloneBoard()
+    tracker = trackers.PhaseTracker(engine.Watchdog(), board.buffer, 0)
+    trackers.install(tracker)
+    try:
+        tracker.mark(phases.CHECKPOINT)
+        seen: list[tuple[str, int]] = []
+
+        def published() -> tuple[str, int]:
+            word = words.read(board.buffer)
+            assert word is not None
+            return word.phase, word.flags & WRITER_WAITS_FOR_PEERS
+
+        def writer() -> None:  # two writer threads at once (one abandoned, still inside): flagged until both left
+            with trackers.waiting_for_peers():
+                seen.append(published())
+                with trackers.waiting_for_peers():
+                    seen.append(published())
+                seen.append(published())
+            seen.append(published())
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+        flagged = ("checkpoint", WRITER_WAITS_FOR_PEERS)
+        assert seen == [flagged, flagged, flagged, ("checkpoint", 0)]
+        with trackers.waiting_for_peers():
+            assert published() == ("collective", 0)
+        assert published() == ("checkpoint", 0)
+    finally:
+        trackers.install(None)
+        board.close()

@@ -18,7 +18,7 @@ from engine.watchdog import phases, tracker as trackers
 from engine.watchdog.board import NodeBoard
 from engine.watchdog.monitor import Monitor
 from engine.watchdog.remote import KEY_PREFIX, RemoteBoard, decode, encode, several_nodes
-from engine.watchdog.word import REPORTED
+from engine.watchdog.word import REPORTED, WRITER_WAITS_FOR_PEERS
 
 POLICY = engine.Watchdog(min_timeout_s=0.5, first_timeout_s=0.5, poll_s=0.02)
 
@@ -68,10 +68,13 @@ def test_the_rank_another_node_waits_for_is_named_across_nodes(tmp_path, store, 
     assert "rank 3 (pid" in capsys.readouterr().err
 
 
-def verdict_of_rank_0_alone_on_node_a(tmp_path, store, phase: str) -> dict:
-    """The hangs.jsonl row rank 0's monitor writes, rank 0 alone on node a in ``phase``, with
-    node b's words already in the store (two ranks in all)."""
+def verdict_of_rank_0_alone_on_node_a(tmp_path, store, phase: str, writer_waits_for_peers: bool = False) -> dict:
+    """The hangs.jsonl row rank 0's monitor writes, rank 0 alone on node a in ``phase`` (its
+    writer thread waiting for peers, with ``writer_waits_for_peers``), with node b's words
+    already in the store (two ranks in all)."""
     board_a, ranks_a = node(tmp_path, "a", {0: phase})
+    if writer_waits_for_peers:
+        ranks_a[0].writer_waits_for_peers(True)
     storage, ended = Appended(), threading.Event()
     monitor = Monitor(POLICY, ranks_a[0], board_a, storage, on_hang=ended.set,
                       remote=RemoteBoard(lambda: store, 0, 2, host="node-a"))
@@ -180,3 +183,13 @@ def test_a_collective_broken_by_a_remote_rank_that_reported_its_hang_ends_with_t
     monitor.end_if_a_peer_hung(RuntimeError("Connection closed by peer"))
     assert ended.is_set()
     assert "rank 2 on node-b hung and reported it; rank 0 ends too" in capsys.readouterr().err
+
+
+def test_a_rank_whose_writer_thread_waits_for_a_stopped_peer_names_the_peer(tmp_path, store) -> None:
+    # Writer threads: rank 0's training thread waits for its writer, whose peer copy (or commit
+    # gather) waits for rank 1, stopped whole in its step on node b (silent for 5 s).
+    board_b, _ = node(tmp_path, "b", {1: phases.STEP})
+    store.set(f"{KEY_PREFIX}1", encode(board_b.words(), "node-b", time.monotonic_ns(), time.time() - 5.0))
+    row = verdict_of_rank_0_alone_on_node_a(tmp_path, store, phases.WRITER, writer_waits_for_peers=True)
+    assert (row["rank"], row["phase"], row["reported_by"]) == (1, "step", 0), row
+    assert row["waiting_ranks"] == [0] and "stopped publishing" in row["process_state"], row

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.watchdog import phases
 from engine.watchdog.verdict import judge
-from engine.watchdog.word import FINISHED, REPORTED, Word
+from engine.watchdog.word import FINISHED, REPORTED, WRITER_WAITS_FOR_PEERS, Word
 
 SECOND = 1_000_000_000
 NOW = 1000 * SECOND
@@ -61,6 +61,21 @@ def test_a_stopped_process_is_blamed_even_when_its_word_is_ahead() -> None:
     # A stopped process within its timeout is not a hang yet: the one furthest behind is blamed.
     hang = judge([waiting, word(1, phases.CHECKPOINT, 1.0)], NOW, everyone_alive, stopped=lambda w: w.rank == 1)
     assert hang is not None and hang.culprit == waiting
+
+
+def test_a_rank_whose_writer_waits_for_peers_waits_in_a_collective() -> None:
+    # Writer threads: rank 0's training thread waits for its writer, which waits in the commit's
+    # gather for rank 1's report; rank 1's own writer is stuck in a storage write (no flag).
+    gathering = word(0, phases.WRITER, 9.0, flags=WRITER_WAITS_FOR_PEERS)
+    writing = word(1, phases.WRITER, 8.0)
+    hang = judge([gathering, writing], NOW, everyone_alive)
+    assert hang is not None and hang.culprit == writing and hang.waiting == (gathering,)
+    # Alone on its node: the rank it waits for is elsewhere (judged with the other nodes' words).
+    hang = judge([gathering], NOW, everyone_alive)
+    assert hang is not None and hang.culprit is None and "another node" in hang.describe()
+    # Without the flag, a rank waiting for its writer is the one stuck (its writer hangs).
+    alone = judge([word(0, phases.WRITER, 9.0)], NOW, everyone_alive)
+    assert alone is not None and alone.culprit is not None and alone.culprit.rank == 0
 
 
 def test_every_rank_in_a_collective_blames_another_node() -> None:

@@ -254,7 +254,9 @@ class GroupCommit:
     def _gather(self, report: _PartReport) -> list[_PartReport]:
         as_plain = (report.records, report.digest, report.error, report.memory_error)
         received: list[Any] | None = [None] * self.context.world_size if self.is_writer else None
-        with watchdog.waiting_for_peers():  # a rank that never sends its report is the one named
+        # A writer thread's wait flags the word; on the fit's thread (writer="sync") the phase stays
+        # `checkpoint` (watchdog.waiting_for_peers).
+        with watchdog.waiting_for_peers(on_the_fits_thread=False):
             dist.gather_object(as_plain, received, dst=0, group=self.context.writer_group)
         if received is None:
             return []
@@ -263,7 +265,7 @@ class GroupCommit:
 
     def _announce(self, outcome: str | None) -> str:
         message = [outcome]
-        with watchdog.waiting_for_peers():
+        with watchdog.waiting_for_peers(on_the_fits_thread=False):
             dist.broadcast_object_list(message, src=0, group=self.context.writer_group)
         return str(message[0])
 

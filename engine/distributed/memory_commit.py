@@ -250,7 +250,7 @@ class MemoryFirstCommit(GroupCommit):
     def _announce(self, outcome: str | None) -> str:
         """Rank 0's outcome, and whether the round is complete in the memory tier."""
         message = [outcome, self._memory.complete]
-        with watchdog.waiting_for_peers():
+        with watchdog.waiting_for_peers(on_the_fits_thread=False):
             dist.broadcast_object_list(message, src=0, group=self.context.writer_group)
         self._memory.complete = bool(message[1])
         return str(message[0])

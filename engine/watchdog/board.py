@@ -125,9 +125,15 @@ class NodeBoard:
         self._others: dict[str, mmap.mmap] = {}
 
     def words(self) -> list[words.Word]:
-        """Every local rank's word (those written so far)."""
+        """Every local rank's word (those written so far); this rank's own alone once the
+        directory is gone (a rank that ended on a hang removed the node's words)."""
+        try:
+            names = sorted(os.listdir(self.directory))
+        except FileNotFoundError:
+            own = words.read(self.buffer)
+            return [] if own is None else [own]
         found = []
-        for name in sorted(os.listdir(self.directory)):
+        for name in names:
             buffer = self._others.get(name) or self._open(name)
             word = None if buffer is None else words.read(buffer)
             if word is not None:

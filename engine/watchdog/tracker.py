@@ -167,15 +167,18 @@ def mark(phase: str, detail: str = "", abandons: bool = False, fresh: bool = Fal
 
 
 @contextlib.contextmanager
-def waiting_for_peers() -> Iterator[None]:
+def waiting_for_peers(on_the_fits_thread: bool = True) -> Iterator[None]:
     """The body waits for other ranks that all take part at once (a checkpoint's gather and
     announcement, a ring of point-to-point transfers as the memory tier's peer copies): on the
-    fit's thread the phase is :data:`COLLECTIVE` during it, then the phase the rank was in again;
-    on a writer thread the word is flagged ``WRITER_WAITS_FOR_PEERS`` during it (the training
-    thread's phase is left alone; while it waits for that writer it waits for the peers too). So
-    a rank that never answers is blamed, not the ranks that wait for it (engine.watchdog.verdict)."""
+    fit's thread the phase is :data:`COLLECTIVE` during it, then the phase the rank was in again
+    (unless ``on_the_fits_thread`` is False: a commit's gather there stays in the checkpoint's
+    phase, so that a rank that skipped a collective of the fit and went on to its checkpoint is
+    past the rank still waiting in it, and blamed); on a writer thread the word is flagged
+    ``WRITER_WAITS_FOR_PEERS`` during it (the training thread's phase is left alone; while it
+    waits for that writer it waits for the peers too). So a rank that never answers is blamed,
+    not the ranks that wait for it (engine.watchdog.verdict)."""
     tracker = _tracker
-    if tracker is None:
+    if tracker is None or (not on_the_fits_thread and threading.get_ident() == tracker.thread):
         yield
         return
     if threading.get_ident() != tracker.thread:

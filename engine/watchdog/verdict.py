@@ -47,10 +47,17 @@ class Hang:
                 f"timeout {word.timeout_s:.1f} s; last split completed: {word.splits}")
 
 
-def waits_for_others(word: Word) -> bool:
-    """Whether the rank waits in a collective: its own (an engine collective), or its writer
-    thread's, which its training thread waits for (a checkpoint's gather, a peer copy)."""
-    return word.phase == phases.COLLECTIVE or (word.phase == phases.WRITER and bool(word.flags & WRITER_WAITS_FOR_PEERS))
+def waiting_in_collectives(words: Sequence[Word]) -> list[Word]:
+    """The ranks among ``words`` that wait in a collective: the fit's own (an engine
+    collective), or their writer thread's, which their training thread waits for (a checkpoint's
+    gather or announcement, a peer copy). A rank waiting for its writer is not counted when it
+    is past where another rank waits in the fit's collective: it skipped that collective (the
+    ranks called different ones), and the other rank waits for it."""
+    in_fit = [word for word in words if word.phase == phases.COLLECTIVE]
+    earliest = min((position(word) for word in in_fit), default=None)
+    return [word for word in words if word.phase == phases.COLLECTIVE or (
+        word.phase == phases.WRITER and bool(word.flags & WRITER_WAITS_FOR_PEERS)
+        and (earliest is None or position(word) <= earliest))]
 
 
 def position(word: Word) -> tuple[int, int]:
@@ -79,16 +86,16 @@ def judge(local: Sequence[Word], now_ns: int, alive: Callable[[Word], bool],
         # checkpoint's phase while the others already wait in the next split's backward.
         culprit = min(frozen, key=lambda word: (position(word), word.started_ns))
         return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))
-    arrived = [word for word in watched if not waits_for_others(word)]
+    waiting = waiting_in_collectives(watched)
+    arrived = [word for word in watched if word not in waiting]
     if not arrived:
         longest = max(word.stalled_s(now_ns) for word in stalled)
         return Hang(None, longest, tuple(watched))
-    culprits = [word for word in stalled if not waits_for_others(word)]
+    culprits = [word for word in stalled if word not in waiting]
     if not culprits:
         return None  # the collective waits for a rank that is slow but within its own timeout
     culprit = min(culprits, key=lambda word: (position(word), word.started_ns))
     behind = min(arrived, key=position)
     if position(behind) < position(culprit) and behind not in stalled:
         return None  # a rank further behind still moves: the stalled one may be waiting for it
-    waiting = tuple(word for word in watched if word is not culprit)
-    return Hang(culprit, culprit.stalled_s(now_ns), waiting)
+    return Hang(culprit, culprit.stalled_s(now_ns), tuple(word for word in watched if word is not culprit))

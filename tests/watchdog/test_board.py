@@ -81,3 +81,14 @@ def test_the_agent_is_found_above_a_wrapper_script() -> None:
         output = subprocess.run([sys.executable, "-c", AGENT, how, RANK], env=environment, capture_output=True,
                                 text=True, check=True).stdout.split()
         assert output[0] == output[1], (how, output)
+
+
+def test_a_board_whose_directory_another_rank_removed_still_reads_its_own_word(tmp_path) -> None:
+    # A rank that ends on a hang removes the node's words (engine.watchdog.session): the other
+    # ranks' monitors and exception paths read on without an error.
+    board = NodeBoard(str(tmp_path / "words"), 1)
+    PhaseTracker(Watchdog(), board.buffer, 1).mark(phases.STEP)
+    other = NodeBoard(str(tmp_path / "words"), 0)
+    other.remove_all()
+    assert [(word.rank, word.phase) for word in board.words()] == [(1, "step")]
+    board.close()

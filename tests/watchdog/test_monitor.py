@@ -174,6 +174,8 @@ def test_a_writer_thread_waiting_for_peers_flags_the_word_and_the_fits_thread_ma
         with trackers.waiting_for_peers():
             assert published() == ("collective", 0)
         assert published() == ("checkpoint", 0)
+        with trackers.waiting_for_peers(on_the_fits_thread=False):  # a commit's gather with writer="sync"
+            assert published() == ("checkpoint", 0)
     finally:
         trackers.install(None)
         board.close()

@@ -73,6 +73,16 @@ def test_a_rank_whose_writer_waits_for_peers_waits_in_a_collective() -> None:
     # Alone on its node: the rank it waits for is elsewhere (judged with the other nodes' words).
     hang = judge([gathering], NOW, everyone_alive)
     assert hang is not None and hang.culprit is None and "another node" in hang.describe()
+    # Past where another rank waits in the fit's collective (the boundary's agreement of the same
+    # split): it skipped that all-reduce and went on to its checkpoint, whose gather waits for a
+    # writer that never gets the checkpoint. The ranks called different collectives: it is blamed.
+    agreeing = word(0, phases.COLLECTIVE, 9.0)
+    skipped = word(1, phases.WRITER, 8.0, flags=WRITER_WAITS_FOR_PEERS)
+    hang = judge([agreeing, skipped], NOW, everyone_alive)
+    assert hang is not None and hang.culprit == skipped
+    # Behind it (the previous split's checkpoint): both wait for a rank elsewhere.
+    hang = judge([word(0, phases.COLLECTIVE, 9.0, splits=11), skipped], NOW, everyone_alive)
+    assert hang is not None and hang.culprit is None
     # Without the flag, a rank waiting for its writer is the one stuck (its writer hangs).
     alone = judge([word(0, phases.WRITER, 9.0)], NOW, everyone_alive)
     assert alone is not None and alone.culprit is not None and alone.culprit.rank == 0
